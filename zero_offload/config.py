@@ -1,0 +1,262 @@
+"""Every knob of the engine, as one typed dataclass tree, validated up front.
+
+Users pass flat keyword arguments (``initialize(model, stage=3, lr=1e-4, ...)``) or the same keys
+as a dict or JSON file (``config=...``). Each flat key belongs to one section of the tree; the
+sections keep related knobs together and keep ``Engine`` code from reaching into a bag of loose
+values. A bad key or value raises :class:`ConfigError` naming the key, the value, what is allowed
+and, for a misspelt key, the closest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "ConfigError",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "OffloadConfig",
+    "ZeroConfig",
+    "build_config",
+    "config_keys",
+]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+
+
+class ConfigError(ValueError):
+    """A configuration value a user can fix; the message names the key and the fix."""
+
+
+def _bad(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is not valid: {allowed}")
+
+
+def _number(key: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, integer: bool = False) -> float | int:
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(key, value, f"expected {kind}")
+    if integer and not float(value).is_integer():
+        raise _bad(key, value, f"expected {kind}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise _bad(key, value, f"expected {kind} {'>' if lo_open else '>='} {lo:g}")
+    if hi is not None and value > hi:
+        raise _bad(key, value, f"expected {kind} <= {hi:g}")
+    return int(value) if integer else float(value)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyperparameters (same meaning as ``torch.optim.AdamW``) and gradient clipping."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    max_grad_norm: float | None = None  # clip by the global norm over all shards; None: off
+
+    def __post_init__(self) -> None:
+        _number("lr", self.lr, lo=0.0)
+        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise _bad("betas", self.betas, "expected two numbers in [0, 1), e.g. (0.9, 0.999)")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        _number("eps", self.eps, lo=0.0, lo_open=True)
+        _number("weight_decay", self.weight_decay, lo=0.0)
+        if self.max_grad_norm is not None:
+            _number("max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute dtype of params/grads (the optimizer's master copy is always float32) and the
+    dynamic loss scaler used with float16."""
+
+    dtype: torch.dtype = torch.float32
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        dtype = self.dtype
+        if isinstance(dtype, str):
+            if dtype.removeprefix("torch.") not in _DTYPES:
+                raise _bad("dtype", dtype, "expected float32, bfloat16 or float16")
+            dtype = _DTYPES[dtype.removeprefix("torch.")]
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise _bad("dtype", dtype, "expected torch.float32, torch.bfloat16 or torch.float16")
+        object.__setattr__(self, "dtype", dtype)
+        _number("initial_loss_scale", self.initial_loss_scale, lo=0.0, lo_open=True)
+        _number("loss_scale_window", self.loss_scale_window, lo=1, integer=True)
+        _number("min_loss_scale", self.min_loss_scale, lo=0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the optimizer state and (stage 3) the parameter shards live."""
+
+    optimizer: str = "none"  # key: offload_optimizer
+    param: str = "none"  # key: offload_param
+    nvme_path: str | None = None
+    host_memory_limit: int | None = None  # bytes of pinned host buffers; None: sized from free RAM
+    sub_group_size: int = 100_000_000  # params stepped at a time when the optimizer is on NVMe
+
+    def __post_init__(self) -> None:
+        for key, value in (("offload_optimizer", self.optimizer), ("offload_param", self.param)):
+            if value is None:
+                value = "none"
+            if value not in _OFFLOAD_TARGETS:
+                raise _bad(key, value, "expected 'none', 'cpu' or 'nvme'")
+        object.__setattr__(self, "optimizer", self.optimizer or "none")
+        object.__setattr__(self, "param", self.param or "none")
+        uses_nvme = "nvme" in (self.optimizer, self.param)
+        if uses_nvme and not self.nvme_path:
+            raise ConfigError(
+                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'")
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)):
+                raise _bad("nvme_path", self.nvme_path, "expected a directory path")
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+        if self.host_memory_limit is not None:
+            _number("host_memory_limit", self.host_memory_limit, lo=1, integer=True)
+        _number("sub_group_size", self.sub_group_size, lo=1, integer=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none" or self.param != "none"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The whole configuration. Build it with :func:`build_config`."""
+
+    stage: int = 0
+    gradient_accumulation_steps: int = 1
+    reduce_bucket_size: int = 25_000_000  # elements per gradient bucket (stages 0-2)
+    prefetch_depth: int = 2  # stage 3: modules gathered ahead of the one running
+    prefetch_bytes: int | None = None  # stage 3: cap on bytes gathered ahead; None: no cap
+    param_persistence_threshold: int = 0  # stage 3: modules with fewer params stay gathered
+    process_group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    device: torch.device | None = None  # None: cuda:LOCAL_RANK when CUDA is there, else cpu
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise _bad("stage", self.stage, "expected 0, 1, 2 or 3")
+        _number("gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1, integer=True)
+        _number("reduce_bucket_size", self.reduce_bucket_size, lo=1, integer=True)
+        _number("prefetch_depth", self.prefetch_depth, lo=0, integer=True)
+        if self.prefetch_bytes is not None:
+            _number("prefetch_bytes", self.prefetch_bytes, lo=0, integer=True)
+        _number("param_persistence_threshold", self.param_persistence_threshold, lo=0, integer=True)
+        if self.device is not None:
+            try:
+                object.__setattr__(self, "device", torch.device(self.device))
+            except (RuntimeError, TypeError) as exc:
+                raise _bad("device", self.device, "expected a torch.device or a string such as "
+                           "'cuda:0' or 'cpu'") from exc
+        if self.offload.param != "none" and self.stage != 3:
+            raise ConfigError(
+                f"offload_param={self.offload.param!r} needs stage=3 (got stage={self.stage}): "
+                "only stage 3 shards the parameters; use stage=3 or offload_param='none'")
+        if self.offload.optimizer != "none" and self.stage == 0:
+            raise ConfigError(
+                f"offload_optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage=0)")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.dtype
+
+
+# Flat user-facing key -> (section attribute or None for top level, field name).
+_SECTIONS = {"optimizer": OptimizerConfig, "precision": PrecisionConfig, "offload": OffloadConfig}
+_RENAMES = {"offload_optimizer": ("offload", "optimizer"), "offload_param": ("offload", "param")}
+
+
+def _flat_keys() -> dict[str, tuple[str | None, str]]:
+    keys: dict[str, tuple[str | None, str]] = {
+        f.name: (None, f.name) for f in fields(ZeroConfig) if f.name not in _SECTIONS}
+    renamed = {target: key for key, target in _RENAMES.items()}
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            keys[renamed.get((section, f.name), f.name)] = (section, f.name)
+    return keys
+
+
+def config_keys() -> list[str]:
+    """Every keyword ``initialize`` accepts."""
+    return sorted(_flat_keys())
+
+
+def _load(config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config={str(path)!r}: no such file") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config={str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config={str(path)!r} must hold a JSON object of keyword arguments")
+    return data
+
+
+def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
+                 **kwargs: Any) -> ZeroConfig:
+    """Build and validate a :class:`ZeroConfig` from a dict / JSON path and keyword arguments
+    (keywords win over the file)."""
+    if isinstance(config, ZeroConfig):
+        if kwargs:
+            raise ConfigError("pass either a ZeroConfig or keyword arguments, not both")
+        return config
+    values = {**_load(config), **kwargs}
+    keys = _flat_keys()
+    unknown = [k for k in values if k not in keys]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, list(keys), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown keyword {key!r}{hint}; valid keywords: {', '.join(sorted(keys))}")
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for key, value in values.items():
+        section, name = keys[key]
+        (sections[section] if section else top)[name] = value
+    try:
+        built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+        return ZeroConfig(**top, **built)
+    except TypeError as exc:  # a value of a type the dataclass cannot even hold
+        raise ConfigError(str(exc)) from exc
+
+
+def describe(cfg: ZeroConfig) -> dict[str, Any]:
+    """A JSON-friendly flat view of the config, e.g. for logs and checkpoint manifests."""
+    out: dict[str, Any] = {}
+    for key, (section, name) in _flat_keys().items():
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if key == "process_group":
+            continue
+        out[key] = str(value) if isinstance(value, (torch.dtype, torch.device)) else value
+    return out
+

@@ -1,0 +1,219 @@
+"""The training engine: ZeRO stages 0–3 around an ordinary ``torch.nn.Module``.
+
+``initialize(model, **kwargs)`` validates the configuration, flattens the model's parameters
+into units (``stages.units``), and wires three parts together: the gradient reducer
+(``stages.grads``), the sharded optimizer (``stages.optimizer``) and, in stage 3, the parameter
+gatherer (``stages.gather``). The model's own parameters become views into the units' flat
+buffers, so the user's module runs unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .config import ZeroConfig, build_config
+from .ledger import MemoryReport
+from .stages.gather import ParamGatherer
+from .stages.grads import GradReducer
+from .stages.optimizer import ShardedOptimizer
+from .stages.units import FlatUnit, GatherState, build_units
+
+__all__ = ["Engine", "initialize"]
+
+log = logging.getLogger(__name__)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move tensors in (nested) inputs to the device; floating tensors take the compute dtype."""
+    if isinstance(value, torch.Tensor):
+        target = dtype if value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=target)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device, dtype) for v in value)
+    if isinstance(value, Mapping):
+        return type(value)({k: _to_device(v, device, dtype) for k, v in value.items()})
+    return value
+
+
+class Engine:
+    """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
+
+    def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
+        if config.offload.enabled:
+            raise NotImplementedError(
+                "offload_optimizer / offload_param are validated but not implemented yet; "
+                "use offload_optimizer='none' and offload_param='none' for now")
+        self.config = config
+        self.comm = Comm(config.process_group)
+        self.device = config.device or _default_device()
+        self.dtype = config.precision.dtype
+        self.stage = config.stage
+        self._module = model
+        model.to(self.device)
+        self.units = build_units(
+            model, stage=self.stage, world_size=self.comm.world_size, rank=self.comm.rank,
+            dtype=self.dtype, device=self.device, bucket_size=config.reduce_bucket_size,
+            persistence_threshold=config.param_persistence_threshold, comm=self.comm)
+        self.param_shards = self._shard_params() if self.stage == 3 else None
+        self.grads = torch.zeros(sum(u.shard_numel for u in self.units), dtype=self.dtype,
+                                 device=self.device)
+        self.gatherer = (ParamGatherer(model, self.units, self.comm,
+                                       prefetch_depth=config.prefetch_depth,
+                                       prefetch_bytes=config.prefetch_bytes)
+                         if self.stage == 3 else None)
+        self.reducer = GradReducer(
+            self.units, self.comm, self.stage, self.grads,
+            on_reduced=self.gatherer.release if self.gatherer else None)
+        self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._last_comm: dict = {}
+        log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
+                 len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
+
+    def _shard_params(self) -> torch.Tensor:
+        """Stage 3: keep only this rank's slice of each unit, then release the full buffers."""
+        shards = torch.empty(sum(u.shard_numel for u in self.units), dtype=self.dtype,
+                             device=self.device)
+        for u in self.units:
+            u.param_shard = shards[u.shard_offset:u.shard_offset + u.shard_numel]
+            lo, hi = u.layout.shard_range(self.comm.rank)
+            u.param_shard.copy_(u.full[lo:hi])
+            u.free()
+        return shards
+
+    # -- the training loop ------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
+        return self.sharded_optimizer.optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.sharded_optimizer.loss_scale
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward on this rank's micro-batch."""
+        args = _to_device(args, self.device, self.dtype)
+        kwargs = _to_device(kwargs, self.device, self.dtype)
+        ctx = self.gatherer.forward() if self.gatherer else contextlib.nullcontext()
+        with ctx:
+            return self._module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
+        scale with float16); gradients are averaged over ranks."""
+        if loss.numel() != 1:
+            raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
+        scale = self.loss_scale / self.config.gradient_accumulation_steps
+        self.reducer.begin_backward()
+        if self.gatherer:
+            self.gatherer.begin_backward()
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+            self.reducer.end_backward()
+        finally:
+            if self.gatherer:
+                self.gatherer.end_backward()
+
+    def step(self) -> bool:
+        """Count a micro-step; at the accumulation boundary reduce, clip and apply the update.
+        Returns True when an update was applied (False between boundaries or on overflow)."""
+        boundary = self.is_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return False
+        self.reducer.reduce_accumulated()
+        applied = self.sharded_optimizer.step()
+        self.reducer.zero()
+        if applied:
+            self.global_steps += 1
+        self._last_comm = self.comm.stats()
+        self.comm.reset_stats()
+        if self.gatherer:
+            self.gatherer.reset_peak()
+        return applied
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (``step`` already does this after an update)."""
+        self.reducer.zero()
+
+    # -- inspection -------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full-precision parameters (every name, tied ones too) and buffers, on the CPU,
+        gathered from all ranks' fp32 master shards. Collective: every rank must call it."""
+        master = self.sharded_optimizer.master
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
+            shard = master[u.shard_offset:u.shard_offset + u.shard_numel]
+            if u.layout.num_shards == 1:
+                full.copy_(shard)
+            else:
+                self.comm.all_gather(full, shard)
+            for p, slot in zip(u.params, u.layout.slots):
+                values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._module.named_parameters(remove_duplicate=False):
+            out[name] = values[id(p)]
+        for name, b in self._module.named_buffers():
+            out[name] = b.detach().cpu().clone()
+        return out
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
+        rep = MemoryReport()
+        for u in self.units:
+            if not u.sharded_params:
+                rep.add("device", "params", u.full_bytes)
+                if self.stage == 3:
+                    rep.persistent_param_bytes += u.full_bytes
+            elif u.state is not GatherState.FREE:
+                rep.add("device", "params", u.full_bytes)
+            for p in u.params:
+                if p.grad is not None:
+                    rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
+        if self.param_shards is not None:
+            rep.add("device", "params", self.param_shards.numel() * self.param_shards.element_size())
+        rep.add("device", "grads", self.grads.numel() * self.grads.element_size())
+        rep.add("device", "optimizer", self.sharded_optimizer.state_bytes())
+        if self.gatherer:
+            rep.peak_gathered_param_bytes = self.gatherer.peak_gathered_bytes
+        rep.comm = dict(self._last_comm)
+        return rep
+
+
+def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,
+               **kwargs: Any) -> Engine:
+    """Wrap ``model`` for ZeRO training. Keywords (or the same keys in ``config``, a dict or a
+    JSON file path) are listed by :func:`zero_offload.config.config_keys` and documented in
+    the README; a bad one raises :class:`zero_offload.ConfigError`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize needs a torch.nn.Module, got {type(model).__name__}")
+    return Engine(model, build_config(config, **kwargs))

@@ -1,0 +1,42 @@
+"""The memory ledger: what one rank holds, per tier and kind, counted from real tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .comm import CollectiveStats
+
+__all__ = ["MemoryReport", "TIERS", "KINDS"]
+
+TIERS = ("device", "host", "nvme")
+KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class MemoryReport:
+    """``bytes[tier][kind]``: bytes this rank holds. ``peak_gathered_param_bytes``: the most
+    stage-3 gathered (non-persistent) parameter bytes held at once since the last step.
+    ``persistent_param_bytes``: stage-3 units kept whole. ``comm``: what each kind of
+    collective moved in the last step (see :mod:`zero_offload.comm`)."""
+
+    bytes: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {t: {k: 0 for k in KINDS} for t in TIERS})
+    peak_gathered_param_bytes: int = 0
+    persistent_param_bytes: int = 0
+    comm: dict[str, CollectiveStats] = field(default_factory=dict)
+
+    def add(self, tier: str, kind: str, nbytes: int) -> None:
+        self.bytes[tier][kind] += int(nbytes)
+
+    def total(self, tier: str | None = None, kind: str | None = None) -> int:
+        return sum(n for t, kinds in self.bytes.items() if tier in (None, t)
+                   for k, n in kinds.items() if kind in (None, k))
+
+    def __str__(self) -> str:
+        rows = [f"{'tier':<8}" + "".join(f"{k:>14}" for k in KINDS)]
+        for t in TIERS:
+            rows.append(f"{t:<8}" + "".join(f"{self.bytes[t][k] / 2**20:>11.1f} MiB"
+                                            for k in KINDS))
+        rows.append(f"peak gathered params: {self.peak_gathered_param_bytes / 2**20:.1f} MiB")
+        for kind, s in sorted(self.comm.items()):
+            rows.append(f"{kind}: {s.calls} calls, {s.bytes / 2**20:.1f} MiB")
+        return "\n".join(rows)

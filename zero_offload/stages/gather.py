@@ -1,0 +1,176 @@
+"""Stage 3: gather a module's parameters just before it runs, free them after, prefetch ahead.
+
+Forward: a pre-hook on every module that holds parameters gathers its units; a post-hook frees
+them. The order of units used in one forward is recorded; on later steps the next
+``prefetch_depth`` uses (capped by ``prefetch_bytes``) are all-gathered asynchronously while the
+current module computes. Backward needs parameters again only where autograd saved them, so the
+saved-tensor hooks installed around the forward tag every saved tensor that lives in a gathered
+unit; unpacking one re-gathers its unit (and prefetches the units used before it in the
+forward). The gradient reducer frees a unit once all its gradients are reduced.
+
+Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
+they gather but do not free, because the recomputed saved tensors still point at the unit.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from .units import FlatUnit, GatherState
+
+__all__ = ["ParamGatherer"]
+
+log = logging.getLogger(__name__)
+
+
+class _Saved:
+    """A saved tensor that lives in a stage-3 unit: the unit must be gathered to read it."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: FlatUnit, tensor: torch.Tensor) -> None:
+        self.unit, self.tensor = unit, tensor
+
+
+class ParamGatherer:
+    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, *,
+                 prefetch_depth: int, prefetch_bytes: int | None) -> None:
+        self.comm = comm
+        self.prefetch_depth = prefetch_depth
+        self.prefetch_bytes = prefetch_bytes
+        self.units = units
+        by_param = {id(p): u for u in units for p in u.params}
+        self.module_units: dict[nn.Module, list[FlatUnit]] = {}
+        for module in model.modules():
+            owned: list[FlatUnit] = []
+            for p in module.parameters(recurse=False):
+                u = by_param[id(p)]
+                if u.sharded_params and u not in owned:
+                    owned.append(u)
+            if owned:
+                self.module_units[module] = owned
+        self._by_ptr: dict[int, FlatUnit] = {}
+        self.recorded: list[int] = []  # unit indices in the order the last forward used them
+        self._current: list[int] = []
+        self._order_matches = True
+        self.order_changes = 0
+        self.in_backward = False
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self._hooks = []
+        for module in self.module_units:
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward))
+
+    # -- gather / free bookkeeping ---------------------------------------------------------
+    def _fetch(self, unit: FlatUnit, wait: bool) -> None:
+        if unit.gather(self.comm, async_op=not wait):
+            self._by_ptr[unit.full.untyped_storage().data_ptr()] = unit
+            self.gathered_bytes += unit.full_bytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if wait:
+            unit.wait()
+
+    def release(self, unit: FlatUnit) -> None:
+        if unit.state is not GatherState.FREE and unit.sharded_params:
+            self._by_ptr.pop(unit.full.untyped_storage().data_ptr(), None)
+            unit.free()
+            self.gathered_bytes -= unit.full_bytes
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self.gathered_bytes
+
+    def _prefetch(self, candidates: list[int]) -> None:
+        """All-gather ahead the first ``prefetch_depth`` of ``candidates`` within the byte cap."""
+        budget = self.prefetch_bytes
+        taken = 0
+        for index in candidates:
+            if taken >= self.prefetch_depth:
+                break
+            unit = self.units[index]
+            taken += 1
+            if unit.state is not GatherState.FREE or (self.in_backward and unit.grads_reduced):
+                continue
+            if budget is not None:
+                if unit.full_bytes > budget:
+                    break
+                budget -= unit.full_bytes
+            self._fetch(unit, wait=False)
+
+    # -- forward hooks ---------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        units = self.module_units[module]
+        if not self.in_backward:
+            start = len(self._current)
+            indices = [u.index for u in units]
+            self._current.extend(indices)
+            expected = self.recorded[start:start + len(indices)]
+            if self._order_matches and self.recorded and expected != indices:
+                self._order_matches = False
+                self.order_changes += 1
+                log.warning("stage 3: the modules ran in a different order than in the last "
+                            "forward; prefetching is off for this step and the new order is "
+                            "recorded (data-dependent control flow costs speed, not results)")
+            if self._order_matches and self.recorded:
+                end = start + len(indices)
+                self._prefetch(self.recorded[end:])
+        for unit in units:
+            self._fetch(unit, wait=True)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.in_backward:
+            for unit in self.module_units[module]:
+                self.release(unit)
+
+    # -- saved tensors (backward) -------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._by_ptr:
+            unit = self._by_ptr.get(tensor.untyped_storage().data_ptr())
+            if unit is not None:
+                return _Saved(unit, tensor)
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return packed
+        unit = packed.unit
+        if unit.state is not GatherState.GATHERED:
+            self._fetch(unit, wait=True)
+            if self.in_backward and self._order_matches and self.recorded:
+                last = max(i for i, u in enumerate(self.recorded) if u == unit.index)
+                self._prefetch(self.recorded[:last][::-1])
+        return packed.tensor
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """The context one forward pass runs in."""
+        self._current = []
+        self._order_matches = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            if not self._order_matches or not self.recorded:
+                self.recorded = list(self._current)
+            self.release_all()  # prefetched units the forward did not use after all
+
+    def begin_backward(self) -> None:
+        self.in_backward = True
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        self.release_all()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

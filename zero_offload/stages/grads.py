@@ -1,0 +1,113 @@
+"""Gradient reduction: all-reduce (stage 0), reduce-scatter at the step (stage 1), or
+reduce-scatter unit by unit during backward as each unit's gradients are ready (stages 2–3).
+
+Every rank ends with the average over ranks of the gradients of the slice it owns, in the
+rank's flat gradient buffer (``grads``, compute dtype), accumulated across micro-steps.
+Stages 2–3 keep no full gradient past its unit's reduction; a few reductions stay in flight
+(``max_inflight``) so that communication overlaps the rest of the backward.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+from ..comm import Comm, Handle
+from .units import FlatUnit
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, grads: torch.Tensor, *,
+                 on_reduced: Callable[[FlatUnit], None] | None = None,
+                 max_inflight: int = 2) -> None:
+        self.units = units
+        self.comm = comm
+        self.stage = stage
+        self.grads = grads
+        self.on_reduced = on_reduced
+        self.max_inflight = max_inflight
+        self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
+        self._hooks = []
+        if stage >= 2:
+            for unit in units:
+                for p in unit.trainable:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda _p, unit=unit: self._on_grad(unit)))
+
+    def shard_of(self, unit: FlatUnit) -> torch.Tensor:
+        return self.grads[unit.shard_offset:unit.shard_offset + unit.shard_numel]
+
+    def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
+        """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
+        flat = torch.empty(unit.layout.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
+        unit.layout.flatten_into(flat, [p.grad for p in unit.params])
+        for p in unit.params:
+            p.grad = None
+        if self.comm.world_size > 1:
+            flat.div_(self.comm.world_size)
+        return flat
+
+    # -- stages 2-3 ------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for unit in self.units:
+            unit.pending_grads = len(unit.trainable)
+            unit.grads_reduced = False
+
+    def _on_grad(self, unit: FlatUnit) -> None:
+        unit.pending_grads -= 1
+        if unit.pending_grads == 0 and not unit.grads_reduced:
+            self._reduce_unit(unit)
+
+    def _reduce_unit(self, unit: FlatUnit) -> None:
+        flat = self._flat_grads(unit)
+        out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+        handle = self.comm.reduce_scatter(out, flat, async_op=True)
+        unit.grads_reduced = True
+        self._inflight.append((unit, flat, out, handle))
+        self._drain(self.max_inflight)
+        if self.on_reduced is not None:
+            self.on_reduced(unit)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._inflight) > keep:
+            unit, _flat, out, handle = self._inflight.popleft()
+            handle.wait()
+            self.shard_of(unit).add_(out)
+
+    def end_backward(self) -> None:
+        """Reduce what no hook reduced (unused parameters count as zero gradients), in unit
+        order so that every rank issues the same collectives, and wait for all of it."""
+        if self.stage >= 2:
+            for unit in self.units:
+                if not unit.grads_reduced:
+                    self._reduce_unit(unit)
+            self._drain(0)
+
+    # -- stages 0-1 ------------------------------------------------------------------------
+    def reduce_accumulated(self) -> None:
+        """At the step: reduce the gradients autograd accumulated in ``param.grad``."""
+        if self.stage >= 2:
+            return
+        for unit in self.units:
+            flat = self._flat_grads(unit)
+            if self.stage == 0:
+                self.comm.all_reduce(flat)
+                self.shard_of(unit).add_(flat)
+            else:
+                out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+                self.comm.reduce_scatter(out, flat)
+                self.shard_of(unit).add_(out)
+
+    def zero(self) -> None:
+        self.grads.zero_()
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
