@@ -1,0 +1,221 @@
+"""FileIOEngine: round trips, many in flight, and every failure mode ending in SwapIOError."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_offload.swap.buffers import BufferPool, HostBuffer
+from zero_offload.swap.errors import SwapIOError
+from zero_offload.swap.io import FileIOEngine, OsBackend
+
+BLOCK = 16 * 1024
+T = 10  # seconds: no test may hang
+
+
+class FaultBackend(OsBackend):
+    """OsBackend that fails the chosen call: raise ``errno`` or transfer ``short`` bytes."""
+
+    def __init__(self, op: str, *, errno_: int | None = None, short: int | None = None,
+                 times: int = 10**9, after: int = 0, refuse_direct: bool = False) -> None:
+        self.op, self.errno_, self.short, self.times, self.after = op, errno_, short, times, after
+        self.refuse_direct = refuse_direct
+        self.calls = 0
+
+    def open(self, path: str, flags: int) -> int:
+        if self.refuse_direct and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return super().open(path, flags)
+
+    def _maybe_fail(self, op: str, fd: int, buffers: list[memoryview], offset: int, real) -> int:
+        if op == self.op:
+            self.calls += 1
+            if self.after < self.calls <= self.after + self.times:
+                if self.errno_ is not None:
+                    raise OSError(self.errno_, os.strerror(self.errno_))
+                if self.short is not None:
+                    return real(fd, [buffers[0][: self.short]], offset) if self.short else 0
+        return real(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return self._maybe_fail("read", fd, buffers, offset, os.preadv)
+
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return self._maybe_fail("write", fd, buffers, offset, os.pwritev)
+
+
+def _filled(nbytes: int, seed: int) -> HostBuffer:
+    buf = HostBuffer(nbytes)
+    g = torch.Generator().manual_seed(seed)
+    buf.tensor.copy_(torch.randint(0, 256, (buf.nbytes,), dtype=torch.uint8, generator=g))
+    return buf
+
+
+def _write_plain(path: Path, buf: HostBuffer) -> None:
+    with FileIOEngine(BLOCK, 2) as eng:
+        eng.write(path, buf.tensor).result(T)
+
+
+@pytest.fixture
+def engine():
+    with FileIOEngine(block_size=BLOCK, queue_depth=4) as e:
+        yield e
+
+
+def test_round_trip_size_not_multiple_of_block(engine: FileIOEngine, tmp_path: Path) -> None:
+    nbytes = 5 * BLOCK + 3 * 4096
+    src, dst = _filled(nbytes, 1), HostBuffer(nbytes)
+    engine.write(tmp_path / "a.swp", src.tensor).result(T)
+    assert (tmp_path / "a.swp").stat().st_size == nbytes
+    engine.read(tmp_path / "a.swp", dst.tensor).result(T)
+    assert torch.equal(src.tensor, dst.tensor)
+
+
+def test_many_in_flight_offsets_and_files(engine: FileIOEngine, tmp_path: Path) -> None:
+    chunk = 3 * BLOCK + 4096
+    src = _filled(chunk * 16, 2)
+    futs = [engine.write(tmp_path / "big.swp", src.tensor[i * chunk:(i + 1) * chunk], i * chunk) for i in range(16)]
+    futs += [engine.write(tmp_path / f"f{i}.swp", src.tensor[i * chunk:(i + 1) * chunk]) for i in range(16)]
+    for f in futs:
+        f.result(T)
+    back = HostBuffer(chunk * 16)
+    futs = [engine.read(tmp_path / "big.swp", back.tensor[i * chunk:(i + 1) * chunk], i * chunk) for i in range(16)]
+    for f in futs:
+        f.result(T)
+    assert torch.equal(src.tensor, back.tensor)
+    one = HostBuffer(chunk)
+    engine.read(tmp_path / "f7.swp", one.tensor).result(T)
+    assert torch.equal(one.tensor, src.tensor[7 * chunk:8 * chunk])
+
+
+def test_reads_into_pool_buffers_and_memoryview(engine: FileIOEngine, tmp_path: Path) -> None:
+    src = _filled(4 * BLOCK, 3)
+    engine.write(tmp_path / "p.swp", memoryview(src.tensor.numpy())).result(T)
+    with BufferPool(4 * BLOCK, 3, host_memory_limit=1 << 30) as pool:
+        bufs = [pool.acquire(timeout=T) for _ in range(3)]
+        futs = [engine.read(tmp_path / "p.swp", b.tensor) for b in bufs]
+        for f, b in zip(futs, bufs):
+            f.result(T)
+            assert torch.equal(b.tensor, src.tensor)
+        mv_target = memoryview(bufs[0].tensor.numpy())
+        bufs[0].tensor.zero_()
+        engine.read(tmp_path / "p.swp", mv_target).result(T)
+        assert torch.equal(bufs[0].tensor, src.tensor)
+        for b in bufs:
+            pool.release(b)
+
+
+def test_typed_tensor_and_async_wrappers(engine: FileIOEngine, tmp_path: Path) -> None:
+    buf = HostBuffer(8192)
+    x = buf.view(torch.float32, (2048,))
+    x.copy_(torch.arange(2048, dtype=torch.float32))
+    out = HostBuffer(8192).view(torch.float32, (2048,))
+
+    async def go() -> None:
+        await engine.write_async(tmp_path / "t.swp", x)
+        await engine.read_async(tmp_path / "t.swp", out)
+
+    asyncio.run(go())
+    assert torch.equal(out, x)
+
+
+def test_alignment_is_enforced(engine: FileIOEngine, tmp_path: Path) -> None:
+    buf = HostBuffer(8192)
+    with pytest.raises(ValueError, match="aligned"):
+        engine.write(tmp_path / "x", buf.tensor[:100])
+    with pytest.raises(ValueError, match="aligned"):
+        engine.write(tmp_path / "x", buf.tensor[4096:4096 + 512])
+    with pytest.raises(ValueError, match="aligned"):
+        engine.write(tmp_path / "x", buf.tensor, offset=512)
+    with pytest.raises(ValueError, match="writable"):
+        engine.read(tmp_path / "x", memoryview(bytes(4096)))
+
+
+@pytest.mark.parametrize("op,code", [("write", errno.ENOSPC), ("read", errno.EIO)])
+def test_injected_errno_becomes_swap_io_error(tmp_path: Path, op: str, code: int) -> None:
+    src = _filled(4 * BLOCK, 4)
+    path = tmp_path / "e.swp"
+    _write_plain(path, src)
+    with FileIOEngine(BLOCK, 2, backend=FaultBackend(op, errno_=code, after=1, times=1)) as eng:
+        fut = eng.write(path, src.tensor) if op == "write" else eng.read(path, HostBuffer(4 * BLOCK).tensor)
+        with pytest.raises(SwapIOError) as info:
+            fut.result(T)
+    err = info.value
+    assert err.errno == code and err.path == str(path) and err.offset is not None
+    assert str(path) in str(err) and errno.errorcode[code] in str(err) and "offset" in str(err)
+    assert isinstance(err, OSError)
+
+
+def test_short_read_retried_once_then_error(tmp_path: Path) -> None:
+    src = _filled(4 * BLOCK, 5)
+    path = tmp_path / "s.swp"
+    _write_plain(path, src)
+    dst = HostBuffer(4 * BLOCK)
+    with FileIOEngine(BLOCK, 2, backend=FaultBackend("read", short=4096, times=1)) as eng:
+        eng.read(path, dst.tensor).result(T)  # one short transfer: remainder retried
+    assert torch.equal(dst.tensor, src.tensor)
+    with FileIOEngine(BLOCK, 2, backend=FaultBackend("read", short=4096)) as eng:
+        with pytest.raises(SwapIOError, match="short read"):
+            eng.read(path, dst.tensor).result(T)
+    with FileIOEngine(BLOCK, 2, backend=FaultBackend("write", short=0)) as eng:
+        with pytest.raises(SwapIOError, match="short write"):
+            eng.write(path, src.tensor).result(T)
+
+
+def test_file_too_short_and_missing(engine: FileIOEngine, tmp_path: Path) -> None:
+    src = _filled(BLOCK, 6)
+    engine.write(tmp_path / "short.swp", src.tensor).result(T)
+    with pytest.raises(SwapIOError, match="file ends early"):
+        engine.read(tmp_path / "short.swp", HostBuffer(3 * BLOCK).tensor).result(T)
+    with pytest.raises(SwapIOError) as info:
+        engine.read(tmp_path / "missing.swp", HostBuffer(BLOCK).tensor).result(T)
+    assert info.value.errno == errno.ENOENT and "missing.swp" in str(info.value)
+
+
+def test_o_direct_refused_falls_back_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src, dst = _filled(2 * BLOCK, 7), HostBuffer(2 * BLOCK)
+    with caplog.at_level(logging.WARNING, logger="zero_offload.swap.io"):
+        with FileIOEngine(BLOCK, 2, backend=FaultBackend("none", refuse_direct=True)) as eng:
+            eng.write(tmp_path / "b.swp", src.tensor).result(T)
+            eng.read(tmp_path / "b.swp", dst.tensor).result(T)
+            eng.write(tmp_path / "c.swp", src.tensor).result(T)
+    assert torch.equal(src.tensor, dst.tensor)
+    warnings = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_close_finishes_in_flight_then_refuses(tmp_path: Path) -> None:
+    src = _filled(8 * BLOCK, 8)
+    eng = FileIOEngine(BLOCK, 2)
+    futs = [eng.write(tmp_path / f"{i}.swp", src.tensor) for i in range(8)]
+    eng.close()
+    assert all(f.done() and f.exception() is None for f in futs)
+    with pytest.raises(RuntimeError):
+        eng.write(tmp_path / "late.swp", src.tensor)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_full_disk_is_enospc(tiny_tmpfs: Path, engine: FileIOEngine) -> None:
+    src = _filled(2 * 1024 * 1024, 9)
+    with pytest.raises(SwapIOError) as info:
+        engine.write(tiny_tmpfs / "full.swp", src.tensor).result(T)
+    assert info.value.errno == errno.ENOSPC and "ENOSPC" in str(info.value)
