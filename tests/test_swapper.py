@@ -1,0 +1,214 @@
+"""Swapper: tiers, round trips, run directories, cleanup, and clear errors."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_swap_io import FaultBackend, tiny_tmpfs  # noqa: F401 - fixture re-used
+from zero_offload.swap.buffers import BufferPool, HostBuffer
+from zero_offload.swap.errors import SwapIOError, SwapSpaceError
+from zero_offload.swap.io import FileIOEngine
+from zero_offload.swap.swapper import Swapper, Tier
+
+T = 10
+BUF = 64 * 1024
+
+
+def _swapper(path: Path, **kw) -> Swapper:
+    kw.setdefault("buffer_count", 3)
+    kw.setdefault("host_memory_limit", 1 << 30)
+    kw.setdefault("acquire_timeout", 5.0)
+    kw.setdefault("engine", None)
+    return Swapper(path, BUF, **kw)
+
+
+def test_round_trip_unaligned_shapes_and_dtypes(tmp_path: Path) -> None:
+    tensors = {
+        "fp32": torch.randn(1001),
+        "bf16": torch.randn(7, 333).to(torch.bfloat16),
+        "i64": torch.arange(12345, dtype=torch.int64)[::3].clone(),
+        "noncontig": torch.randn(40, 30).t(),
+    }
+    with _swapper(tmp_path) as sw:
+        futs = [sw.swap_out(k, t) for k, t in tensors.items()]
+        for f in futs:
+            f.result(T)
+        for k, t in tensors.items():
+            out = torch.empty(t.shape, dtype=t.dtype)
+            assert sw.swap_in(k, out).result(T) is out
+            assert torch.equal(out, t), k
+            assert sw.where(k) is Tier.NVME
+        assert sw.pool.available == sw.pool.count  # every staging buffer went back
+
+
+def test_direct_path_and_prefetch_compute_write_back(tmp_path: Path) -> None:
+    src = HostBuffer(BUF).view(torch.float32, (BUF // 4,))  # aligned: written without staging
+    src.copy_(torch.arange(BUF // 4, dtype=torch.float32))
+    with _swapper(tmp_path) as sw:
+        sw.swap_out("m", src).result(T)
+        assert sw.nbytes_by_tier() == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: BUF}
+        view = sw.prefetch("m").result(T)
+        assert sw.where("m") is Tier.HOST and sw.pool.available == sw.pool.count - 1
+        assert sw.prefetch("m").result(T).data_ptr() == view.data_ptr()  # no second read
+        assert torch.equal(view, src)
+        view.mul_(2)
+        sw.swap_out("m", view).result(T)  # straight from the pool buffer
+        assert sw.nbytes_by_tier()[Tier.HOST] == BUF
+        sw.release("m")
+        assert sw.where("m") is Tier.NVME and sw.pool.available == sw.pool.count
+        out = HostBuffer(BUF).view(torch.float32, (BUF // 4,))
+        sw.swap_in("m", out).result(T)
+        assert torch.equal(out, src * 2)
+
+
+def test_many_keys_in_flight_with_few_buffers(tmp_path: Path) -> None:
+    data = [torch.randn(5000) for _ in range(12)]
+    with _swapper(tmp_path, buffer_count=2) as sw:
+        futs = [sw.swap_out(f"k{i}", t) for i, t in enumerate(data)]  # back-pressure on 2 buffers
+        for f in futs:
+            f.result(T)
+        outs = [torch.empty(5000) for _ in data]
+        futs = [sw.swap_in(f"k{i}", o) for i, o in enumerate(outs)]
+        for f in futs:
+            f.result(T)
+        assert all(torch.equal(a, b) for a, b in zip(data, outs))
+
+
+def test_run_dirs_are_unique_and_removed(tmp_path: Path) -> None:
+    a, b = _swapper(tmp_path), _swapper(tmp_path, rank=1)
+    assert a.run_id != b.run_id
+    assert a.rank_dir == tmp_path / a.run_id / "rank0" and b.rank_dir.name == "rank1"
+    a.swap_out("x", torch.ones(10)).result(T)
+    assert len(list(a.rank_dir.glob("*.swp"))) == 1
+    a.close()
+    assert not (tmp_path / a.run_id).exists()
+    with pytest.raises(RuntimeError):
+        a.swap_out("x", torch.ones(10))
+    rank_dir = b.rank_dir
+    del b
+    gc.collect()
+    assert not rank_dir.exists()  # finalizer ran on garbage collection
+
+
+def test_files_removed_at_normal_exit(tmp_path: Path) -> None:
+    code = ("import sys, torch; from zero_offload.swap.swapper import Swapper; "
+            f"s = Swapper({str(tmp_path)!r}, 65536, host_memory_limit=1<<30); "
+            "s.swap_out('k', torch.ones(100)).result(); print(s.rank_dir); sys.stdout.flush()")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert not Path(res.stdout.strip()).exists() and list(tmp_path.iterdir()) == []
+
+
+def test_reusing_a_run_dir_is_refused(tmp_path: Path) -> None:
+    with _swapper(tmp_path, run_id="fixed") as sw:
+        with pytest.raises(SwapIOError, match="never reuses"):
+            _swapper(tmp_path, run_id="fixed")
+        assert sw.rank_dir.exists()
+
+
+def test_never_written_and_missing_file(tmp_path: Path) -> None:
+    with _swapper(tmp_path) as sw:
+        with pytest.raises(SwapIOError, match="never written"):
+            sw.swap_in("nope", torch.empty(4))
+        with pytest.raises(SwapIOError, match="never written"):
+            sw.prefetch("nope")
+        sw.swap_out("k", torch.ones(100)).result(T)
+        next(sw.rank_dir.glob("*.swp")).unlink()  # deleted behind our back
+        with pytest.raises(SwapIOError) as info:
+            sw.swap_in("k", torch.empty(100)).result(T)
+        assert info.value.errno == errno.ENOENT
+        assert sw.pool.available == sw.pool.count
+        with pytest.raises(ValueError, match="stored is"):
+            sw.swap_in("k", torch.empty(99))
+
+
+def test_failed_write_leaves_no_valid_copy(tmp_path: Path) -> None:
+    eng = FileIOEngine(16384, 2, backend=FaultBackend("write", errno_=errno.ENOSPC, after=2, times=1))
+    with _swapper(tmp_path, engine=eng) as sw:  # call 1 is the probe, call 2 the first write
+        sw.swap_out("k", torch.ones(100)).result(T)
+        with pytest.raises(SwapIOError) as info:
+            sw.swap_out("k", torch.full((100,), 2.0)).result(T)
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(SwapIOError, match="last swap_out failed"):
+            sw.swap_in("k", torch.empty(100))
+        assert sw.where("k") is None
+        sw.swap_out("k", torch.full((100,), 3.0)).result(T)  # retry succeeds
+        out = torch.empty(100)
+        sw.swap_in("k", out).result(T)
+        assert torch.equal(out, torch.full((100,), 3.0))
+    eng.close()
+
+
+def test_failed_prefetch_returns_buffer(tmp_path: Path) -> None:
+    eng = FileIOEngine(16384, 2, backend=FaultBackend("read", errno_=errno.EIO, times=1))
+    with _swapper(tmp_path, engine=eng) as sw:
+        sw.swap_out("k", torch.ones(100)).result(T)
+        with pytest.raises(SwapIOError, match="EIO"):
+            sw.prefetch("k").result(T)
+        assert sw.where("k") is Tier.NVME and sw.pool.available == sw.pool.count
+        assert torch.equal(sw.prefetch("k").result(T), torch.ones(100))
+    eng.close()
+
+
+def test_unwritable_nvme_path(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SwapIOError, match="nvme_path"):
+        _swapper(afile)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(ro)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {res.stderr.strip()}")
+    try:
+        with pytest.raises(SwapIOError, match="nvme_path") as info:
+            _swapper(ro)
+        assert info.value.errno == errno.EROFS
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_free_space_checked_up_front(tmp_path: Path) -> None:
+    with pytest.raises(SwapSpaceError) as info:
+        _swapper(tmp_path, expected_bytes=1 << 60)
+    msg = str(info.value)
+    assert str(tmp_path) in msg and str(1 << 60) in msg and "available" in msg
+    assert list(tmp_path.iterdir()) == [] or all(not any(p.iterdir()) for p in tmp_path.iterdir())
+
+
+def test_full_small_filesystem(tiny_tmpfs: Path) -> None:  # noqa: F811
+    with pytest.raises(SwapSpaceError):
+        _swapper(tiny_tmpfs, expected_bytes=2 << 20)
+    pool = BufferPool(4 << 20, 2, host_memory_limit=1 << 30)
+    with Swapper(tiny_tmpfs, 4 << 20, pool=pool, acquire_timeout=5) as sw:
+        with pytest.raises(SwapSpaceError):
+            sw.swap_out("big", torch.ones(1 << 20))  # 4 MiB cannot fit in 1 MiB: refused up front
+        sw.swap_out("a", torch.ones(200_000)).result(T)  # 800 kB fits
+        with pytest.raises(SwapIOError) as info:
+            sw.swap_out("b", torch.ones(100_000)).result(T)  # 400 kB more does not
+        assert info.value.errno == errno.ENOSPC
+        out = torch.empty(200_000)
+        sw.swap_in("a", out).result(T)
+        assert torch.equal(out, torch.ones(200_000))
+    pool.close()
+
+
+def test_pool_exhaustion_times_out_and_shard_too_big(tmp_path: Path) -> None:
+    with _swapper(tmp_path, buffer_count=1, acquire_timeout=0.2) as sw:
+        sw.swap_out("a", torch.ones(10)).result(T)
+        sw.swap_out("b", torch.ones(10)).result(T)
+        sw.prefetch("a").result(T)
+        with pytest.raises(TimeoutError):
+            sw.prefetch("b")
+        sw.release("a")
+        sw.prefetch("b").result(T)
+        with pytest.raises(ValueError, match="buffer_bytes"):
+            sw.swap_out("huge", torch.ones(BUF + 1))  # size not a multiple of 4096: needs staging

@@ -1,0 +1,408 @@
+"""Where each named tensor shard lives (device / host / NVMe), and moving it between them.
+
+Typical optimizer-step pipeline (one key per sub-group state tensor)::
+
+    sw = Swapper("/mnt/nvme", buffer_bytes=shard_bytes, buffer_count=6)
+    sw.swap_out("m.0", m0).result()            # first time: store it
+    f = sw.prefetch("m.0")                      # read ahead into a pool buffer
+    m = f.result()                              # typed view of that buffer (tier HOST)
+    m.mul_(beta1) ...                           # compute in place
+    w = sw.swap_out("m.0", m)                   # write back straight from the buffer
+    ...; w.result(); sw.release("m.0")          # buffer back to the pool
+    sw.close()                                  # files removed (also at normal exit)
+
+Rules: one thread drives a Swapper (I/O completes on the engine's threads). Operations on
+the same key are ordered: a new one first waits for the previous one on that key. A tensor
+handed to ``swap_out`` must not change until its future is done. A failed write leaves the
+key without a valid disk copy (``swap_in`` raises) instead of serving partial data; the
+caller still holds the data and may retry. Files live in ``nvme_path/<run id>/rank<r>/``,
+fresh per run, so a run never reads another run's files.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+import weakref
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
+from .errors import SwapIOError, SwapSpaceError
+from .io import FileIOEngine
+
+__all__ = ["Tier", "Swapper"]
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(enum.Enum):
+    """Storage tiers, fastest first."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+@dataclass
+class _Entry:
+    """Bookkeeping of one key; changed by the driving thread and by I/O completions."""
+
+    file: Path
+    nbytes: int = 0
+    dtype: torch.dtype = torch.uint8
+    shape: tuple[int, ...] = ()
+    on_disk: bool = False  # the file holds the latest swap_out completely
+    failed: BaseException | None = None  # why the latest swap_out failed
+    host: HostBuffer | None = None  # pool buffer holding a valid copy (once `pending` is done)
+    on_device: bool = False  # last swap_in went into a device tensor
+    pending: Future | None = None  # latest operation on this key
+
+    @property
+    def padded(self) -> int:
+        return round_up(self.nbytes, ALIGNMENT)
+
+
+def _direct_ok(t: torch.Tensor) -> bool:
+    """Can the engine use this tensor's memory as is (CPU, contiguous, aligned, padded size)?"""
+    return (t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0
+            and (t.numel() * t.element_size()) % ALIGNMENT == 0)
+
+
+def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, run_dir: Path) -> None:
+    """Finalizer: stop owned I/O, free owned buffers, remove this rank's files."""
+    if engine is not None:
+        engine.close()
+    if pool is not None:
+        pool.close()
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    try:
+        run_dir.rmdir()  # other ranks may still use it
+    except OSError:
+        pass
+
+
+def _new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class Swapper:
+    """Swap named tensor shards between device/host memory and files on NVMe.
+
+    ``buffer_bytes``: size of each pool buffer (>= the largest shard that is not itself an
+    aligned CPU tensor). ``buffer_count``: buffers wanted (prefetch depth + in-flight writes);
+    the pool may get fewer under ``host_memory_limit`` but at least ``min_buffers``.
+    ``expected_bytes``: bytes the run will store, checked against free space now.
+    ``acquire_timeout``: seconds to wait for a free buffer before ``TimeoutError`` (no hang).
+    Pass ``engine``/``pool`` to share them; owned ones are closed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike[str],
+        buffer_bytes: int,
+        *,
+        buffer_count: int = 4,
+        min_buffers: int = 1,
+        host_memory_limit: int | None = None,
+        expected_bytes: int = 0,
+        rank: int = 0,
+        run_id: str | None = None,
+        engine: FileIOEngine | None = None,
+        pool: BufferPool | None = None,
+        acquire_timeout: float | None = 300.0,
+    ) -> None:
+        self.nvme_path = Path(nvme_path)
+        self.run_id = run_id or _new_run_id()
+        self.rank_dir = self.nvme_path / self.run_id / f"rank{rank}"
+        try:
+            self.rank_dir.mkdir(parents=True, exist_ok=False)
+        except FileExistsError as exc:
+            raise SwapIOError(self.rank_dir, "swap directory already exists; a run never reuses another run's files (use a new run_id)") from exc
+        except OSError as exc:
+            raise SwapIOError.from_oserror(exc, self.nvme_path, None, None, "nvme_path: cannot create swap directory") from exc
+        owned_engine = engine is None
+        owned_pool = pool is None
+        try:
+            self._check_space(expected_bytes)
+            self.engine = engine if engine is not None else FileIOEngine()
+            self.pool = pool if pool is not None else BufferPool(
+                buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit)
+            self._finalizer = weakref.finalize(
+                self, _cleanup, self.engine if owned_engine else None, self.pool if owned_pool else None,
+                self.rank_dir, self.rank_dir.parent)
+            self._probe_writable()
+        except BaseException:
+            if owned_engine and hasattr(self, "engine"):
+                self.engine.close()
+            if owned_pool and hasattr(self, "pool"):
+                self.pool.close()
+            shutil.rmtree(self.rank_dir, ignore_errors=True)
+            raise
+        self.acquire_timeout = acquire_timeout
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- public API -------------------------------------------------------------------
+    def swap_out(self, key: str, tensor: torch.Tensor) -> "Future[None]":
+        """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete."""
+        self._check_open()
+        nbytes = tensor.numel() * tensor.element_size()
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key, nbytes)
+        self._settle(entry)
+        padded = round_up(nbytes, ALIGNMENT)
+        release_after: HostBuffer | None = None
+        if entry.host is not None and tensor.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr \
+                and tensor.is_contiguous() and entry.host.nbytes >= padded:
+            src = entry.host.tensor[:padded]  # writing back the buffer we lent out
+        else:
+            self._drop_host(entry)  # any host copy is stale now
+            if _direct_ok(tensor):
+                src = tensor
+            else:
+                release_after = self._acquire(padded, key)
+                release_after.tensor[nbytes:padded].zero_()
+                release_after.tensor[:nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+                src = release_after.tensor[:padded]
+        entry.nbytes, entry.dtype, entry.shape = nbytes, tensor.dtype, tuple(tensor.shape)
+        entry.on_disk, entry.failed, entry.on_device = False, None, False
+
+        def settle(io: Future, out: Future) -> None:
+            exc = io.exception()
+            if release_after is not None:
+                self.pool.release(release_after)
+            with self._lock:
+                entry.failed, entry.on_disk = exc, exc is None
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(None)
+
+        return self._track(entry, lambda: self.engine.write(entry.file, src), settle, release_after)
+
+    def swap_in(self, key: str, out: torch.Tensor | None = None) -> "Future[torch.Tensor]":
+        """Bring ``key`` back: into ``out`` (any device, same dtype and size), or, with no
+        ``out``, into a pool buffer whose typed view is the result (held until :meth:`release`).
+        Raises :class:`SwapIOError` now if the key has no valid copy."""
+        self._check_open()
+        entry = self._valid_entry(key)
+        if out is not None and (out.dtype != entry.dtype or out.numel() * out.element_size() != entry.nbytes):
+            raise ValueError(f"swap_in({key!r}): out is {out.dtype} x {out.numel()}, stored is {entry.dtype} {entry.shape}")
+        if entry.host is not None:  # already on host (prefetched or lent out)
+            view = entry.host.view(entry.dtype, entry.shape)
+            if out is None:
+                return self._done(view)
+            out.copy_(view)
+            entry.on_device = out.device.type != "cpu"
+            if entry.on_disk:
+                self._drop_host(entry)
+            return self._done(out)
+        if out is not None and _direct_ok(out):
+            target, buf = out, None
+        else:
+            buf = self._acquire(entry.padded, key)
+            target = buf.tensor[: entry.padded]
+            if out is None:
+                entry.host = buf
+
+        def settle(io: Future, fut: Future) -> None:
+            exc = io.exception()
+            if exc is not None:
+                with self._lock:
+                    if entry.host is buf:
+                        entry.host = None
+                if buf is not None:
+                    self.pool.release(buf)
+                fut.set_exception(exc)
+                return
+            if out is None:
+                fut.set_result(buf.view(entry.dtype, entry.shape))  # type: ignore[union-attr]
+                return
+            try:
+                if buf is not None:
+                    out.copy_(buf.view(entry.dtype, entry.shape))
+                entry.on_device = out.device.type != "cpu"
+            except BaseException as err:  # noqa: BLE001 - report through the future
+                fut.set_exception(err)
+                return
+            finally:
+                if buf is not None:
+                    self.pool.release(buf)
+            fut.set_result(out)
+
+        return self._track(entry, lambda: self.engine.read(entry.file, target), settle, buf)
+
+    def prefetch(self, key: str) -> "Future[torch.Tensor]":
+        """Start reading ``key`` into a pool buffer (no new read if one holds it); the result
+        is the same typed view :meth:`swap_in` with no ``out`` gives."""
+        entry = self._entries.get(key)
+        if entry is None or entry.host is None or entry.pending is None or entry.pending.done():
+            return self.swap_in(key)
+        fut: Future[torch.Tensor] = Future()
+
+        def chain(prev: Future) -> None:  # a read or write-back on that buffer is in flight
+            host = entry.host
+            if host is None:
+                fut.set_exception(prev.exception() or SwapIOError(entry.file, f"prefetch of {key!r}: buffer released"))
+            else:
+                fut.set_result(host.view(entry.dtype, entry.shape))
+
+        entry.pending.add_done_callback(chain)
+        return fut
+
+    def release(self, key: str) -> None:
+        """Return ``key``'s pool buffer (waiting for its I/O) and forget any device copy.
+        The disk copy stays. Views of the buffer must not be used afterwards."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        self._settle(entry)
+        entry.on_device = False
+        if entry.on_disk:
+            self._drop_host(entry)
+        elif entry.host is not None:
+            logger.warning("release(%r): the disk copy is not valid (last write failed); keeping its host buffer", key)
+
+    def discard(self, key: str) -> None:
+        """Forget ``key`` entirely: buffer back to the pool, file deleted."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._settle(entry)
+        self._drop_host(entry)
+        entry.file.unlink(missing_ok=True)
+
+    def where(self, key: str) -> Tier | None:
+        """Fastest tier holding a valid copy of ``key`` (None if none)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.on_device:
+            return Tier.DEVICE
+        if entry.host is not None and (entry.pending is None or entry.pending.done()):
+            return Tier.HOST  # a failed read has already given its buffer back
+        return Tier.NVME if entry.on_disk else None
+
+    def nbytes_by_tier(self) -> dict[Tier, int]:
+        """Shard bytes held per tier (a key may count in several); pool size is ``host_buffer_nbytes``."""
+        out = {t: 0 for t in Tier}
+        for e in self._entries.values():
+            if e.on_device:
+                out[Tier.DEVICE] += e.nbytes
+            if e.host is not None:
+                out[Tier.HOST] += e.host.nbytes
+            if e.on_disk:
+                out[Tier.NVME] += e.padded
+        return out
+
+    @property
+    def host_buffer_nbytes(self) -> int:
+        """Host memory of the buffer pool (allocated up front, used or not)."""
+        return self.pool.nbytes
+
+    def close(self) -> None:
+        """Wait for all I/O, free buffers, delete this rank's files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        wait([e.pending for e in self._entries.values() if e.pending is not None])
+        for e in self._entries.values():
+            self._drop_host(e)
+        self._entries.clear()
+        self._finalizer()
+
+    def __enter__(self) -> "Swapper":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Swapper is closed")
+
+    def _check_space(self, needed: int) -> None:
+        st = os.statvfs(self.rank_dir)
+        available = st.f_bavail * st.f_frsize
+        if needed > available:
+            raise SwapSpaceError(self.nvme_path, needed, available)
+
+    def _probe_writable(self) -> None:
+        """Write and delete one aligned block now, so a read-only path fails at construction."""
+        probe = self.rank_dir / ".probe"
+        with self.pool.borrow(timeout=30) as buf:
+            try:
+                self.engine.write(probe, buf.tensor[:ALIGNMENT]).result()
+            except OSError as exc:
+                raise SwapIOError(self.nvme_path, f"nvme_path is not writable: {exc}") from exc
+            finally:
+                probe.unlink(missing_ok=True)
+
+    def _new_entry(self, key: str, nbytes: int) -> _Entry:
+        self._check_space(round_up(nbytes, ALIGNMENT))
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:48]
+        entry = _Entry(self.rank_dir / f"{len(self._entries):06d}-{safe}.swp")
+        self._entries[key] = entry
+        return entry
+
+    def _valid_entry(self, key: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise SwapIOError(None, f"swap_in of key {key!r}: never written")
+        self._settle(entry)
+        if entry.host is None and not entry.on_disk:
+            cause = f"last swap_out failed ({entry.failed})" if entry.failed else "never written"
+            raise SwapIOError(entry.file, f"swap_in of key {key!r}: {cause}; no valid copy")
+        return entry
+
+    def _acquire(self, padded: int, key: str) -> HostBuffer:
+        if padded > self.pool.buffer_bytes:
+            raise ValueError(f"shard {key!r} needs {padded} bytes but pool buffers hold {self.pool.buffer_bytes}; "
+                             "raise buffer_bytes or pass an aligned CPU tensor")
+        return self.pool.acquire(self.acquire_timeout)
+
+    def _drop_host(self, entry: _Entry) -> None:
+        with self._lock:
+            buf, entry.host = entry.host, None
+        if buf is not None:
+            self.pool.release(buf)
+
+    @staticmethod
+    def _settle(entry: _Entry) -> None:
+        if entry.pending is not None:
+            wait([entry.pending])
+
+    @staticmethod
+    def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
+        fut: Future[torch.Tensor] = Future()
+        fut.set_result(value)
+        return fut
+
+    def _track(self, entry: _Entry, start, settle, buf: HostBuffer | None) -> Future:
+        """Start an engine request; ``settle(io_future, our_future)`` runs on completion."""
+        fut: Future = Future()
+        try:
+            io = start()
+        except BaseException:
+            with self._lock:
+                if entry.host is buf and buf is not None:
+                    entry.host = None
+            if buf is not None:
+                self.pool.release(buf)
+            raise
+        entry.pending = fut
+        io.add_done_callback(lambda f: settle(f, fut))
+        return fut
