@@ -80,6 +80,7 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
+        self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
 
@@ -157,6 +158,7 @@ class Engine:
         self._last_comm = self.comm.stats()
         self.comm.reset_stats()
         if self.gatherer:
+            self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
         return applied
 
@@ -204,7 +206,8 @@ class Engine:
         rep.add("device", "grads", self.grads.numel() * self.grads.element_size())
         rep.add("device", "optimizer", self.sharded_optimizer.state_bytes())
         if self.gatherer:
-            rep.peak_gathered_param_bytes = self.gatherer.peak_gathered_bytes
+            rep.peak_gathered_param_bytes = max(self._last_step_peak,
+                                                self.gatherer.peak_gathered_bytes)
         rep.comm = dict(self._last_comm)
         return rep
 

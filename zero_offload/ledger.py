@@ -14,7 +14,8 @@ KINDS = ("params", "grads", "optimizer")
 @dataclass
 class MemoryReport:
     """``bytes[tier][kind]``: bytes this rank holds. ``peak_gathered_param_bytes``: the most
-    stage-3 gathered (non-persistent) parameter bytes held at once since the last step.
+    stage-3 gathered (non-persistent) parameter bytes held at once during the last step
+    (and the one in progress).
     ``persistent_param_bytes``: stage-3 units kept whole. ``comm``: what each kind of
     collective moved in the last step (see :mod:`zero_offload.comm`)."""
 
