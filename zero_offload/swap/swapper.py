@@ -146,7 +146,7 @@ class Swapper:
                 self.engine.close()
             if owned_pool and hasattr(self, "pool"):
                 self.pool.close()
-            shutil.rmtree(self.rank_dir, ignore_errors=True)
+            _cleanup(None, None, self.rank_dir, self.rank_dir.parent)
             raise
         self.acquire_timeout = acquire_timeout
         self._entries: dict[str, _Entry] = {}
