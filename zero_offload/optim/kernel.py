@@ -1,0 +1,260 @@
+"""ctypes binding of ``kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
+
+Why a functional API: the engine updates flat fp32 master shards whose m and v may live in
+NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on
+tensors it owns. The optimizer classes are thin wrappers over the same call.
+
+The kernel is compiled on first use (``zero_offload.native``). Without a compiler, or when
+the build fails, one warning is logged and torch's fused CPU Adam(W) does the update (same
+math, same results within a few ulp). ``ZERO_OFFLOAD_KERNELS``: ``auto`` (default), ``off``
+(always torch), ``required`` (a failed build raises ``KernelBuildError``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+from torch import Tensor
+
+from zero_offload.native import KernelBuildError, cache_dir, compiler, load_library
+
+logger = logging.getLogger(__name__)
+
+KERNEL_NAME = "cpu_adam"
+KERNEL_FLAGS: tuple[str, ...] = ("-ffp-contract=off", "-fno-math-errno")
+OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
+ABI_VERSION = 1
+ENV_MODE = "ZERO_OFFLOAD_KERNELS"
+MODES = ("auto", "off", "required")
+# Below this many elements per thread, extra threads cost more than they bring.
+MIN_ELEMS_PER_THREAD = 1 << 16
+ALIGN_ELEMS = 64
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NO_OUT = -1
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """A loaded kernel library and what it was built with."""
+
+    lib: ctypes.CDLL
+    openmp: bool
+    vec_path: str
+
+
+def kernel_mode() -> str:
+    """``ZERO_OFFLOAD_KERNELS``, validated."""
+    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def default_num_threads() -> int:
+    """Physical cores: the step is memory bound and SMT siblings share the same bandwidth."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    hp = [f32] * 8 + [i32]
+    lib.zo_abi_version.restype = i32
+    lib.zo_has_openmp.restype = i32
+    lib.zo_vec_path.restype = ctypes.c_char_p
+    lib.zo_adam_range.restype = i32
+    lib.zo_adam_range.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, i64] + hp
+    lib.zo_adam_omp.restype = i32
+    lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64] + hp + [i32]
+
+
+def build_kernel(name: str = KERNEL_NAME) -> NativeKernel:
+    """Build (or find cached) and load a kernel library; OpenMP if the toolchain links it."""
+    try:
+        lib = load_library(name, KERNEL_FLAGS + OPENMP_FLAGS)
+    except KernelBuildError as exc:
+        if "no C compiler" in str(exc):
+            raise
+        logger.info("building %s with OpenMP failed, trying without: %s", name, exc)
+        lib = load_library(name, KERNEL_FLAGS)
+    return NativeKernel(lib, bool(lib.zo_has_openmp()), "")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(cc: str, cache: str) -> NativeKernel | str:
+    """Keyed by compiler and cache folder so a changed ``CC`` gets a fresh attempt; a
+    failure is cached as its message so it is warned about once, not on every step."""
+    try:
+        native = build_kernel()
+        lib = native.lib
+        _declare(lib)
+        if lib.zo_abi_version() != ABI_VERSION:
+            raise KernelBuildError(
+                f"kernel ABI {lib.zo_abi_version()} != binding ABI {ABI_VERSION}; "
+                f"clear {cache}"
+            )
+        native = NativeKernel(lib, native.openmp, lib.zo_vec_path().decode())
+        logger.info("CPU Adam kernel loaded (%s, openmp=%s)", native.vec_path, native.openmp)
+        return native
+    except KernelBuildError as exc:
+        logger.warning(
+            "CPU Adam kernel unavailable, falling back to torch's fused CPU AdamW "
+            "(slower on the bf16 offload path). Reason: %s", exc
+        )
+        return str(exc)
+
+
+def get_kernel() -> NativeKernel | None:
+    """The native kernel, or None when disabled or unavailable (``required`` raises)."""
+    mode = kernel_mode()
+    if mode == "off":
+        return None
+    got = _load_cached(" ".join(compiler()), str(cache_dir()))
+    if isinstance(got, str):
+        if mode == "required":
+            raise KernelBuildError(f"{ENV_MODE}=required but the kernel failed to build: {got}")
+        return None
+    return got
+
+
+def kernel_status() -> str:
+    """One line for logs and benchmarks: which implementation updates run on."""
+    k = get_kernel()
+    if k is None:
+        return "torch fused fallback"
+    return f"native ({k.vec_path}, {'openmp' if k.openmp else 'python threads'})"
+
+
+def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; CPU Adam needs {allowed}")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); the "
+            "update is done in place, so pass contiguous storage (e.g. a flat shard)"
+        )
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+
+
+def check_tensors(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                  out: Tensor | None = None) -> None:
+    """Raise a clear error for anything the in-place update cannot take as is."""
+    fp32 = (torch.float32,)
+    _check("param", param, fp32, param.numel() if isinstance(param, Tensor) else 0)
+    n = param.numel()
+    _check("grad", grad, tuple(_DTYPE_CODES), n)
+    _check("exp_avg", exp_avg, fp32, n)
+    _check("exp_avg_sq", exp_avg_sq, fp32, n)
+    if out is not None:
+        _check("out", out, (torch.bfloat16, torch.float16), n)
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
+             weight_decay: float, adamw: bool) -> list[float | int]:
+    """Fold the hyperparameters in double precision like torch's Python-side math."""
+    bc1 = 1 - beta1**step
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    w1 = _f32(1 - beta1)
+    return [
+        1 - lr * weight_decay if adamw else 1.0,         # decay
+        0.0 if adamw else weight_decay,                  # l2
+        w1,
+        _f32(np.float32(1.0) - np.float32(w1)),          # torch lerp's (1 - weight) in fp32
+        beta2,
+        1 - beta2,
+        eps * bc2_sqrt,                                  # eps_s
+        -(lr / bc1) * bc2_sqrt,                          # step_s
+        int(bool(adamw)),
+    ]
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _run_native(k: NativeKernel, args: list, n: int, scalars: list, threads: int) -> int:
+    """Run the update on ``threads`` threads; returns the kernel's status code."""
+    if k.openmp or threads == 1:
+        return k.lib.zo_adam_omp(*args, n, *scalars, threads)
+    per = -(-n // threads)
+    per = -(-per // ALIGN_ELEMS) * ALIGN_ELEMS
+    ranges = [(b, min(b + per, n)) for b in range(0, n, per)]
+    codes = [0] * len(ranges)
+
+    def work(j: int) -> None:
+        codes[j] = k.lib.zo_adam_range(*args, ranges[j][0], ranges[j][1], *scalars)
+
+    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, len(ranges))]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join()
+    return max(codes, key=abs)
+
+
+def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+                  step: int, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, adamw: bool, out: Tensor | None) -> None:
+    """torch's fused CPU Adam(W) on the same tensors (grad widened to fp32 first)."""
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    fn = torch._fused_adamw_ if adamw else torch._fused_adam_
+    fn([param], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
+       beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+       maximize=False)
+    if out is not None:
+        out.view(-1).copy_(param.view(-1))
+
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+                step: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, adamw: bool = True, out: Tensor | None = None,
+                num_threads: int | None = None) -> None:
+    """One Adam/AdamW step in place on ``param``, ``exp_avg``, ``exp_avg_sq``.
+
+    ``step`` is the already-incremented step count (bias correction). ``grad`` may be
+    fp32, bf16 or fp16; ``out`` (bf16/fp16) receives the updated param rounded to nearest
+    even in the same pass. Tensors must be contiguous CPU tensors of equal numel; nothing
+    is ever copied, so a wrong tensor raises instead of updating a hidden copy.
+    """
+    check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    if step < 1:
+        raise ValueError(f"step must be the incremented step count (>= 1), got {step}")
+    n = param.numel()
+    if n == 0:
+        return
+    hyper = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                 eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw))
+    k = get_kernel()
+    if k is not None:
+        threads = default_num_threads() if num_threads is None else int(num_threads)
+        if threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
+        args = [_ptr(param), _ptr(grad), _DTYPE_CODES[grad.dtype], _ptr(exp_avg),
+                _ptr(exp_avg_sq), _ptr(out), _NO_OUT if out is None else _DTYPE_CODES[out.dtype]]
+        scalars = _scalars(**hyper)
+        rc = _run_native(k, args, n, scalars, threads)
+        if rc == 0:
+            return
+        # The kernel validates before touching memory: nothing was updated, do it in torch.
+        logger.warning("CPU Adam kernel returned %d; doing this update with torch", rc)
+    _torch_update(param, grad, exp_avg, exp_avg_sq, out=out, **hyper)
