@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,41 +12,11 @@ import torch
 
 from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.errors import SwapIOError
-from zero_offload.swap.io import FileIOEngine, OsBackend
+from swap_faults import FaultBackend
+from zero_offload.swap.io import FileIOEngine
 
 BLOCK = 16 * 1024
 T = 10  # seconds: no test may hang
-
-
-class FaultBackend(OsBackend):
-    """OsBackend that fails the chosen call: raise ``errno`` or transfer ``short`` bytes."""
-
-    def __init__(self, op: str, *, errno_: int | None = None, short: int | None = None,
-                 times: int = 10**9, after: int = 0, refuse_direct: bool = False) -> None:
-        self.op, self.errno_, self.short, self.times, self.after = op, errno_, short, times, after
-        self.refuse_direct = refuse_direct
-        self.calls = 0
-
-    def open(self, path: str, flags: int) -> int:
-        if self.refuse_direct and flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return super().open(path, flags)
-
-    def _maybe_fail(self, op: str, fd: int, buffers: list[memoryview], offset: int, real) -> int:
-        if op == self.op:
-            self.calls += 1
-            if self.after < self.calls <= self.after + self.times:
-                if self.errno_ is not None:
-                    raise OSError(self.errno_, os.strerror(self.errno_))
-                if self.short is not None:
-                    return real(fd, [buffers[0][: self.short]], offset) if self.short else 0
-        return real(fd, buffers, offset)
-
-    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
-        return self._maybe_fail("read", fd, buffers, offset, os.preadv)
-
-    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
-        return self._maybe_fail("write", fd, buffers, offset, os.pwritev)
 
 
 def _filled(nbytes: int, seed: int) -> HostBuffer:
@@ -199,19 +167,6 @@ def test_close_finishes_in_flight_then_refuses(tmp_path: Path) -> None:
     assert all(f.done() and f.exception() is None for f in futs)
     with pytest.raises(RuntimeError):
         eng.write(tmp_path / "late.swp", src.tensor)
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {res.stderr.strip() or res.returncode}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_real_full_disk_is_enospc(tiny_tmpfs: Path, engine: FileIOEngine) -> None:

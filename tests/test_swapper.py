@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_swap_io import FaultBackend, tiny_tmpfs  # noqa: F401 - fixture re-used
+from swap_faults import FaultBackend
 from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.io import FileIOEngine
