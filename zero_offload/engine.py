@@ -22,7 +22,7 @@ from .ledger import MemoryReport
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer
 from .stages.optimizer import ShardedOptimizer
-from .stages.units import FlatUnit, GatherState, build_units
+from .stages.units import GatherState, build_units
 
 __all__ = ["Engine", "initialize"]
 
@@ -51,10 +51,10 @@ class Engine:
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
-        if config.offload.enabled:
+        if config.offload.param != "none":
             raise NotImplementedError(
-                "offload_optimizer / offload_param are validated but not implemented yet; "
-                "use offload_optimizer='none' and offload_param='none' for now")
+                "offload_param is validated but not implemented yet; use offload_param='none' "
+                "(offload_optimizer='cpu' or 'nvme' works)")
         self.config = config
         self.comm = Comm(config.process_group)
         self.device = config.device or _default_device()
@@ -67,8 +67,12 @@ class Engine:
             dtype=self.dtype, device=self.device, bucket_size=config.reduce_bucket_size,
             persistence_threshold=config.param_persistence_threshold, comm=self.comm)
         self.param_shards = self._shard_params() if self.stage == 3 else None
-        self.grads = torch.zeros(sum(u.shard_numel for u in self.units), dtype=self.dtype,
-                                 device=self.device)
+        shard_numel = sum(u.shard_numel for u in self.units)
+        if config.offload.optimizer == "none":
+            self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
+        else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
+            self.grads = torch.zeros(shard_numel, dtype=torch.float32,
+                                     pin_memory=torch.cuda.is_available())
         self.gatherer = (ParamGatherer(model, self.units, self.comm,
                                        prefetch_depth=config.prefetch_depth,
                                        prefetch_bytes=config.prefetch_bytes)
@@ -76,7 +80,8 @@ class Engine:
         self.reducer = GradReducer(
             self.units, self.comm, self.stage, self.grads,
             on_reduced=self.gatherer.release if self.gatherer else None)
-        self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads)
+        self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads,
+                                                  self.device, self.dtype, self.param_shards)
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
@@ -166,11 +171,16 @@ class Engine:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self.reducer.zero()
 
+    def close(self) -> None:
+        """Release swap files and host buffers now (also done when the engine is collected
+        or the process exits normally)."""
+        self.sharded_optimizer.close()
+
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and buffers, on the CPU,
         gathered from all ranks' fp32 master shards. Collective: every rank must call it."""
-        master = self.sharded_optimizer.master
+        master = self.sharded_optimizer.updater.master_values().to(self.device)
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
@@ -203,8 +213,9 @@ class Engine:
                     rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
         if self.param_shards is not None:
             rep.add("device", "params", self.param_shards.numel() * self.param_shards.element_size())
-        rep.add("device", "grads", self.grads.numel() * self.grads.element_size())
-        rep.add("device", "optimizer", self.sharded_optimizer.state_bytes())
+        grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
+        rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
+        self.sharded_optimizer.add_to(rep)
         if self.gatherer:
             rep.peak_gathered_param_bytes = max(self._last_step_peak,
                                                 self.gatherer.peak_gathered_bytes)

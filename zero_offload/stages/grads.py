@@ -2,7 +2,8 @@
 reduce-scatter unit by unit during backward as each unit's gradients are ready (stages 2–3).
 
 Every rank ends with the average over ranks of the gradients of the slice it owns, in the
-rank's flat gradient buffer (``grads``, compute dtype), accumulated across micro-steps.
+rank's flat gradient buffer (``grads``: compute dtype on the device, or fp32 in host memory
+when the optimizer is offloaded), accumulated across micro-steps.
 Stages 2–3 keep no full gradient past its unit's reduction; a few reductions stay in flight
 (``max_inflight``) so that communication overlaps the rest of the backward.
 """
@@ -75,7 +76,11 @@ class GradReducer:
         while len(self._inflight) > keep:
             unit, _flat, out, handle = self._inflight.popleft()
             handle.wait()
-            self.shard_of(unit).add_(out)
+            self._accumulate(unit, out)
+
+    def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        """Add a reduced shard into the rank's gradient buffer (on the host with offload)."""
+        self.shard_of(unit).add_(reduced.to(self.grads.device))
 
     def end_backward(self) -> None:
         """Reduce what no hook reduced (unused parameters count as zero gradients), in unit
@@ -95,11 +100,11 @@ class GradReducer:
             flat = self._flat_grads(unit)
             if self.stage == 0:
                 self.comm.all_reduce(flat)
-                self.shard_of(unit).add_(flat)
+                self._accumulate(unit, flat)
             else:
                 out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
                 self.comm.reduce_scatter(out, flat)
-                self.shard_of(unit).add_(out)
+                self._accumulate(unit, out)
 
     def zero(self) -> None:
         self.grads.zero_()

@@ -1,0 +1,149 @@
+"""Optimizer offload (host memory and NVMe files): the same parameters as without offload, the
+state where the ledger says, a pool within host_memory_limit, and clear errors from the disk."""
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import equivalence
+import zero_offload as zo
+from distributed import run_ranks
+from models import MLP, batch, loss_fn
+from swap_faults import FaultBackend
+from zero_offload.swap import SwapIOError, SwapSpaceError
+
+STAGES = (1, 2, 3)
+DTYPES = ("float32", "bfloat16")
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def _train_matrix(rank: int, world: int, nvme_root: str) -> dict:
+    out = {}
+    for stage in STAGES:
+        for dtype in DTYPES:
+            for off in OFFLOADS:
+                engine, _ = equivalence.train(
+                    rank, world, "gpt", getattr(torch, dtype), equivalence.STEPS, stage=stage,
+                    offload_optimizer=off, nvme_path=nvme_root, sub_group_size=3000)
+                rep = engine.memory_report()
+                out[(stage, dtype, off)] = (engine.full_state_dict(), rep, engine.grads.numel())
+                engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as root:
+        res = run_ranks(world, _train_matrix, root)
+        assert os.listdir(root) == [], "swap files must be removed on close"
+        return res
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offload_is_bit_identical_to_no_offload(world, stage, dtype, offload):
+    """On a CPU every tier runs the same Adam kernel: offloading must change no bit."""
+    res = results(world)[0]
+    base, _, _ = res[(stage, dtype, "none")]
+    got, _, _ = res[(stage, dtype, offload)]
+    for name in base:
+        assert torch.equal(base[name], got[name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_ledger_puts_optimizer_state_in_its_tier(world, offload):
+    for rank_res in results(world):
+        _, rep, s = rank_res[(2, "bfloat16", offload)]
+        assert rep.bytes["device"]["optimizer"] == 0
+        assert rep.bytes["host"]["grads"] == 4 * s  # fp32 gradient shard on the host
+        if offload == "cpu":
+            assert rep.bytes["host"]["optimizer"] == 12 * s
+        else:
+            assert rep.bytes["nvme"]["optimizer"] == 12 * s
+            # host holds only the pool: three buffers, each one 2 MiB huge page at this size
+            assert rep.bytes["host"]["optimizer"] == 3 * 2**21
+
+
+def _run(engine, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = batch("mlp", 4, gen)
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def test_small_host_memory_limit_keeps_pool_within_it_and_same_result(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    torch.manual_seed(0)
+    ref = _run(zo.initialize(MLP(), stage=2, offload_optimizer="cpu"))
+    limit = 8 * 2**20  # room for a few small buffers only; sub-groups shrink to fit
+    engine = zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
+                           host_memory_limit=limit, sub_group_size=10**9)
+    got = _run(engine)
+    rep = engine.memory_report()
+    assert rep.bytes["host"]["optimizer"] <= limit
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    engine.close()
+
+
+def test_host_memory_limit_too_small_names_the_fix(tmp_path):
+    with pytest.raises(Exception) as err:
+        zo.initialize(MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
+                      host_memory_limit=4096)
+    assert "host_memory_limit" in str(err.value)
+
+
+def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    blocked = tmp_path / "file_not_dir"
+    blocked.write_text("x")
+    with pytest.raises(SwapIOError, match="nvme_path"):
+        zo.initialize(MLP(), stage=1, offload_optimizer="nvme", nvme_path=blocked / "sub")
+
+
+def test_full_disk_is_refused_up_front(tiny_tmpfs):
+    big = torch.nn.Linear(512, 512)  # 12 B/param of state: 3 MiB > the 1 MiB disk
+    with pytest.raises(SwapSpaceError) as err:
+        zo.initialize(big, stage=1, offload_optimizer="nvme", nvme_path=tiny_tmpfs)
+    assert str(tiny_tmpfs) in str(err.value)
+
+
+def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
+                           sub_group_size=1024)
+    _run(engine, steps=1)
+    before = engine.full_state_dict()
+    engine.sharded_optimizer.updater.swapper.engine.backend = FaultBackend(
+        "read", errno_=errno.EIO)
+    x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    with pytest.raises(SwapIOError, match="Input/output error"):
+        engine.step()
+    engine.sharded_optimizer.updater.swapper.engine.backend = FaultBackend("none")
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()
+
+
+def test_missing_swap_file_is_a_clear_error(tmp_path):
+    engine = zo.initialize(MLP(), stage=1, offload_optimizer="nvme", nvme_path=tmp_path)
+    for f in Path(engine.sharded_optimizer.updater.swapper.rank_dir).iterdir():
+        f.unlink()
+    x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    with pytest.raises(SwapIOError):
+        engine.step()
+    engine.close()

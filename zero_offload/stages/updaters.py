@@ -1,0 +1,238 @@
+"""Where the optimizer state lives and how the AdamW update runs on it.
+
+Three updaters share one face — ``update(grads32) -> new params (rank-flat)`` plus a torch
+``optimizer`` whose ``param_groups`` carry the hyperparameters (lr schedulers drive it):
+
+- :class:`DeviceAdam`: fp32 master, m, v on an accelerator; torch's fused AdamW.
+- :class:`HostAdam` (``offload_optimizer="cpu"``, and the no-offload case when the compute
+  device is the CPU): the state in host memory, updated by the vectorized CPU Adam, which also
+  writes the compute-dtype params in the same pass, so only 2 bytes per parameter travel back
+  to the device. Every CPU tier runs this same kernel, so offloading changes no bit.
+- :class:`NvmeAdam` (``offload_optimizer="nvme"``): master, m and v of each sub-group sit in one
+  file; the step is a pipeline over sub-groups — group i+1 is read while group i computes and
+  group i−1 is written — through a pool of three host buffers sized within
+  ``host_memory_limit``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from ..config import ZeroConfig
+from ..ledger import MemoryReport
+from ..optim import CPUAdam, adam_update
+from ..swap.swapper import Swapper
+
+__all__ = ["Updater", "DeviceAdam", "HostAdam", "NvmeAdam", "make_updater"]
+
+log = logging.getLogger(__name__)
+
+_PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+
+
+class Updater(Protocol):
+    optimizer: torch.optim.Optimizer
+    steps: int
+
+    def update(self, grads32: torch.Tensor) -> torch.Tensor: ...
+    def master_values(self) -> torch.Tensor: ...
+    def add_to(self, report: MemoryReport) -> None: ...
+    def close(self) -> None: ...
+
+
+def _adam_kwargs(cfg: ZeroConfig) -> dict:
+    o = cfg.optimizer
+    return dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class DeviceAdam:
+    """fp32 master + AdamW state on the compute device (no offload)."""
+
+    def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
+        self.master = master
+        self.param = nn.Parameter(master, requires_grad=False)
+        try:
+            self.optimizer = torch.optim.AdamW([self.param], fused=True, **_adam_kwargs(cfg))
+        except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
+            self.optimizer = torch.optim.AdamW([self.param], **_adam_kwargs(cfg))
+        self.steps = 0
+
+    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+        self.param.grad = grads32
+        self.optimizer.step()
+        self.param.grad = None
+        self.steps += 1
+        return self.master
+
+    def master_values(self) -> torch.Tensor:
+        return self.master
+
+    def add_to(self, report: MemoryReport) -> None:
+        state = self.optimizer.state.get(self.param, {})
+        report.add("device", "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
+                   + _nbytes(state.get("exp_avg_sq")))
+
+    def close(self) -> None:
+        pass
+
+
+class HostAdam:
+    """fp32 master + AdamW state in host memory, stepped by the CPU Adam kernel. ``tier``
+    names it in the ledger: "host" when offloaded, "device" when the CPU is the device."""
+
+    def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
+                 tier: str = "host", out: torch.Tensor | None = None) -> None:
+        self.master = master
+        self.tier = tier
+        self.param = nn.Parameter(master, requires_grad=False)
+        self.optimizer = CPUAdam([self.param], adamw=True, **_adam_kwargs(cfg))
+        # The kernel writes the compute-dtype params into ``out`` in the same pass: the
+        # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
+        self.owns_out = out is None and dtype != torch.float32
+        self.out = torch.empty(master.numel(), dtype=dtype) if self.owns_out else out
+        if dtype == torch.float32:
+            self.out = None
+        self.steps = 0
+
+    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+        self.optimizer.step_param(self.param, grads32, out=self.out)
+        self.steps += 1
+        return self.master if self.out is None else self.out
+
+    def master_values(self) -> torch.Tensor:
+        return self.master
+
+    def add_to(self, report: MemoryReport) -> None:
+        state = self.optimizer.state.get(self.param, {})
+        report.add(self.tier, "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
+                   + _nbytes(state.get("exp_avg_sq")))
+        if self.owns_out:
+            report.add(self.tier, "params", _nbytes(self.out))
+
+    def close(self) -> None:
+        pass
+
+
+class NvmeAdam:
+    """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
+
+    BUFFERS = 3  # one being read ahead, one computing, one being written back
+
+    def __init__(self, master_source: list[tuple[int, torch.Tensor]], numel: int,
+                 cfg: ZeroConfig, dtype: torch.dtype, rank: int) -> None:
+        off = cfg.offload
+        self.numel = numel
+        self.group = self._group_size(off.sub_group_size, off.host_memory_limit, numel)
+        self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
+        self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
+                               buffer_count=self.BUFFERS, min_buffers=2,
+                               host_memory_limit=off.host_memory_limit,
+                               expected_bytes=12 * numel, rank=rank)
+        # The optimizer holds no tensors of its own: its param_groups carry the
+        # hyperparameters (for lr schedulers); the state is in the swap files.
+        self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
+        self.out = torch.empty(numel, dtype=dtype)
+        self.steps = 0
+        self._write_initial(master_source)
+        log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB",
+                 len(self.bounds), self.group, self.swapper.pool.count, 12 * self.group / 2**20)
+
+    @staticmethod
+    def _group_size(sub_group_size: int, host_memory_limit: int | None, numel: int) -> int:
+        """Params per sub-group: ``sub_group_size``, shrunk so three buffers fit the budget."""
+        size = min(sub_group_size, numel)
+        if host_memory_limit is not None:
+            size = min(size, host_memory_limit // (NvmeAdam.BUFFERS * 12))
+        return max(_PAGE_ELEMS, size // _PAGE_ELEMS * _PAGE_ELEMS)
+
+    @staticmethod
+    def _key(i: int) -> str:
+        return f"adam.{i}"
+
+    def _write_initial(self, master_source: list[tuple[int, torch.Tensor]]) -> None:
+        """Store each sub-group as [master | m = 0 | v = 0], filled from the units' shards."""
+        for i, (lo, hi) in enumerate(self.bounds):
+            n = hi - lo
+            with self.swapper.pool.borrow(timeout=self.swapper.acquire_timeout) as buf:
+                state = buf.view(torch.float32, (3, n))
+                state[1:].zero_()
+                for start, values in master_source:
+                    a, b = max(lo, start), min(hi, start + values.numel())
+                    if a < b:
+                        state[0, a - lo:b - lo].copy_(values[a - start:b - start])
+                self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
+
+    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        self.steps += 1
+        hyper = dict(step=self.steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                     eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
+                     num_threads=self.optimizer.num_threads)
+        lookahead = self.swapper.pool.count >= self.BUFFERS
+        pending = self.swapper.prefetch(self._key(0))
+        for i, (lo, hi) in enumerate(self.bounds):
+            state = pending.result().view(3, hi - lo)
+            if lookahead and i + 1 < len(self.bounds):
+                pending = self.swapper.prefetch(self._key(i + 1))
+            master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
+            out = None if self.out.dtype == torch.float32 else self.out[lo:hi]
+            adam_update(master, grads32[lo:hi], exp_avg, exp_avg_sq, out=out, **hyper)
+            if out is None:
+                self.out[lo:hi].copy_(master)
+            self.swapper.swap_out(self._key(i), state.reshape(-1))
+            if i > 0:
+                self.swapper.release(self._key(i - 1))
+            if not lookahead and i + 1 < len(self.bounds):
+                self.swapper.release(self._key(i))
+                pending = self.swapper.prefetch(self._key(i + 1))
+        self.swapper.release(self._key(len(self.bounds) - 1))
+        return self.out
+
+    def master_values(self) -> torch.Tensor:
+        """A host copy of the fp32 master, read sub-group by sub-group from the files."""
+        master = torch.empty(self.numel, dtype=torch.float32)
+        for i, (lo, hi) in enumerate(self.bounds):
+            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
+            master[lo:hi].copy_(state[0])
+            self.swapper.release(self._key(i))
+        return master
+
+    def add_to(self, report: MemoryReport) -> None:
+        report.add("nvme", "optimizer", 12 * self.numel)
+        report.add("host", "optimizer", self.swapper.host_buffer_nbytes)
+        report.add("host", "params", _nbytes(self.out))
+
+    def close(self) -> None:
+        self.swapper.close()
+
+
+def make_updater(units_master: list[tuple[int, torch.Tensor]], numel: int, cfg: ZeroConfig,
+                 device: torch.device, dtype: torch.dtype, rank: int,
+                 param_shards: torch.Tensor | None = None) -> Updater:
+    """Build the updater ``offload_optimizer`` asks for from the units' initial fp32 shards
+    (``(offset in the rank-flat buffer, values)``). ``param_shards``: stage 3's rank-flat
+    compute-dtype params; a CPU updater writes them in place when they are in host memory."""
+    out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
+        and param_shards.dtype == dtype else None
+    where = cfg.offload.optimizer
+    if where == "nvme":
+        return NvmeAdam(units_master, numel, cfg, dtype, rank)
+    pin = where == "cpu" and torch.cuda.is_available()
+    master = torch.empty(numel, dtype=torch.float32,
+                         device="cpu" if where == "cpu" else device, pin_memory=pin)
+    for start, values in units_master:
+        master[start:start + values.numel()].copy_(values)
+    if where == "cpu":
+        return HostAdam(master, cfg, dtype, out=out)
+    if device.type == "cpu":
+        return HostAdam(master, cfg, dtype, tier="device", out=out)
+    return DeviceAdam(master, cfg)
