@@ -167,7 +167,7 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def _scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
+def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
              weight_decay: float, adamw: bool) -> list[float | int]:
     """Fold the hyperparameters in double precision like torch's Python-side math."""
     bc1 = 1 - beta1**step
@@ -190,9 +190,16 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _run_native(k: NativeKernel, args: list, n: int, scalars: list, threads: int) -> int:
-    """Run the update on ``threads`` threads; returns the kernel's status code."""
-    if k.openmp or threads == 1:
+def native_update(k: NativeKernel, param: Tensor, grad: Tensor, exp_avg: Tensor,
+                  exp_avg_sq: Tensor, out: Tensor | None, scalars: list, threads: int,
+                  openmp: bool | None = None) -> int:
+    """Run the kernel on ``threads`` threads (OpenMP when built with it, else Python threads
+    calling disjoint ranges without the GIL); returns the kernel's status code. Tensors must
+    already have passed :func:`check_tensors`."""
+    n = param.numel()
+    args = [_ptr(param), _ptr(grad), _DTYPE_CODES[grad.dtype], _ptr(exp_avg),
+            _ptr(exp_avg_sq), _ptr(out), _NO_OUT if out is None else _DTYPE_CODES[out.dtype]]
+    if threads == 1 or (k.openmp if openmp is None else openmp):
         return k.lib.zo_adam_omp(*args, n, *scalars, threads)
     per = -(-n // threads)
     per = -(-per // ALIGN_ELEMS) * ALIGN_ELEMS
@@ -211,7 +218,7 @@ def _run_native(k: NativeKernel, args: list, n: int, scalars: list, threads: int
     return max(codes, key=abs)
 
 
-def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                   step: int, lr: float, beta1: float, beta2: float, eps: float,
                   weight_decay: float, adamw: bool, out: Tensor | None) -> None:
     """torch's fused CPU Adam(W) on the same tensors (grad widened to fp32 first)."""
@@ -249,12 +256,10 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         if threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
-        args = [_ptr(param), _ptr(grad), _DTYPE_CODES[grad.dtype], _ptr(exp_avg),
-                _ptr(exp_avg_sq), _ptr(out), _NO_OUT if out is None else _DTYPE_CODES[out.dtype]]
-        scalars = _scalars(**hyper)
-        rc = _run_native(k, args, n, scalars, threads)
+        rc = native_update(k, param, grad, exp_avg, exp_avg_sq, out, adam_scalars(**hyper),
+                           threads)
         if rc == 0:
             return
         # The kernel validates before touching memory: nothing was updated, do it in torch.
         logger.warning("CPU Adam kernel returned %d; doing this update with torch", rc)
-    _torch_update(param, grad, exp_avg, exp_avg_sq, out=out, **hyper)
+    torch_update(param, grad, exp_avg, exp_avg_sq, out=out, **hyper)
