@@ -16,6 +16,9 @@ Three updaters share one face — ``update(grads32) -> new params (rank-flat)`` 
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,16 +29,36 @@ from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.swapper import Swapper
 
-__all__ = ["Updater", "DeviceAdam", "HostAdam", "NvmeAdam", "make_updater"]
+__all__ = ["Updater", "StepTimings", "DeviceAdam", "HostAdam", "NvmeAdam", "make_updater"]
 
 log = logging.getLogger(__name__)
 
 _PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
 
 
+@dataclass
+class StepTimings:
+    """Seconds of the last update: I/O time summed over requests (submit to completion),
+    Adam compute, and wall time. ``overlap`` = max(read + write, compute) / wall: 1.0 when
+    the slower of I/O and compute hides the other completely."""
+
+    read_s: float = 0.0
+    write_s: float = 0.0
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    @property
+    def overlap(self) -> float:
+        busy = max(self.read_s + self.write_s, self.compute_s)
+        return busy / self.wall_s if self.wall_s > 0 else 1.0
+
+
 class Updater(Protocol):
     optimizer: torch.optim.Optimizer
     steps: int
+    last_timings: StepTimings
 
     def update(self, grads32: torch.Tensor) -> torch.Tensor: ...
     def master_values(self) -> torch.Tensor: ...
@@ -63,12 +86,16 @@ class DeviceAdam:
         except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
             self.optimizer = torch.optim.AdamW([self.param], **_adam_kwargs(cfg))
         self.steps = 0
+        self.last_timings = StepTimings()
 
     def update(self, grads32: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         self.param.grad = grads32
         self.optimizer.step()
         self.param.grad = None
         self.steps += 1
+        elapsed = time.perf_counter() - start
+        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         return self.master
 
     def master_values(self) -> torch.Tensor:
@@ -100,10 +127,14 @@ class HostAdam:
         if dtype == torch.float32:
             self.out = None
         self.steps = 0
+        self.last_timings = StepTimings()
 
     def update(self, grads32: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         self.optimizer.step_param(self.param, grads32, out=self.out)
         self.steps += 1
+        elapsed = time.perf_counter() - start
+        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         return self.master if self.out is None else self.out
 
     def master_values(self) -> torch.Tensor:
@@ -141,6 +172,7 @@ class NvmeAdam:
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
         self.out = torch.empty(numel, dtype=dtype)
         self.steps = 0
+        self.last_timings = StepTimings()
         self._write_initial(master_source)
         log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB",
                  len(self.bounds), self.group, self.swapper.pool.count, 12 * self.group / 2**20)
@@ -170,6 +202,20 @@ class NvmeAdam:
                         state[0, a - lo:b - lo].copy_(values[a - start:b - start])
                 self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
 
+    def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
+        """Add the request's duration (submit to completion) to ``timings`` when it ends."""
+        start = time.perf_counter()
+
+        def done(_: Future) -> None:
+            setattr(timings, kind, getattr(timings, kind) + time.perf_counter() - start)
+        fut.add_done_callback(done)
+        return fut
+
+    def _read(self, i: int, timings: StepTimings) -> Future:
+        lo, hi = self.bounds[i]
+        timings.bytes_read += 12 * (hi - lo)
+        return self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
+
     def update(self, grads32: torch.Tensor) -> torch.Tensor:
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
@@ -177,24 +223,34 @@ class NvmeAdam:
         hyper = dict(step=self.steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                      eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
                      num_threads=self.optimizer.num_threads)
+        timings = StepTimings()
+        start = time.perf_counter()
+        last = len(self.bounds) - 1
         lookahead = self.swapper.pool.count >= self.BUFFERS
-        pending = self.swapper.prefetch(self._key(0))
+        pending = self._read(0, timings)
         for i, (lo, hi) in enumerate(self.bounds):
             state = pending.result().view(3, hi - lo)
-            if lookahead and i + 1 < len(self.bounds):
-                pending = self.swapper.prefetch(self._key(i + 1))
+            if lookahead and i < last:
+                pending = self._read(i + 1, timings)
+            t0 = time.perf_counter()
             master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
             out = None if self.out.dtype == torch.float32 else self.out[lo:hi]
             adam_update(master, grads32[lo:hi], exp_avg, exp_avg_sq, out=out, **hyper)
             if out is None:
                 self.out[lo:hi].copy_(master)
-            self.swapper.swap_out(self._key(i), state.reshape(-1))
+            timings.compute_s += time.perf_counter() - t0
+            timings.bytes_written += 12 * (hi - lo)
+            self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
+                        timings)
             if i > 0:
                 self.swapper.release(self._key(i - 1))
-            if not lookahead and i + 1 < len(self.bounds):
+            if not lookahead and i < last:
                 self.swapper.release(self._key(i))
-                pending = self.swapper.prefetch(self._key(i + 1))
-        self.swapper.release(self._key(len(self.bounds) - 1))
+                pending = self._read(i + 1, timings)
+        self.swapper.release(self._key(last))
+        timings.wall_s = time.perf_counter() - start
+        self.last_timings = timings
+        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
         return self.out
 
     def master_values(self) -> torch.Tensor:
