@@ -10,8 +10,10 @@
  *
  * Numerics follow torch.optim.Adam(W)'s single-tensor path: exp_avg and exp_avg_sq op by op
  * (an explicit fma exactly where torch's lerp/addcmul/add(alpha) use one), so they come out
- * bit-identical; the param update uses one rescaled division (see zo_hp) and differs by an
- * ulp at most. No implicit contraction (build with -ffp-contract=off): the AVX-512 body,
+ * bit-identical; the param update is torch's formula too, with the division by
+ * sqrt(bias_correction2) done by a correctly rounded reciprocal + FMA correction (div_bc2),
+ * so params differ from torch only where torch's own vectorized sqrt is off by an ulp
+ * (it is not correctly rounded; ours is). No implicit contraction (build with -ffp-contract=off): the AVX-512 body,
  * the auto-vectorized portable loop and its scalar tail perform the same IEEE operations,
  * so an element gets bit-identical results whatever the thread split.
  *
@@ -38,7 +40,7 @@
 enum { ZO_F32 = 0, ZO_BF16 = 1, ZO_F16 = 2, ZO_NONE = -1 };
 
 /* Version of the C ABI below; the Python binding checks it. */
-int zo_abi_version(void) { return 1; }
+int zo_abi_version(void) { return 2; }
 
 int zo_has_openmp(void) {
 #ifdef _OPENMP
@@ -50,23 +52,35 @@ int zo_has_openmp(void) {
 
 int zo_align_elems(void) { return ZO_ALIGN_ELEMS; }
 
-/* Hyperparameters, folded by the caller in double precision, then rounded to fp32 once.
- * The denominator is rescaled by sqrt(bias_correction2) (update = step * m / (sqrt(v) + eps'),
- * step = -lr * sqrt(bc2) / bc1, eps' = eps * sqrt(bc2)) so one division is left per element:
- * the divider, not memory, would otherwise bound a core. The change is ~1 ulp of the update,
- * invisible next to the param. m and v follow torch's ops exactly. */
+/* Hyperparameters, folded by the caller in double precision like torch's Python-side math,
+ * then rounded to fp32 once, in this order (ZO_NUM_HP floats). */
+enum { ZO_NUM_HP = 10 };
+
+int zo_num_hp(void) { return ZO_NUM_HP; }
+
 typedef struct {
     float decay;          /* AdamW: 1 - lr * wd (param.mul_); else 1 */
     float l2;             /* Adam: wd (grad += wd * param); else 0 */
     float w1;             /* lerp weight 1 - beta1 */
-    float one_minus_w1;   /* 1 - w1, used when w1 >= 0.5 (torch's lerp branch) */
+    float one_minus_w1;   /* 1 - w1 in fp32, for w1 >= 0.5 (torch's other lerp branch) */
     float beta2;
     float one_minus_beta2;
-    float eps_s;          /* eps * sqrt(1 - beta2^step) */
-    float step_s;         /* -lr * sqrt(1 - beta2^step) / (1 - beta1^step) */
+    float eps;
+    float neg_step_size;  /* -lr / (1 - beta1^step) */
+    float bc2_sqrt;       /* sqrt(1 - beta2^step) */
+    float inv_bc2_sqrt;   /* fp32(1 / bc2_sqrt) */
     int adamw;
     int lerp_small;       /* w1 < 0.5 */
 } zo_hp;
+
+/* sqrt(v) / bc2_sqrt without a divide: q = s * r, then one Newton correction with FMAs,
+ * which gives the correctly rounded quotient (checked on 14M random operands against
+ * true division); the divider is the scarce unit, and the step already needs it once.
+ * An inf or NaN quotient keeps q, as a true division would. */
+static inline float div_bc2(float s, float c, float r) {
+    float q = s * r, e = fmaf(-q, c, s), q2 = fmaf(e, r, q);
+    return e != e ? q : q2;
+}
 
 /* ---- conversions (exact: widening is exact, narrowing is round-to-nearest-even) ---- */
 
@@ -188,7 +202,7 @@ static inline void store_fence(void) {
         if (adamw) pi_ = pi_ * decay; else gi_ = fmaf(l2, pi_, gi_);                 \
         mi_ = lerp_small ? fmaf(w1, gi_ - mi_, mi_) : fmaf(-omw1, gi_ - mi_, gi_);   \
         vi_ = fmaf(omb2 * gi_, gi_, (V) * b2);                                       \
-        (P) = pi_ + (step_s * mi_) / (sqrtf(vi_) + eps_s);                           \
+        (P) = pi_ + (nss * mi_) / (div_bc2(sqrtf(vi_), bc2s, rbc2s) + eps);            \
         (M) = mi_;                                                                   \
         (V) = vi_;                                                                   \
     } while (0)
@@ -196,8 +210,9 @@ static inline void store_fence(void) {
 #define ZO_UNPACK_HP(hp)                                                               \
     const float decay = (hp)->decay, l2 = (hp)->l2, w1 = (hp)->w1;                     \
     const float omw1 = (hp)->one_minus_w1, b2 = (hp)->beta2;                           \
-    const float omb2 = (hp)->one_minus_beta2, eps_s = (hp)->eps_s;                     \
-    const float step_s = (hp)->step_s;                                                 \
+    const float omb2 = (hp)->one_minus_beta2, eps = (hp)->eps;                         \
+    const float nss = (hp)->neg_step_size, bc2s = (hp)->bc2_sqrt;                      \
+    const float rbc2s = (hp)->inv_bc2_sqrt;                                            \
     const int adamw = (hp)->adamw, lerp_small = (hp)->lerp_small
 
 /* One tile with an fp32 grad (possibly the widened scratch): a plain loop the compiler
@@ -278,8 +293,12 @@ static inline __m512 adam_vec(float* p, __m512 g, float* m, float* v, const zo_h
     else mv = _mm512_fnmadd_ps(_mm512_set1_ps(hp->one_minus_w1), d, g);
     __m512 vv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(hp->one_minus_beta2), g), g,
                                 _mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(hp->beta2)));
-    __m512 den = _mm512_add_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(hp->eps_s));
-    pv = _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(hp->step_s), mv), den));
+    __m512 root = _mm512_sqrt_ps(vv), r = _mm512_set1_ps(hp->inv_bc2_sqrt);
+    __m512 q = _mm512_mul_ps(root, r);
+    __m512 e = _mm512_fnmadd_ps(q, _mm512_set1_ps(hp->bc2_sqrt), root);
+    q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(e, e, _CMP_ORD_Q), q, _mm512_fmadd_ps(e, r, q));
+    __m512 den = _mm512_add_ps(q, _mm512_set1_ps(hp->eps));
+    pv = _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(hp->neg_step_size), mv), den));
     _mm512_storeu_ps(p, pv);
     _mm512_storeu_ps(m, mv);
     _mm512_storeu_ps(v, vv);
@@ -344,22 +363,19 @@ static int check_args(int g_dtype, int out_dtype, int64_t begin, int64_t end) {
     return 0;
 }
 
-static zo_hp make_hp(float decay, float l2, float w1, float one_minus_w1, float beta2,
-                     float one_minus_beta2, float eps_s, float step_s, int adamw) {
-    zo_hp hp = {decay, l2, w1, one_minus_w1, beta2, one_minus_beta2, eps_s, step_s,
-                adamw != 0, w1 < 0.5f};
+static zo_hp make_hp(const float* v, int adamw) {
+    zo_hp hp = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], adamw != 0,
+                v[2] < 0.5f};
     return hp;
 }
 
 /* Update elements [begin, end). Returns 0, or a nonzero code for bad arguments (nothing
  * is touched then). Safe to call concurrently on disjoint ranges. */
 int zo_adam_range(float* p, const void* g, int g_dtype, float* m, float* v, void* out,
-                  int out_dtype, int64_t begin, int64_t end, float decay, float l2, float w1,
-                  float one_minus_w1, float beta2, float one_minus_beta2, float eps_s,
-                  float step_s, int adamw) {
+                  int out_dtype, int64_t begin, int64_t end, const float* hpv, int adamw) {
     int rc = check_args(g_dtype, out_dtype, begin, end);
     if (rc) return rc;
-    zo_hp hp = make_hp(decay, l2, w1, one_minus_w1, beta2, one_minus_beta2, eps_s, step_s, adamw);
+    zo_hp hp = make_hp(hpv, adamw);
     adam_range(p, g, g_dtype, m, v, out, out_dtype, begin, end, &hp);
     return 0;
 }
@@ -376,12 +392,10 @@ static void thread_range(int64_t n, int t, int nt, int64_t* b, int64_t* e) {
 
 /* Whole tensor with an OpenMP split (one thread when built without OpenMP). */
 int zo_adam_omp(float* p, const void* g, int g_dtype, float* m, float* v, void* out,
-                int out_dtype, int64_t n, float decay, float l2, float w1, float one_minus_w1,
-                float beta2, float one_minus_beta2, float eps_s, float step_s, int adamw,
-                int num_threads) {
+                int out_dtype, int64_t n, const float* hpv, int adamw, int num_threads) {
     int rc = check_args(g_dtype, out_dtype, 0, n);
     if (rc) return rc;
-    zo_hp hp = make_hp(decay, l2, w1, one_minus_w1, beta2, one_minus_beta2, eps_s, step_s, adamw);
+    zo_hp hp = make_hp(hpv, adamw);
     int nt = num_threads > 0 ? num_threads : 1;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)

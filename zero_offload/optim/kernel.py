@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 KERNEL_NAME = "cpu_adam"
 KERNEL_FLAGS: tuple[str, ...] = ("-ffp-contract=off", "-fno-math-errno")
 OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
-ABI_VERSION = 1
+ABI_VERSION = 2
+NUM_HP = 10
 ENV_MODE = "ZERO_OFFLOAD_KERNELS"
 MODES = ("auto", "off", "required")
 # Below this many elements per thread, extra threads cost more than they bring.
@@ -66,8 +67,9 @@ def default_num_threads() -> int:
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    hp = [f32] * 8 + [i32]
+    hp = [ctypes.POINTER(f32), i32]
     lib.zo_abi_version.restype = i32
+    lib.zo_num_hp.restype = i32
     lib.zo_has_openmp.restype = i32
     lib.zo_vec_path.restype = ctypes.c_char_p
     lib.zo_adam_range.restype = i32
@@ -96,7 +98,7 @@ def _load_cached(cc: str, cache: str) -> NativeKernel | str:
         native = build_kernel()
         lib = native.lib
         _declare(lib)
-        if lib.zo_abi_version() != ABI_VERSION:
+        if lib.zo_abi_version() != ABI_VERSION or lib.zo_num_hp() != NUM_HP:
             raise KernelBuildError(
                 f"kernel ABI {lib.zo_abi_version()} != binding ABI {ABI_VERSION}; "
                 f"clear {cache}"
@@ -168,22 +170,25 @@ def _f32(x: float) -> float:
 
 
 def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
-             weight_decay: float, adamw: bool) -> list[float | int]:
-    """Fold the hyperparameters in double precision like torch's Python-side math."""
+                 weight_decay: float, adamw: bool) -> tuple[ctypes.Array, int]:
+    """Fold the hyperparameters in double precision like torch's Python-side math; the
+    kernel takes them as ``float[NUM_HP]`` (order of ``zo_hp`` in the C source)."""
     bc1 = 1 - beta1**step
     bc2_sqrt = (1 - beta2**step) ** 0.5
     w1 = _f32(1 - beta1)
-    return [
+    values = (
         1 - lr * weight_decay if adamw else 1.0,         # decay
         0.0 if adamw else weight_decay,                  # l2
         w1,
         _f32(np.float32(1.0) - np.float32(w1)),          # torch lerp's (1 - weight) in fp32
         beta2,
         1 - beta2,
-        eps * bc2_sqrt,                                  # eps_s
-        -(lr / bc1) * bc2_sqrt,                          # step_s
-        int(bool(adamw)),
-    ]
+        eps,
+        -(lr / bc1),                                     # -step_size
+        bc2_sqrt,
+        float(np.float32(1.0) / np.float32(bc2_sqrt)),   # correctly rounded fp32 reciprocal
+    )
+    return (ctypes.c_float * NUM_HP)(*values), int(bool(adamw))
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -191,7 +196,7 @@ def _ptr(t: Tensor | None) -> int | None:
 
 
 def native_update(k: NativeKernel, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                  exp_avg_sq: Tensor, out: Tensor | None, scalars: list, threads: int,
+                  exp_avg_sq: Tensor, out: Tensor | None, scalars: tuple, threads: int,
                   openmp: bool | None = None) -> int:
     """Run the kernel on ``threads`` threads (OpenMP when built with it, else Python threads
     calling disjoint ranges without the GIL); returns the kernel's status code. Tensors must
