@@ -1,0 +1,331 @@
+"""What one rank holds, per tier, for a stage × offload choice — computed, not measured.
+
+The estimate follows the engine's own arithmetic (``Engine.memory_report`` counts the same
+buffers from real tensors), so it can be checked against the ledger: every unit is padded to a
+multiple of ``num_shards × SHARD_ALIGN`` elements, the fp32 master + Adam m + v are 12 bytes per
+element of the rank's shard ``S``, offloaded gradients are fp32 on the host, and so on. Each
+term says which tier it lives in, when it is alive (held between steps, or only during
+forward/backward or the step) and whether it is one of ZeRO's *model states* (params, grads,
+optimizer state: the paper's arithmetic) or an engine buffer / activations on top.
+
+Given a model (the meta device is fine: only shapes are read) the units are laid out exactly as
+the engine lays them out; given a parameter count, padding is ignored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .config import ConfigError
+from .partition import SHARD_ALIGN, bucketize
+from .swap.buffers import ALIGNMENT, HUGE_PAGE, round_up
+
+__all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
+           "RESIDENT", "FORWARD_BACKWARD", "STEP", "MODEL_STATE", "BUFFER", "ACTIVATIONS"]
+
+# When a term is alive.
+RESIDENT = "resident"  # held between steps: what memory_report() shows after a step
+FORWARD_BACKWARD = "forward/backward"  # only while the model runs
+STEP = "step"  # only inside engine.step()
+PHASES = (RESIDENT, FORWARD_BACKWARD, STEP)
+# What a term is.
+MODEL_STATE = "model state"  # params, grads, optimizer state (ZeRO paper, Table 1)
+BUFFER = "buffer"  # engine working memory on top of the model states
+ACTIVATIONS = "activations"
+
+TIERS = ("device", "host", "nvme")
+_NVME_BUFFERS = 3  # NvmeAdam's pool: read ahead, compute, write back
+_NVME_PAGE_ELEMS = 1024  # NvmeAdam sub-groups are whole 4 KiB pages of fp32
+_INFLIGHT_REDUCTIONS = 3  # GradReducer keeps 2 reductions in flight, plus the one being issued
+_DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
+
+
+@dataclass(frozen=True)
+class Term:
+    """One buffer (or group of buffers) of one rank."""
+
+    name: str
+    tier: str  # "device" (the GPU; the CPU when the engine runs on it), "host" or "nvme"
+    phase: str  # RESIDENT, FORWARD_BACKWARD or STEP
+    kind: str  # MODEL_STATE, BUFFER or ACTIVATIONS
+    bytes: int
+    formula: str  # how it is computed, for people reading the table
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Only what the estimate needs from a model: sizes of its parameters and units."""
+
+    num_params: int
+    module_sizes: tuple[int, ...] | None = None  # stage-3 units: params each module owns
+    param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
+
+    @classmethod
+    def of(cls, model_or_num_params: nn.Module | int | float | "ModelShape") -> "ModelShape":
+        """Read a model's parameter shapes (no memory touched: meta models work) or take a
+        parameter count."""
+        if isinstance(model_or_num_params, ModelShape):
+            return model_or_num_params
+        if isinstance(model_or_num_params, nn.Module):
+            from .stages.units import owning_modules  # the engine's own grouping
+            groups = [[p.numel() for _, p in own] for _, own in owning_modules(model_or_num_params)]
+            params = tuple(n for g in groups for n in g)
+            if not params:
+                raise ValueError("the model has no parameters")
+            return cls(sum(params), tuple(sum(g) for g in groups), params)
+        if isinstance(model_or_num_params, bool) or not isinstance(model_or_num_params,
+                                                                   (int, float)):
+            raise TypeError("expected a torch.nn.Module or a parameter count, got "
+                            f"{type(model_or_num_params).__name__}")
+        n = int(round(model_or_num_params))
+        if n < 1:
+            raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
+        return cls(n)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank per tier for one configuration, and the terms that make them.
+
+    Peak of a tier = its resident terms + the larger of its forward/backward and its step
+    terms. ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
+    (``ranks_per_node`` ranks share a node's host memory and disk).
+    """
+
+    num_params: int
+    num_gpus: int
+    gpus_per_node: int
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    dtype: str
+    shard_numel: int  # S: elements of this rank's flat shard (padded)
+    device: str  # "cuda" or "cpu" (the engine on a CPU-only machine)
+    terms: tuple[Term, ...]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.num_gpus)
+
+    def resident_bytes(self, tier: str | None = None) -> int:
+        """What the engine's ledger (``memory_report``) shows between steps."""
+        return sum(t.bytes for t in self.terms
+                   if t.phase == RESIDENT and tier in (None, t.tier))
+
+    def peak_bytes(self, tier: str) -> int:
+        phase = {p: sum(t.bytes for t in self.terms if t.tier == tier and t.phase == p)
+                 for p in PHASES}
+        return phase[RESIDENT] + max(phase[FORWARD_BACKWARD], phase[STEP])
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Peak bytes on each GPU."""
+        return self.peak_bytes("device")
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return self.peak_bytes("host")
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.ranks_per_node * self.host_bytes_per_rank
+
+    @property
+    def nvme_bytes_per_rank(self) -> int:
+        return self.peak_bytes("nvme")
+
+    @property
+    def nvme_bytes_per_node(self) -> int:
+        return self.ranks_per_node * self.nvme_bytes_per_rank
+
+    def model_state_bytes(self, tier: str = "device") -> int:
+        """Params + grads + optimizer state in ``tier`` (the ZeRO paper's per-GPU figure)."""
+        return sum(t.bytes for t in self.terms if t.kind == MODEL_STATE and t.tier == tier)
+
+    @property
+    def activation_bytes(self) -> int | None:
+        acts = [t.bytes for t in self.terms if t.kind == ACTIVATIONS]
+        return sum(acts) if acts else None
+
+    def largest_terms(self, tier: str, count: int = 3) -> list[Term]:
+        return sorted((t for t in self.terms if t.tier == tier and t.bytes),
+                      key=lambda t: -t.bytes)[:count]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_params": self.num_params, "num_gpus": self.num_gpus,
+            "gpus_per_node": self.gpus_per_node, "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param,
+            "dtype": self.dtype, "shard_numel": self.shard_numel, "device": self.device,
+            "gpu_bytes": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
+            "nvme_bytes_per_node": self.nvme_bytes_per_node,
+            "model_state_gpu_bytes": self.model_state_bytes("device"),
+            "terms": [vars(t) for t in self.terms],
+        }
+
+    def __str__(self) -> str:
+        head = (f"{self.num_params / 1e9:.2f}B params, stage {self.stage}, optimizer "
+                f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
+                f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
+                f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node")
+        rows = [f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
+                for t in self.terms]
+        return "\n".join([head, *rows])
+
+
+def activation_memory(*, seq: int, batch: int, width: int, layers: int,
+                      dtype: torch.dtype = torch.bfloat16, checkpointing: bool = True) -> int:
+    """A rough per-GPU activation figure for a transformer: with activation checkpointing
+    2 × seq × batch × width × layers elements (each block's input kept, plus as much again for
+    the block being recomputed and the logits); without, 17 × that count (Korthikanti et al.,
+    no attention-score term: SDPA/flash attention does not store it)."""
+    per = 2 if checkpointing else 17
+    return per * seq * batch * width * layers * _dtype_bytes(dtype)
+
+
+def _dtype_bytes(dtype: torch.dtype | str) -> int:
+    from .config import PrecisionConfig  # accepts the same names initialize() accepts
+    return torch.empty(0, dtype=PrecisionConfig(dtype=dtype).dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    from .config import PrecisionConfig
+    return str(PrecisionConfig(dtype=dtype).dtype).removeprefix("torch.")
+
+
+def _padded(numel: int, shards: int) -> int:
+    """A unit's padded size: the engine's ``build_layout`` arithmetic."""
+    unit = shards * SHARD_ALIGN
+    return max(unit, math.ceil(numel / unit) * unit)
+
+
+def _huge(nbytes: int) -> int:
+    """Host bytes of one swap-pool buffer: direct-I/O size, then whole huge pages."""
+    return round_up(round_up(nbytes, ALIGNMENT), HUGE_PAGE)
+
+
+def _nvme_group(shard: int, sub_group_size: int, host_memory_limit: int | None) -> int:
+    """Params per NvmeAdam sub-group: three 12-byte buffers of it fit the host budget."""
+    group = min(sub_group_size, shard)
+    if host_memory_limit is not None:
+        group = min(group, host_memory_limit // (_NVME_BUFFERS * 12))
+    return max(_NVME_PAGE_ELEMS, group // _NVME_PAGE_ELEMS * _NVME_PAGE_ELEMS)
+
+
+def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3")
+    for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{key}={value!r} is not valid: expected 'none', 'cpu' or 'nvme'")
+    if offload_param != "none" and stage != 3:
+        raise ConfigError(f"offload_param={offload_param!r} needs stage=3 (got stage={stage})")
+    if offload_optimizer != "none" and stage == 0:
+        raise ConfigError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3")
+
+
+def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: int,
+                    gpus_per_node: int | None = None, stage: int,
+                    offload_optimizer: str | None = None, offload_param: str | None = None,
+                    dtype: torch.dtype | str = torch.bfloat16, prefetch_depth: int = 2,
+                    largest_layer_params: int | None = None,
+                    activation_bytes: int | None = None,
+                    reduce_bucket_size: int = 25_000_000, sub_group_size: int = 100_000_000,
+                    host_memory_limit: int | None = None, device: str = "cuda"
+                    ) -> MemoryEstimate:
+    """Bytes each rank holds in each tier for this configuration, term by term.
+
+    ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
+    are reproduced exactly) or a parameter count (no padding). ``largest_layer_params``:
+    stage 3's largest module, gathered ``prefetch_depth + 1`` at a time (default: read from
+    the model, else Ψ/50). ``gpus_per_node``: default min(num_gpus, 8). ``activation_bytes``:
+    per GPU; None leaves activations out. ``device="cpu"`` models the engine on a CPU-only
+    machine, where the CPU is the "device" tier (as ``memory_report`` names it).
+    """
+    offload_optimizer = offload_optimizer or "none"
+    offload_param = offload_param or "none"
+    _check_choice(stage, offload_optimizer, offload_param)
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    shape = ModelShape.of(model_or_num_params)
+    b = _dtype_bytes(dtype)
+    psi = shape.num_params
+    shards = 1 if stage == 0 else num_gpus
+    if shape.param_sizes is not None:  # the engine's layout: units, each padded
+        if stage == 3:
+            units = list(shape.module_sizes or ())
+        else:
+            sizes = list(reversed(shape.param_sizes))  # gradient-ready order
+            units = [sum(sizes[i] for i in bk) for bk in bucketize(sizes, reduce_bucket_size)]
+        padded = [_padded(n, shards) for n in units]
+        full, largest = sum(padded), max(padded)
+        if stage == 3 and largest_layer_params is not None:
+            largest = _padded(largest_layer_params, shards)
+    else:
+        full = psi
+        largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
+                   if stage == 3 else min(reduce_bucket_size, psi))
+    s = math.ceil(full / shards)
+    on_cpu = device == "cpu"
+    terms: list[Term] = []
+
+    def add(name: str, tier: str, phase: str, kind: str, nbytes: int, formula: str) -> None:
+        terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
+
+    # Parameters.
+    if stage < 3:
+        add("params", "device", RESIDENT, MODEL_STATE, b * full, f"{b}Ψ: a full copy per GPU")
+    else:
+        tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
+        add("param shards", tier, RESIDENT, MODEL_STATE, b * s, f"{b}Ψ/N")
+        add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
+            (prefetch_depth + 1) * largest * b, "(prefetch_depth + 1) × largest module")
+        if offload_param == "nvme":
+            add("param swap buffers", "host", RESIDENT, BUFFER,
+                (prefetch_depth + 2) * _huge(b * math.ceil(largest / shards)),
+                "(prefetch_depth + 2) × largest module's shard, huge-page rounded")
+    # Gradients.
+    g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else ("host", 4)
+    if stage < 2:
+        add("grads", "device", FORWARD_BACKWARD, MODEL_STATE, b * psi,
+            f"{b}Ψ: autograd's full gradients until the step")
+        add("reduced grad shard", g_tier, RESIDENT, BUFFER, g_bytes * s,
+            f"{g_bytes}Ψ/N" if stage else f"{g_bytes}Ψ")
+        add("grad bucket", "device", STEP, BUFFER, b * largest, "one bucket flattened")
+    else:
+        add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s, f"{g_bytes}Ψ/N")
+        add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
+            _INFLIGHT_REDUCTIONS * largest * b, f"{_INFLIGHT_REDUCTIONS} × largest unit")
+    if offload_optimizer == "none" and b != 4:
+        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s, "4Ψ/N, for the update")
+    # Optimizer state: fp32 master + Adam m + v.
+    o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
+    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s, "12Ψ/N: fp32 master, m, v")
+    if offload_optimizer == "nvme":
+        if host_memory_limit is not None and offload_param == "nvme":
+            host_memory_limit -= host_memory_limit // 2  # the engine splits it between pools
+        group = _nvme_group(s, sub_group_size, host_memory_limit)
+        add("optimizer swap buffers", "host", RESIDENT, BUFFER,
+            _NVME_BUFFERS * _huge(12 * group), "3 sub-groups × 12 bytes, huge-page rounded")
+        add("param staging", "host", RESIDENT, BUFFER, b * group,
+            f"{b} bytes × one sub-group: CPU Adam's output")
+    elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
+        # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
+        # shards are themselves in host memory.
+        shards_on_host = stage == 3 and (on_cpu or offload_param == "cpu")
+        if not shards_on_host:
+            tier = "host" if offload_optimizer == "cpu" else "device"
+            add("param staging", tier, RESIDENT, BUFFER, b * s, f"{b}Ψ/N: CPU Adam's output")
+    if activation_bytes:
+        add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
+    return MemoryEstimate(
+        num_params=psi, num_gpus=num_gpus,
+        gpus_per_node=gpus_per_node or min(num_gpus, 8), stage=stage,
+        offload_optimizer=offload_optimizer, offload_param=offload_param,
+        dtype=_dtype_name(dtype), shard_numel=s, device=device, terms=tuple(terms))
