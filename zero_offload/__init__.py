@@ -7,7 +7,8 @@
 from .config import ConfigError, ZeroConfig, build_config, config_keys
 from .engine import Engine, initialize
 from .ledger import MemoryReport
+from .planner import estimate_memory, plan
 
 __all__ = ["ConfigError", "ZeroConfig", "build_config", "config_keys", "Engine", "initialize",
-           "MemoryReport"]
+           "MemoryReport", "estimate_memory", "plan"]
 __version__ = "0.1.0"
