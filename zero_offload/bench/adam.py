@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     print(f"allocating and touching {n:,} params ({n * 20 / 2**30:.1f} GiB)...", file=sys.stderr)
     variants = _variants(n, threads)
+    load_before = os.getloadavg()[0]
     for v in variants:  # warm-up: builds, first-call costs, torch's lazy state
         v.fn()
     for r in range(rounds):
@@ -189,13 +191,15 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write("\r" + " " * 70 + "\r")
     rows = _summarize(variants, n)
     kernel = K.kernel_status()
+    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"  # others running skew absolutes
     if args.json:
         print(json.dumps({"bench": "adam", "params": n, "threads": threads, "rounds": rounds,
-                          "kernel": kernel, "torch": torch.__version__, "results": rows},
+                          "kernel": kernel, "torch": torch.__version__, "loadavg_1m": load,
+                          "results": rows},
                          indent=2))
     else:
         print(_table(rows, f"CPU Adam step, {n:,} params, {threads} threads, {rounds} rounds; "
-                           f"kernel: {kernel}; torch {torch.__version__}"))
+                           f"kernel: {kernel}; torch {torch.__version__}; load avg {load}"))
     return 0
 
 

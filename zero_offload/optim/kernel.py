@@ -78,16 +78,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64] + hp + [i32]
 
 
-def build_kernel(name: str = KERNEL_NAME) -> NativeKernel:
+def build_kernel(name: str = KERNEL_NAME) -> ctypes.CDLL:
     """Build (or find cached) and load a kernel library; OpenMP if the toolchain links it."""
     try:
-        lib = load_library(name, KERNEL_FLAGS + OPENMP_FLAGS)
+        return load_library(name, KERNEL_FLAGS + OPENMP_FLAGS)
     except KernelBuildError as exc:
         if "no C compiler" in str(exc):
             raise
         logger.info("building %s with OpenMP failed, trying without: %s", name, exc)
-        lib = load_library(name, KERNEL_FLAGS)
-    return NativeKernel(lib, bool(lib.zo_has_openmp()), "")
+        return load_library(name, KERNEL_FLAGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,18 +94,18 @@ def _load_cached(cc: str, cache: str) -> NativeKernel | str:
     """Keyed by compiler and cache folder so a changed ``CC`` gets a fresh attempt; a
     failure is cached as its message so it is warned about once, not on every step."""
     try:
-        native = build_kernel()
-        lib = native.lib
+        lib = build_kernel()
         _declare(lib)
         if lib.zo_abi_version() != ABI_VERSION or lib.zo_num_hp() != NUM_HP:
             raise KernelBuildError(
-                f"kernel ABI {lib.zo_abi_version()} != binding ABI {ABI_VERSION}; "
-                f"clear {cache}"
+                f"kernel ABI {lib.zo_abi_version()} does not match the binding's "
+                f"{ABI_VERSION}: kernels/ and zero_offload/ come from different versions"
             )
-        native = NativeKernel(lib, native.openmp, lib.zo_vec_path().decode())
-        logger.info("CPU Adam kernel loaded (%s, openmp=%s)", native.vec_path, native.openmp)
+        native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
+        logger.info("CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path,
+                    native.openmp, cache)
         return native
-    except KernelBuildError as exc:
+    except (KernelBuildError, OSError, AttributeError) as exc:  # missing symbol: stale build
         logger.warning(
             "CPU Adam kernel unavailable, falling back to torch's fused CPU AdamW "
             "(slower on the bf16 offload path). Reason: %s", exc
