@@ -50,8 +50,6 @@ int zo_has_openmp(void) {
 #endif
 }
 
-int zo_align_elems(void) { return ZO_ALIGN_ELEMS; }
-
 /* Hyperparameters, folded by the caller in double precision like torch's Python-side math,
  * then rounded to fp32 once, in this order (ZO_NUM_HP floats). */
 enum { ZO_NUM_HP = 10 };
