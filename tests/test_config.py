@@ -63,8 +63,3 @@ def test_every_key_has_a_default_and_round_trips():
     flat = describe(cfg)
     assert set(flat) == set(zo.config_keys()) - {"process_group"}
     assert flat["stage"] == 0 and flat["offload_optimizer"] == "none"
-
-
-def test_param_offload_not_yet_implemented_says_so():
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        zo.initialize(torch.nn.Linear(2, 2), stage=3, offload_param="cpu")

@@ -71,8 +71,9 @@ def test_ledger_puts_optimizer_state_in_its_tier(world, offload):
             assert rep.bytes["host"]["optimizer"] == 12 * s
         else:
             assert rep.bytes["nvme"]["optimizer"] == 12 * s
-            # host holds only the pool: three buffers, each one 2 MiB huge page at this size
-            assert rep.bytes["host"]["optimizer"] == 3 * 2**21
+            # host holds only the pool (three buffers, each one 2 MiB huge page at this size)
+            # and one sub-group's bf16 output
+            assert 3 * 2**21 < rep.bytes["host"]["optimizer"] <= 3 * 2**21 + 2 * 3072
 
 
 def _run(engine, steps=3, seed=0):

@@ -22,7 +22,10 @@ from .ledger import MemoryReport
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer
 from .stages.optimizer import ShardedOptimizer
-from .stages.units import GatherState, build_units
+from .stages.param_store import ParamStore
+from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
+                           plan_units)
+from .stages.updaters import Updater, make_updater
 
 __all__ = ["Engine", "initialize"]
 
@@ -47,41 +50,73 @@ def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
+def _move_to_device(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)``, except that parameters on the meta device stay there until their
+    unit materializes them."""
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+        return
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                p.data = p.data.to(device)
+        for name, b in module._buffers.items():
+            if b is not None:
+                if b.is_meta:
+                    raise ValueError(
+                        f"buffer {name!r} of {type(module).__name__} is on the meta device; "
+                        "zero_offload materializes meta parameters but not buffers: create "
+                        "buffers on a real device")
+                module._buffers[name] = b.to(device)
+
+
+def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
+    """``host_memory_limit`` is one budget for the swap pools: split evenly when both the
+    parameters and the optimizer state are on NVMe."""
+    limit = config.offload.host_memory_limit
+    if limit is None or config.offload.param != "nvme" or config.offload.optimizer != "nvme":
+        return limit, limit
+    return limit // 2, limit - limit // 2
+
+
 class Engine:
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
-        if config.offload.param != "none":
-            raise NotImplementedError(
-                "offload_param is validated but not implemented yet; use offload_param='none' "
-                "(offload_optimizer='cpu' or 'nvme' works)")
         self.config = config
         self.comm = Comm(config.process_group)
         self.device = config.device or _default_device()
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
-        model.to(self.device)
-        self.units = build_units(
-            model, stage=self.stage, world_size=self.comm.world_size, rank=self.comm.rank,
-            dtype=self.dtype, device=self.device, bucket_size=config.reduce_bucket_size,
-            persistence_threshold=config.param_persistence_threshold, comm=self.comm)
-        self.param_shards = self._shard_params() if self.stage == 3 else None
-        shard_numel = sum(u.shard_numel for u in self.units)
+        _move_to_device(model, self.device)
+        plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
+                           bucket_size=config.reduce_bucket_size)
+        shard_numel = sum(p.shard_numel for p in plans)
+        param_budget, optimizer_budget = _split_host_budget(config)
+        self.param_store = (ParamStore(config, shard_numel,
+                                       max((p.shard_numel for p in plans), default=0),
+                                       self.dtype, self.device, self.comm.rank, param_budget)
+                            if self.stage == 3 else None)
+        updater = make_updater(
+            shard_numel, config, self.device, self.dtype, self.comm.rank,
+            self.param_store.resident if self.param_store else None, optimizer_budget)
+        self.units = self._make_units(plans, updater)
         if config.offload.optimizer == "none":
             self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
         else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
             self.grads = torch.zeros(shard_numel, dtype=torch.float32,
                                      pin_memory=torch.cuda.is_available())
-        self.gatherer = (ParamGatherer(model, self.units, self.comm,
+        self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
                                        prefetch_depth=config.prefetch_depth,
                                        prefetch_bytes=config.prefetch_bytes)
-                         if self.stage == 3 else None)
+                         if self.param_store else None)
         self.reducer = GradReducer(
             self.units, self.comm, self.stage, self.grads,
             on_reduced=self.gatherer.release if self.gatherer else None)
         self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads,
-                                                  self.device, self.dtype, self.param_shards)
+                                                  self.device, self.dtype, updater,
+                                                  self.param_store)
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
@@ -89,16 +124,28 @@ class Engine:
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
 
-    def _shard_params(self) -> torch.Tensor:
-        """Stage 3: keep only this rank's slice of each unit, then release the full buffers."""
-        shards = torch.empty(sum(u.shard_numel for u in self.units), dtype=self.dtype,
-                             device=self.device)
-        for u in self.units:
-            u.param_shard = shards[u.shard_offset:u.shard_offset + u.shard_numel]
-            lo, hi = u.layout.shard_range(self.comm.rank)
-            u.param_shard.copy_(u.full[lo:hi])
-            u.free()
-        return shards
+    def _make_units(self, plans: list[UnitPlan], updater: Updater) -> list[FlatUnit]:
+        """Materialize units one at a time, streaming each rank's fp32 shard into the
+        optimizer's tier and (stage 3) its compute-dtype shard into the parameter store, so
+        that no more than one unit is ever whole in memory."""
+        refs = parameter_references(self._module)
+        units = []
+        for plan in plans:
+            unit, master = make_unit(
+                plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
+                device=self.device, persistence_threshold=self.config.param_persistence_threshold,
+                comm=self.comm, refs=refs)
+            updater.load_master(unit.shard_offset,
+                                master if self.config.offload.optimizer == "none" else master.cpu())
+            if self.param_store is not None:
+                lo, hi = unit.layout.shard_range(self.comm.rank)
+                shard = unit.full[lo:hi]
+                self.param_store.put(unit, shard if self.param_store.resident is None or
+                                     self.param_store.resident.device == shard.device
+                                     else shard.cpu())
+                unit.free()
+            units.append(unit)
+        return units
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -211,8 +258,6 @@ class Engine:
             for p in u.params:
                 if p.grad is not None:
                     rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
-        if self.param_shards is not None:
-            rep.add("device", "params", self.param_shards.numel() * self.param_shards.element_size())
         grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
         rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
         self.sharded_optimizer.add_to(rep)

@@ -8,6 +8,10 @@ saved-tensor hooks installed around the forward tag every saved tensor that live
 unit; unpacking one re-gathers its unit (and prefetches the units used before it in the
 forward). The gradient reducer frees a unit once all its gradients are reduced.
 
+With parameters on NVMe only the reads run ahead (``prefetch_depth`` modules, within
+``prefetch_bytes``); the all-gather starts when the module is about to run, so every rank
+issues its collectives in the same order whatever its disk does.
+
 Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
 they gather but do not free, because the recomputed saved tensors still point at the unit.
 """
@@ -21,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from .param_store import ParamStore
 from .units import FlatUnit, GatherState
 
 __all__ = ["ParamGatherer"]
@@ -38,9 +43,10 @@ class _Saved:
 
 
 class ParamGatherer:
-    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, *,
+    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, store: ParamStore, *,
                  prefetch_depth: int, prefetch_bytes: int | None) -> None:
         self.comm = comm
+        self.store = store
         self.prefetch_depth = prefetch_depth
         self.prefetch_bytes = prefetch_bytes
         self.units = units
@@ -69,7 +75,14 @@ class ParamGatherer:
 
     # -- gather / free bookkeeping ---------------------------------------------------------
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
-        if unit.gather(self.comm, async_op=not wait):
+        """All-gather the unit from the ranks' shards (``wait``: before returning)."""
+        if unit.state is GatherState.FREE:
+            shard = self.store.source(unit).to(unit.full.device, non_blocking=True)
+            from_disk = self.store.reads_from_disk
+            unit.gather(self.comm, shard, async_op=not (wait or from_disk))
+            if from_disk:  # the host buffer goes back to the pool once the gather has it
+                unit.wait()
+                self.store.done(unit)
             self._by_ptr[unit.full.untyped_storage().data_ptr()] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -104,7 +117,12 @@ class ParamGatherer:
                 if unit.full_bytes > budget:
                     break
                 budget -= unit.full_bytes
-            self._fetch(unit, wait=False)
+            if self.store.reads_from_disk:
+                # Only the disk read runs ahead: a collective issued when a read happens to
+                # finish would be issued in a different order on different ranks.
+                self.store.prefetch(unit)
+            else:
+                self._fetch(unit, wait=False)
 
     # -- forward hooks ---------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:

@@ -10,6 +10,7 @@ persistent stage-3 units).
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -18,39 +19,36 @@ from ..comm import Comm
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from .loss_scale import LossScaler
+from .param_store import ParamStore
 from .units import FlatUnit
-from .updaters import make_updater
+from .updaters import Updater
 
 __all__ = ["ShardedOptimizer"]
 
 
 class ShardedOptimizer:
-    def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm,
-                 grads: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 param_shards: torch.Tensor | None = None) -> None:
+    def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm, grads: torch.Tensor,
+                 device: torch.device, dtype: torch.dtype, updater: Updater,
+                 params: ParamStore | None) -> None:
         self.units = units
         self.cfg = cfg
         self.comm = comm
         self.stage = cfg.stage
         self.grads = grads
         self.device = device  # scalars for collectives live here (NCCL needs device tensors)
-        initial = []
-        for u in units:
-            assert u.initial_master is not None
-            initial.append((u.shard_offset, u.initial_master.cpu() if
-                            cfg.offload.optimizer != "none" else u.initial_master))
-            u.initial_master = None
-        self.updater = make_updater(initial, grads.numel(), cfg, device, dtype, comm.rank,
-                                    param_shards)
-        self.optimizer = self.updater.optimizer
+        self.dtype = dtype
+        self.updater = updater
+        self.optimizer = updater.optimizer
+        self.params = params
+        self._starts = [u.shard_offset for u in units]
+        largest = max((u.shard_numel for u in units), default=0)
+        # A unit split across NVMe sub-groups is assembled here before it is stored.
+        self._staging = torch.empty(largest, dtype=dtype) \
+            if cfg.offload.optimizer == "nvme" else None
         p = cfg.precision
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
                        if p.dtype == torch.float16 else None)
         self.last_grad_norm: float | None = None
-
-    @staticmethod
-    def _slice(flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
-        return flat[unit.shard_offset:unit.shard_offset + unit.shard_numel]
 
     @property
     def loss_scale(self) -> float:
@@ -85,28 +83,42 @@ class ShardedOptimizer:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 grads32.mul_(coef)
-        self.write_back(self.updater.update(grads32))
+        self.updater.update(grads32, self._sink)
         return True
 
-    def write_back(self, new: torch.Tensor) -> None:
-        """Copy the updated values (rank-flat, fp32 or compute dtype, any device) into the
-        compute-dtype parameters."""
-        pending = []
-        for u in self.units:
-            src = self._slice(new, u).to(u.full.device, non_blocking=True)
-            if u.sharded_params:
-                if src.data_ptr() != u.param_shard.data_ptr():  # not updated in place
-                    u.param_shard.copy_(src)
-            elif self.stage == 0:
-                u.full.copy_(src)
-            else:
-                low = src.to(u.full.dtype)
-                pending.append((self.comm.all_gather(u.full, low, async_op=True), low))
-        for handle, _low in pending:
-            handle.wait()
+    def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """New values for rank-flat [lo, hi): hand every unit completed by them to
+        :meth:`_finish` (a unit cut by a sub-group boundary waits in the staging buffer)."""
+        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        for u in self.units[first:]:
+            start, end = u.shard_offset, u.shard_offset + u.shard_numel
+            if start >= hi:
+                break
+            if start >= lo and end <= hi:
+                self._finish(u, values[start - lo:end - lo])
+                continue
+            assert self._staging is not None, "only NVMe sub-groups cut units"
+            a, b = max(lo, start), min(hi, end)
+            self._staging[a - start:b - start].copy_(values[a - lo:b - lo])
+            if b == end:
+                self._finish(u, self._staging[:u.shard_numel])
+
+    def _finish(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """Write a unit's updated shard into its compute-dtype parameters."""
+        if unit.sharded_params:
+            assert self.params is not None
+            self.params.put(unit, shard.to(self.dtype))
+        elif self.stage == 0:
+            unit.full.copy_(shard)
+        else:
+            self.comm.all_gather(unit.full, shard.to(device=unit.full.device, dtype=self.dtype))
 
     def add_to(self, report: MemoryReport) -> None:
         self.updater.add_to(report)
+        if self.params is not None:
+            self.params.add_to(report)
 
     def close(self) -> None:
         self.updater.close()
+        if self.params is not None:
+            self.params.close()

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..comm import Comm, Handle
 from ..partition import FlatLayout, bucketize, build_layout
 
-__all__ = ["FlatUnit", "GatherState", "build_units", "owning_modules"]
+__all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
+           "owning_modules", "parameter_references"]
 
 
 class GatherState(enum.Enum):
@@ -38,11 +39,9 @@ class FlatUnit:
     sharded_params: bool  # stage 3 and not persistent: ``full`` is only there while gathered
     state: GatherState = GatherState.GATHERED
     handle: Handle | None = None
-    param_shard: torch.Tensor | None = None  # this rank's slice of the low-precision params
     pending_grads: int = 0  # grads still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were reduced already
     views: list[torch.Tensor] = field(default_factory=list)
-    initial_master: torch.Tensor | None = None  # fp32 shard at start, taken by the optimizer
 
     @property
     def shard_numel(self) -> int:
@@ -57,12 +56,12 @@ class FlatUnit:
         return [p for p in self.params if p.requires_grad]
 
     # -- stage 3: gather / free ------------------------------------------------------------
-    def gather(self, comm: Comm, async_op: bool) -> bool:
-        """Start (or finish) filling ``full`` from every rank's shard; True if work was issued."""
+    def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool) -> bool:
+        """Start filling ``full`` from every rank's ``shard``; True if work was issued."""
         if self.state is not GatherState.FREE:
             return False
         self.full.untyped_storage().resize_(self.full_bytes)
-        self.handle = comm.all_gather(self.full, self.param_shard, async_op=async_op)
+        self.handle = comm.all_gather(self.full, shard, async_op=async_op)
         self.state = GatherState.PENDING
         if not async_op:
             self.wait()
@@ -101,42 +100,111 @@ def owning_modules(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, nn
     return out
 
 
-def build_units(model: nn.Module, *, stage: int, world_size: int, rank: int,
-                dtype: torch.dtype, device: torch.device, bucket_size: int,
-                persistence_threshold: int, comm: Comm) -> list[FlatUnit]:
-    """Group the model's parameters into units, broadcast rank 0's values so that every rank
-    starts from the same weights, and point each parameter at its view of ``full``.
+@dataclass
+class UnitPlan:
+    """A unit before it has memory: its parameters, the module that owns them, its layout."""
 
-    Each unit's ``initial_master`` holds this rank's fp32 shard of the starting weights, for the
-    optimizer's master copy.
-    """
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    owners: list[nn.Module]  # per parameter: the module whose reset_parameters() makes it
+    layout: FlatLayout
+    shard_offset: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+
+def plan_units(model: nn.Module, *, stage: int, world_size: int,
+               bucket_size: int) -> list[UnitPlan]:
+    """Group parameters into units (stage 3: one per module that holds parameters; else
+    buckets of ``bucket_size`` elements in reverse registration order, the order in which
+    gradients tend to become ready) and lay each out. Touches no parameter memory, so a model
+    on the meta device is planned too."""
+    owned = [(module, name, p) for module, own in owning_modules(model) for name, p in own]
     if stage == 3:
-        groups = [own for _, own in owning_modules(model)]
+        groups = [[(m, n, p) for n, p in own] for m, own in owning_modules(model)]
     else:
-        named = [pair for _, own in owning_modules(model) for pair in own]
-        # Reverse registration order approximates the order in which gradients become ready.
-        named.reverse()
-        groups = [[named[i] for i in b] for b in bucketize([p.numel() for _, p in named], bucket_size)]
+        owned.reverse()
+        groups = [[owned[i] for i in b]
+                  for b in bucketize([p.numel() for _, _, p in owned], bucket_size)]
     num_shards = 1 if stage == 0 else world_size
-    units: list[FlatUnit] = []
-    offset = 0
+    plans, offset = [], 0
     for index, group in enumerate(groups):
-        layout = build_layout(((n, p.shape) for n, p in group), num_shards)
-        params = [p for _, p in group]
-        master = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            layout.flatten_into(master, [p.detach().to(device=device, dtype=torch.float32)
-                                         for p in params])
-            comm.broadcast(master, src=0)
-        full = master.to(dtype)
-        sharded = stage == 3 and layout.numel >= persistence_threshold
-        unit = FlatUnit(index, params, [n for n, _ in group], layout, full, offset, sharded)
-        unit.views = layout.views(full)
-        for p, view in zip(params, unit.views):
-            p.data = view
-        shard = 0 if num_shards == 1 else rank
-        lo, hi = layout.shard_range(shard)
-        unit.initial_master = master[lo:hi].clone()
+        layout = build_layout(((n, p.shape) for _, n, p in group), num_shards)
+        plans.append(UnitPlan(index, [n for _, n, _ in group], [p for _, _, p in group],
+                              [m for m, _, _ in group], layout, offset))
         offset += layout.shard_numel
-        units.append(unit)
-    return units
+    return plans
+
+
+def parameter_references(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(param) -> every (module, attribute name) that holds it (tied weights: several)."""
+    refs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                refs.setdefault(id(p), []).append((module, name))
+    return refs
+
+
+def _initial_values(plan: UnitPlan, device: torch.device) -> list[torch.Tensor]:
+    """Each parameter's starting value in fp32; a parameter on the meta device is made by its
+    module's ``reset_parameters()`` on the CPU, one module at a time."""
+    values: list[torch.Tensor | None] = [None] * len(plan.params)
+    for i, p in enumerate(plan.params):
+        if not p.is_meta:
+            values[i] = p.detach().to(device=device, dtype=torch.float32)
+    for owner in {id(m): m for m, p in zip(plan.owners, plan.params) if p.is_meta}.values():
+        reset = getattr(owner, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(
+                f"{type(owner).__name__} holds parameters on the meta device but has no "
+                "reset_parameters() to create them; give it one, or build the model on a real "
+                "device")
+        saved = dict(owner._parameters)
+        for name, p in saved.items():
+            if p is not None and p.is_meta:
+                owner._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32))
+        try:
+            with torch.no_grad():
+                reset()
+            made = {name: owner._parameters[name] for name in saved}
+        finally:
+            owner._parameters.update(saved)
+        for i, (m, p) in enumerate(zip(plan.owners, plan.params)):
+            if m is owner and p.is_meta:
+                name = next(n for n, q in saved.items() if q is p)
+                values[i] = made[name].detach().to(device)
+    return values  # type: ignore[return-value]
+
+
+def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
+              device: torch.device, persistence_threshold: int, comm: Comm,
+              refs: dict[int, list[tuple[nn.Module, str]]]) -> tuple[FlatUnit, torch.Tensor]:
+    """Give a planned unit its memory: broadcast rank 0's starting values (so every rank
+    starts from the same weights), make ``full`` in the compute dtype, and point the model's
+    parameters at their views of it. Returns the unit and this rank's fp32 master shard."""
+    layout = plan.layout
+    master = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        layout.flatten_into(master, _initial_values(plan, device))
+        comm.broadcast(master, src=0)
+    full = master.to(dtype)
+    sharded = stage == 3 and layout.numel >= persistence_threshold
+    views = layout.views(full)
+    params = []
+    for p, view in zip(plan.params, views):
+        if p.is_meta:  # a meta tensor cannot take other data: put a new Parameter everywhere
+            new = nn.Parameter(view, requires_grad=p.requires_grad)
+            for module, name in refs.get(id(p), []):
+                module._parameters[name] = new
+            p = new
+        else:
+            p.data = view
+        params.append(p)
+    unit = FlatUnit(plan.index, params, plan.names, layout, full, plan.shard_offset, sharded,
+                    views=views)
+    lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
+    return unit, master[lo:hi].clone()

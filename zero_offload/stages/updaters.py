@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,7 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from ..swap.buffers import HostBuffer
 from ..swap.swapper import Swapper
 
 __all__ = ["Updater", "StepTimings", "DeviceAdam", "HostAdam", "NvmeAdam", "make_updater"]
@@ -34,6 +35,11 @@ __all__ = ["Updater", "StepTimings", "DeviceAdam", "HostAdam", "NvmeAdam", "make
 log = logging.getLogger(__name__)
 
 _PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+
+
+Sink = Callable[[int, int, torch.Tensor], None]
+"""Receives the new parameter values of rank-flat elements [lo, hi) (fp32 or compute dtype),
+in increasing order; it must be done with the tensor when it returns."""
 
 
 @dataclass
@@ -60,7 +66,8 @@ class Updater(Protocol):
     steps: int
     last_timings: StepTimings
 
-    def update(self, grads32: torch.Tensor) -> torch.Tensor: ...
+    def load_master(self, offset: int, values: torch.Tensor) -> None: ...
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None: ...
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...
@@ -79,7 +86,7 @@ class DeviceAdam:
     """fp32 master + AdamW state on the compute device (no offload)."""
 
     def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
-        self.master = master
+        self.master = master  # filled by load_master
         self.param = nn.Parameter(master, requires_grad=False)
         try:
             self.optimizer = torch.optim.AdamW([self.param], fused=True, **_adam_kwargs(cfg))
@@ -88,7 +95,10 @@ class DeviceAdam:
         self.steps = 0
         self.last_timings = StepTimings()
 
-    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        self.master[offset:offset + values.numel()].copy_(values)
+
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
         start = time.perf_counter()
         self.param.grad = grads32
         self.optimizer.step()
@@ -96,7 +106,7 @@ class DeviceAdam:
         self.steps += 1
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        return self.master
+        sink(0, self.master.numel(), self.master)
 
     def master_values(self) -> torch.Tensor:
         return self.master
@@ -129,13 +139,16 @@ class HostAdam:
         self.steps = 0
         self.last_timings = StepTimings()
 
-    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        self.master[offset:offset + values.numel()].copy_(values)
+
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
         start = time.perf_counter()
         self.optimizer.step_param(self.param, grads32, out=self.out)
         self.steps += 1
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        return self.master if self.out is None else self.out
+        sink(0, self.master.numel(), self.master if self.out is None else self.out)
 
     def master_values(self) -> torch.Tensor:
         return self.master
@@ -156,24 +169,24 @@ class NvmeAdam:
 
     BUFFERS = 3  # one being read ahead, one computing, one being written back
 
-    def __init__(self, master_source: list[tuple[int, torch.Tensor]], numel: int,
-                 cfg: ZeroConfig, dtype: torch.dtype, rank: int) -> None:
+    def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
+                 host_memory_limit: int | None) -> None:
         off = cfg.offload
         self.numel = numel
-        self.group = self._group_size(off.sub_group_size, off.host_memory_limit, numel)
+        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel)
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
         self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
                                buffer_count=self.BUFFERS, min_buffers=2,
-                               host_memory_limit=off.host_memory_limit,
+                               host_memory_limit=host_memory_limit,
                                expected_bytes=12 * numel, rank=rank)
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
-        self.out = torch.empty(numel, dtype=dtype)
+        self.out = torch.empty(self.group, dtype=dtype)  # a sub-group's new params
         self.steps = 0
         self.last_timings = StepTimings()
-        self._write_initial(master_source)
+        self._loading: tuple[int, HostBuffer] | None = None
         log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB",
                  len(self.bounds), self.group, self.swapper.pool.count, 12 * self.group / 2**20)
 
@@ -189,18 +202,29 @@ class NvmeAdam:
     def _key(i: int) -> str:
         return f"adam.{i}"
 
-    def _write_initial(self, master_source: list[tuple[int, torch.Tensor]]) -> None:
-        """Store each sub-group as [master | m = 0 | v = 0], filled from the units' shards."""
-        for i, (lo, hi) in enumerate(self.bounds):
-            n = hi - lo
-            with self.swapper.pool.borrow(timeout=self.swapper.acquire_timeout) as buf:
-                state = buf.view(torch.float32, (3, n))
-                state[1:].zero_()
-                for start, values in master_source:
-                    a, b = max(lo, start), min(hi, start + values.numel())
-                    if a < b:
-                        state[0, a - lo:b - lo].copy_(values[a - start:b - start])
-                self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        """Store starting master values, given in increasing ``offset`` order; each sub-group
+        is written as [master | m = 0 | v = 0] once it is complete."""
+        pos = 0
+        while pos < values.numel():
+            start = offset + pos
+            i = start // self.group
+            lo, hi = self.bounds[i]
+            if self._loading is None:
+                buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
+                buf.view(torch.float32, (3, hi - lo))[1:].zero_()
+                self._loading = (i, buf)
+            buf = self._loading[1]
+            take = min(hi - start, values.numel() - pos)
+            state = buf.view(torch.float32, (3, hi - lo))
+            state[0, start - lo:start - lo + take].copy_(values[pos:pos + take])
+            pos += take
+            if start + take == hi:
+                try:
+                    self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
+                finally:
+                    self.swapper.pool.release(buf)
+                    self._loading = None
 
     def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
         """Add the request's duration (submit to completion) to ``timings`` when it ends."""
@@ -216,7 +240,7 @@ class NvmeAdam:
         timings.bytes_read += 12 * (hi - lo)
         return self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
 
-    def update(self, grads32: torch.Tensor) -> torch.Tensor:
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
         self.steps += 1
@@ -234,11 +258,10 @@ class NvmeAdam:
                 pending = self._read(i + 1, timings)
             t0 = time.perf_counter()
             master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
-            out = None if self.out.dtype == torch.float32 else self.out[lo:hi]
+            out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
             adam_update(master, grads32[lo:hi], exp_avg, exp_avg_sq, out=out, **hyper)
-            if out is None:
-                self.out[lo:hi].copy_(master)
             timings.compute_s += time.perf_counter() - t0
+            sink(lo, hi, master if out is None else out)
             timings.bytes_written += 12 * (hi - lo)
             self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
                         timings)
@@ -251,7 +274,6 @@ class NvmeAdam:
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
-        return self.out
 
     def master_values(self) -> torch.Tensor:
         """A host copy of the fp32 master, read sub-group by sub-group from the files."""
@@ -264,29 +286,27 @@ class NvmeAdam:
 
     def add_to(self, report: MemoryReport) -> None:
         report.add("nvme", "optimizer", 12 * self.numel)
-        report.add("host", "optimizer", self.swapper.host_buffer_nbytes)
-        report.add("host", "params", _nbytes(self.out))
+        report.add("host", "optimizer", self.swapper.host_buffer_nbytes + _nbytes(self.out))
 
     def close(self) -> None:
         self.swapper.close()
 
 
-def make_updater(units_master: list[tuple[int, torch.Tensor]], numel: int, cfg: ZeroConfig,
-                 device: torch.device, dtype: torch.dtype, rank: int,
-                 param_shards: torch.Tensor | None = None) -> Updater:
-    """Build the updater ``offload_optimizer`` asks for from the units' initial fp32 shards
-    (``(offset in the rank-flat buffer, values)``). ``param_shards``: stage 3's rank-flat
-    compute-dtype params; a CPU updater writes them in place when they are in host memory."""
-    out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
-        and param_shards.dtype == dtype else None
+def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
+                 rank: int, param_shards: torch.Tensor | None = None,
+                 host_memory_limit: int | None = None) -> Updater:
+    """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_master``.
+    ``param_shards``: stage 3's rank-flat compute-dtype params when resident; a CPU updater
+    writes them in place when they are in host memory. ``host_memory_limit``: this updater's
+    share of the host budget (NVMe pool)."""
     where = cfg.offload.optimizer
     if where == "nvme":
-        return NvmeAdam(units_master, numel, cfg, dtype, rank)
+        return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
+    out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
+        and param_shards.dtype == dtype else None
     pin = where == "cpu" and torch.cuda.is_available()
     master = torch.empty(numel, dtype=torch.float32,
                          device="cpu" if where == "cpu" else device, pin_memory=pin)
-    for start, values in units_master:
-        master[start:start + values.numel()].copy_(values)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)
     if device.type == "cpu":

@@ -1,0 +1,159 @@
+"""Stage-3 parameter shards on the host and on NVMe, with asynchronous prefetch: the same
+parameters as stage 3 without offload, budgets kept, a changed module order survived, and a
+model built on the meta device materialized unit by unit."""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+import equivalence
+import zero_offload as zo
+from distributed import run_ranks
+from models import TinyGPT, batch, loss_fn
+from test_engine import Router
+
+PARAMS = ("cpu", "nvme")
+OPTIMIZERS = ("none", "cpu", "nvme")
+DEPTHS = (0, 1, 3)
+
+
+def _matrix(rank: int, world: int, root: str) -> dict:
+    out = {}
+    configs = [("none", "none", 2)] + [(p, o, d) for p in PARAMS for o in OPTIMIZERS
+                                        for d in DEPTHS]
+    for param, optim, depth in configs:
+        engine, _ = equivalence.train(
+            rank, world, "gpt", torch.bfloat16, 4, stage=3, offload_param=param,
+            offload_optimizer=optim, prefetch_depth=depth, nvme_path=root, sub_group_size=3000)
+        out[(param, optim, depth)] = (engine.full_state_dict(), engine.memory_report(),
+                                      max(u.full_bytes for u in engine.units))
+        engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as root:
+        res = run_ranks(world, _matrix, root)
+        assert os.listdir(root) == [], "swap files must be removed on close"
+        return res
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+@pytest.mark.parametrize("param", PARAMS)
+def test_param_offload_trains_like_stage3_without_offload(world, param, optim, depth):
+    res = results(world)[0]
+    base = res[("none", "none", 2)][0]
+    got = res[(param, optim, depth)][0]
+    for name in base:  # the same kernels run on every tier: equal bit for bit
+        assert torch.equal(base[name], got[name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("param", PARAMS)
+def test_ledger_shows_param_tier_and_gather_budget(world, param):
+    for rank_res in results(world):
+        for depth in DEPTHS:
+            # (with the optimizer on NVMe too, no whole-shard staging buffer is needed)
+            _, rep, largest = rank_res[(param, "nvme", depth)]
+            tier = "host" if param == "cpu" else "nvme"
+            assert rep.bytes[tier]["params"] > 0
+            # nothing gathered after the step; the device holds no parameter shard
+            assert rep.bytes["device"]["params"] == 0
+            # NVMe: only reads run ahead, so at most the running unit and the tied embedding
+            # are gathered; host: `depth` units are all-gathered ahead as well
+            ahead = 0 if param == "nvme" else depth
+            assert rep.peak_gathered_param_bytes <= (ahead + 2) * largest
+
+
+def test_host_memory_limit_bounds_both_pools(tmp_path):
+    limit = 16 * 2**20
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=3, offload_param="nvme", offload_optimizer="nvme",
+                           nvme_path=tmp_path, host_memory_limit=limit, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = batch("gpt", 4, gen)
+        engine.backward(loss_fn("gpt", engine(x), y))
+        engine.step()
+    pools = (engine.param_store.swapper.host_buffer_nbytes
+             + engine.sharded_optimizer.updater.swapper.host_buffer_nbytes)
+    assert pools <= limit
+    engine.close()
+
+
+def test_changed_module_order_with_params_on_nvme(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = Router()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = zo.initialize(model, stage=3, lr=1e-2, offload_param="nvme", nvme_path=tmp_path,
+                           prefetch_depth=2)
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING):
+        for i in range(6):
+            x, y = batch("mlp", 4, gen)
+            x = x.abs() if i % 2 == 0 else -x.abs()
+            engine.backward(loss_fn("mlp", engine(x), y))
+            engine.step()
+            loss_fn("mlp", ref(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert "different order" in caplog.text
+    sd = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=3e-4)
+    engine.close()
+
+
+def test_meta_device_model_is_materialized_unit_by_unit(tmp_path):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TinyGPT()
+    assert all(p.is_meta for p in model.parameters())
+    engine = zo.initialize(model, stage=3, lr=1e-2, offload_param="nvme",
+                           offload_optimizer="nvme", nvme_path=tmp_path)
+    start = engine.full_state_dict()
+    assert not any(p.is_meta for p in engine.module.parameters())
+    assert engine.module.lm_head.weight is engine.module.wte.weight  # the tie survives
+    assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for k, v in start.items()
+               if not k.endswith("bias"))
+    # from here it trains exactly like the same weights built on the CPU
+    ref_model = TinyGPT()
+    ref_model.load_state_dict(start)
+    ref = zo.initialize(ref_model, stage=3, lr=1e-2)
+    gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for eng, gen in ((engine, gen_a), (ref, gen_b)):
+            x, y = batch("gpt", 4, gen)
+            eng.backward(loss_fn("gpt", eng(x), y))
+            eng.step()
+    got, want = engine.full_state_dict(), ref.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    engine.close()
+
+
+def test_meta_module_without_reset_parameters_is_a_clear_error():
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = Bare()
+    with pytest.raises(ValueError, match="reset_parameters"):
+        zo.initialize(model, stage=3)

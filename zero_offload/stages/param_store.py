@@ -1,0 +1,95 @@
+"""Stage 3: where each rank's low-precision parameter shards live between uses.
+
+``offload_param="none"`` keeps them in one rank-flat buffer on the device, ``"cpu"`` in host
+memory (pinned with CUDA), ``"nvme"`` in one file per unit behind a small pool of host buffers
+(``prefetch_depth + 2`` of them, so reads for the next modules run while one computes). The
+gatherer reads a unit's shard through :meth:`ParamStore.source` just before its all-gather;
+the optimizer writes new values through :meth:`put` after a step — the only time a shard
+changes, so a shard is written back only then.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ZeroConfig
+from ..ledger import MemoryReport
+from ..swap.swapper import Swapper
+from .units import FlatUnit
+
+__all__ = ["ParamStore"]
+
+
+class ParamStore:
+    def __init__(self, cfg: ZeroConfig, numel: int, largest_shard: int, dtype: torch.dtype,
+                 device: torch.device, rank: int, host_memory_limit: int | None) -> None:
+        self.tier = cfg.offload.param
+        self.resident: torch.Tensor | None = None
+        self.swapper: Swapper | None = None
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._bytes = numel * itemsize
+        if self.tier == "nvme":
+            self.swapper = Swapper(
+                cfg.offload.nvme_path, buffer_bytes=largest_shard * itemsize,
+                buffer_count=cfg.prefetch_depth + 2, min_buffers=1,
+                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank)
+        else:
+            on_host = self.tier == "cpu"
+            self.resident = torch.empty(numel, dtype=dtype,
+                                        device="cpu" if on_host else device,
+                                        pin_memory=on_host and torch.cuda.is_available())
+
+    @staticmethod
+    def _key(unit: FlatUnit) -> str:
+        return f"param.{unit.index}"
+
+    def view(self, unit: FlatUnit) -> torch.Tensor | None:
+        """The unit's slice of the resident buffer (None on NVMe)."""
+        if self.resident is None:
+            return None
+        return self.resident[unit.shard_offset:unit.shard_offset + unit.shard_numel]
+
+    @property
+    def reads_from_disk(self) -> bool:
+        return self.swapper is not None
+
+    def put(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """Store new values of the unit's shard (waits for an NVMe write to finish, so the
+        caller may reuse ``shard`` at once)."""
+        view = self.view(unit)
+        if view is not None:
+            if view.data_ptr() != shard.data_ptr():
+                view.copy_(shard)
+        else:
+            assert self.swapper is not None
+            self.swapper.swap_out(self._key(unit), shard).result()
+
+    def prefetch(self, unit: FlatUnit) -> None:
+        """Start reading an NVMe shard into a host buffer (no-op for resident shards)."""
+        if self.swapper is not None:
+            self.swapper.prefetch(self._key(unit))
+
+    def source(self, unit: FlatUnit) -> torch.Tensor:
+        """The shard to all-gather from (NVMe: waits for the read into a host buffer, held
+        until :meth:`done`)."""
+        view = self.view(unit)
+        if view is not None:
+            return view
+        assert self.swapper is not None
+        return self.swapper.prefetch(self._key(unit)).result()
+
+    def done(self, unit: FlatUnit) -> None:
+        """The all-gather that read :meth:`source` has finished: give its buffer back."""
+        if self.swapper is not None:
+            self.swapper.release(self._key(unit))
+
+    def add_to(self, report: MemoryReport) -> None:
+        if self.resident is not None:
+            report.add("host" if self.tier == "cpu" else "device", "params", self._bytes)
+        else:
+            assert self.swapper is not None
+            report.add("nvme", "params", self._bytes)
+            report.add("host", "params", self.swapper.host_buffer_nbytes)
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
