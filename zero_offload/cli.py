@@ -14,6 +14,7 @@ import sys
 _COMMANDS = [
     (("bench", "adam"), "zero_offload.bench.adam", "CPU Adam kernel vs torch's fused AdamW"),
     (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
+    (("bench", "step"), "zero_offload.bench.step", "one training step: I/O, Adam, overlap; prefetch-depth sweep"),
     (("plan",), "zero_offload.plan_cli", "which stage and offload fit your model and GPUs"),
 ]
 
