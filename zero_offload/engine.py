@@ -135,7 +135,7 @@ class Engine:
                 plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
                 device=self.device, persistence_threshold=self.config.param_persistence_threshold,
                 comm=self.comm, refs=refs)
-            updater.load_master(unit.shard_offset,
+            updater.load_state(unit.shard_offset,
                                 master if self.config.offload.optimizer == "none" else master.cpu())
             if self.param_store is not None:
                 lo, hi = unit.layout.shard_range(self.comm.rank)

@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
@@ -61,12 +61,18 @@ class StepTimings:
         return busy / self.wall_s if self.wall_s > 0 else 1.0
 
 
+StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
+
+
 class Updater(Protocol):
     optimizer: torch.optim.Optimizer
     steps: int
     last_timings: StepTimings
 
-    def load_master(self, offset: int, values: torch.Tensor) -> None: ...
+    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                   exp_avg_sq: torch.Tensor | None = None) -> None: ...
+    def iter_state(self) -> Iterator[StateChunk]: ...
     def update(self, grads32: torch.Tensor, sink: Sink) -> None: ...
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
@@ -82,73 +88,58 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class DeviceAdam:
-    """fp32 master + AdamW state on the compute device (no offload)."""
+_CHUNK = 1 << 24  # elements per piece when state is streamed off an accelerator
 
-    def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
-        self.master = master  # filled by load_master
-        self.param = nn.Parameter(master, requires_grad=False)
-        try:
-            self.optimizer = torch.optim.AdamW([self.param], fused=True, **_adam_kwargs(cfg))
-        except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
-            self.optimizer = torch.optim.AdamW([self.param], **_adam_kwargs(cfg))
-        self.steps = 0
+
+class _ResidentAdam:
+    """Master and moments as whole tensors in memory (device or host), with torch's
+    optimizer-state layout: ``optimizer.state[param]`` holds step, exp_avg, exp_avg_sq."""
+
+    tier = "device"
+
+    def __init__(self, master: torch.Tensor, optimizer: torch.optim.Optimizer,
+                 param: nn.Parameter) -> None:
+        self.master, self.optimizer, self.param = master, optimizer, param
         self.last_timings = StepTimings()
 
-    def load_master(self, offset: int, values: torch.Tensor) -> None:
-        self.master[offset:offset + values.numel()].copy_(values)
+    @property
+    def steps(self) -> int:
+        step = self.optimizer.state.get(self.param, {}).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
 
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
-        start = time.perf_counter()
-        self.param.grad = grads32
-        self.optimizer.step()
-        self.param.grad = None
-        self.steps += 1
-        elapsed = time.perf_counter() - start
-        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        sink(0, self.master.numel(), self.master)
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._moments()["step"].fill_(float(value))
 
-    def master_values(self) -> torch.Tensor:
-        return self.master
+    def _moments(self) -> dict:
+        """The optimizer's state for the master, created (zeros) if no step ran yet."""
+        state = self.optimizer.state[self.param]
+        if "exp_avg" not in state:
+            fused = getattr(self.optimizer, "defaults", {}).get("fused")
+            state["step"] = torch.zeros((), dtype=torch.float32,
+                                        device=self.master.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(self.master)
+            state["exp_avg_sq"] = torch.zeros_like(self.master)
+        return state
 
-    def add_to(self, report: MemoryReport) -> None:
-        state = self.optimizer.state.get(self.param, {})
-        report.add("device", "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
-                   + _nbytes(state.get("exp_avg_sq")))
+    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                   exp_avg_sq: torch.Tensor | None = None) -> None:
+        end = offset + master.numel()
+        self.master[offset:end].copy_(master)
+        if exp_avg is not None or exp_avg_sq is not None:
+            state = self._moments()
+            for key, values in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if values is not None:
+                    state[key][offset:end].copy_(values)
 
-    def close(self) -> None:
-        pass
-
-
-class HostAdam:
-    """fp32 master + AdamW state in host memory, stepped by the CPU Adam kernel. ``tier``
-    names it in the ledger: "host" when offloaded, "device" when the CPU is the device."""
-
-    def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
-                 tier: str = "host", out: torch.Tensor | None = None) -> None:
-        self.master = master
-        self.tier = tier
-        self.param = nn.Parameter(master, requires_grad=False)
-        self.optimizer = CPUAdam([self.param], adamw=True, **_adam_kwargs(cfg))
-        # The kernel writes the compute-dtype params into ``out`` in the same pass: the
-        # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
-        self.owns_out = out is None and dtype != torch.float32
-        self.out = torch.empty(master.numel(), dtype=dtype) if self.owns_out else out
-        if dtype == torch.float32:
-            self.out = None
-        self.steps = 0
-        self.last_timings = StepTimings()
-
-    def load_master(self, offset: int, values: torch.Tensor) -> None:
-        self.master[offset:offset + values.numel()].copy_(values)
-
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
-        start = time.perf_counter()
-        self.optimizer.step_param(self.param, grads32, out=self.out)
-        self.steps += 1
-        elapsed = time.perf_counter() - start
-        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        sink(0, self.master.numel(), self.master if self.out is None else self.out)
+    def iter_state(self) -> Iterator[StateChunk]:
+        state = self._moments()
+        n = self.master.numel()
+        step = max(n, 1) if self.master.device.type == "cpu" else _CHUNK  # CPU: no copies
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            yield (lo, hi, *(t[lo:hi].cpu() for t in
+                             (self.master, state["exp_avg"], state["exp_avg_sq"])))
 
     def master_values(self) -> torch.Tensor:
         return self.master
@@ -157,11 +148,59 @@ class HostAdam:
         state = self.optimizer.state.get(self.param, {})
         report.add(self.tier, "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
                    + _nbytes(state.get("exp_avg_sq")))
-        if self.owns_out:
-            report.add(self.tier, "params", _nbytes(self.out))
 
     def close(self) -> None:
         pass
+
+
+class DeviceAdam(_ResidentAdam):
+    """fp32 master + AdamW state on an accelerator: torch's fused AdamW."""
+
+    def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
+        param = nn.Parameter(master, requires_grad=False)
+        try:
+            optimizer = torch.optim.AdamW([param], fused=True, **_adam_kwargs(cfg))
+        except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
+            optimizer = torch.optim.AdamW([param], **_adam_kwargs(cfg))
+        super().__init__(master, optimizer, param)
+
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
+        start = time.perf_counter()
+        self.param.grad = grads32
+        self.optimizer.step()
+        self.param.grad = None
+        elapsed = time.perf_counter() - start
+        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
+        sink(0, self.master.numel(), self.master)
+
+
+class HostAdam(_ResidentAdam):
+    """fp32 master + AdamW state in host memory, stepped by the CPU Adam kernel. ``tier``
+    names it in the ledger: "host" when offloaded, "device" when the CPU is the device."""
+
+    def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
+                 tier: str = "host", out: torch.Tensor | None = None) -> None:
+        param = nn.Parameter(master, requires_grad=False)
+        super().__init__(master, CPUAdam([param], adamw=True, **_adam_kwargs(cfg)), param)
+        self.tier = tier
+        # The kernel writes the compute-dtype params into ``out`` in the same pass: the
+        # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
+        self.owns_out = out is None and dtype != torch.float32
+        self.out = torch.empty(master.numel(), dtype=dtype) if self.owns_out else out
+        if dtype == torch.float32:
+            self.out = None
+
+    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
+        start = time.perf_counter()
+        self.optimizer.step_param(self.param, grads32, out=self.out)
+        elapsed = time.perf_counter() - start
+        self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
+        sink(0, self.master.numel(), self.master if self.out is None else self.out)
+
+    def add_to(self, report: MemoryReport) -> None:
+        super().add_to(report)
+        if self.owns_out:
+            report.add(self.tier, "params", _nbytes(self.out))
 
 
 class NvmeAdam:
@@ -202,11 +241,13 @@ class NvmeAdam:
     def _key(i: int) -> str:
         return f"adam.{i}"
 
-    def load_master(self, offset: int, values: torch.Tensor) -> None:
-        """Store starting master values, given in increasing ``offset`` order; each sub-group
-        is written as [master | m = 0 | v = 0] once it is complete."""
+    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                   exp_avg_sq: torch.Tensor | None = None) -> None:
+        """Store state given in increasing, gap-free ``offset`` order (moments default to
+        zeros); each sub-group is written as [master | m | v] once it is complete."""
+        values = (master, exp_avg, exp_avg_sq)
         pos = 0
-        while pos < values.numel():
+        while pos < master.numel():
             start = offset + pos
             i = start // self.group
             lo, hi = self.bounds[i]
@@ -215,9 +256,11 @@ class NvmeAdam:
                 buf.view(torch.float32, (3, hi - lo))[1:].zero_()
                 self._loading = (i, buf)
             buf = self._loading[1]
-            take = min(hi - start, values.numel() - pos)
+            take = min(hi - start, master.numel() - pos)
             state = buf.view(torch.float32, (3, hi - lo))
-            state[0, start - lo:start - lo + take].copy_(values[pos:pos + take])
+            for row, src in enumerate(values):
+                if src is not None:
+                    state[row, start - lo:start - lo + take].copy_(src[pos:pos + take])
             pos += take
             if start + take == hi:
                 try:
@@ -275,13 +318,20 @@ class NvmeAdam:
         self.last_timings = timings
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
 
+    def iter_state(self) -> Iterator[StateChunk]:
+        """Each sub-group read from its file (a pool buffer: used before the next is read)."""
+        for i, (lo, hi) in enumerate(self.bounds):
+            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
+            try:
+                yield lo, hi, state[0], state[1], state[2]
+            finally:
+                self.swapper.release(self._key(i))
+
     def master_values(self) -> torch.Tensor:
         """A host copy of the fp32 master, read sub-group by sub-group from the files."""
         master = torch.empty(self.numel, dtype=torch.float32)
-        for i, (lo, hi) in enumerate(self.bounds):
-            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
-            master[lo:hi].copy_(state[0])
-            self.swapper.release(self._key(i))
+        for lo, hi, values, _, _ in self.iter_state():
+            master[lo:hi].copy_(values)
         return master
 
     def add_to(self, report: MemoryReport) -> None:
@@ -295,7 +345,7 @@ class NvmeAdam:
 def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
                  rank: int, param_shards: torch.Tensor | None = None,
                  host_memory_limit: int | None = None) -> Updater:
-    """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_master``.
+    """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: stage 3's rank-flat compute-dtype params when resident; a CPU updater
     writes them in place when they are in host memory. ``host_memory_limit``: this updater's
     share of the host budget (NVMe pool)."""
