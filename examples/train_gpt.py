@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         first = last if first is None else first
         if rank == 0:
             dt = time.perf_counter() - t0
-            print(f"\rstep {step}/{args.steps}  loss {last:.4f}  {tokens / dt:,.0f} tokens/s",
-                  end="\n" if step == args.steps else "", flush=True)
+            line = f"step {step}/{args.steps}  loss {last:.4f}  {tokens / dt:,.0f} tokens/s"
+            # padded so that a shorter line fully covers the one it overwrites
+            print(f"\r{line:<60}", end="\n" if step == args.steps else "", flush=True)
     if rank == 0:
         elapsed = time.perf_counter() - start
         print(f"{cfg.num_params / 1e6:.1f}M params, stage {args.stage}, "

@@ -228,10 +228,8 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
             kwargs["nvme_path"] = os.fspath(nvme_path)
         else:
             notes.append(f"add nvme_path=<a directory on a fast local disk> with {need} free "
-                         "per node")
-        if choice.nvme_unchecked:
-            notes.append(f"NVMe space was not checked: this choice needs {need} per node "
-                         "(pass nvme_bytes or nvme_path to check)")
+                         "per node" + (" (NVMe space was not checked: pass nvme_bytes or "
+                                       "nvme_path to check)" if choice.nvme_unchecked else ""))
     skipped = [c for c in cands[:cands.index(choice)]]
     why = ""
     if skipped:

@@ -1,0 +1,66 @@
+"""The examples run end to end at tiny scale, as a user would run them (subprocesses)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _ok(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+def test_train_gpt_stage3_optimizer_on_cpu():
+    out = _ok(_run("examples/train_gpt.py", "--stage", "3", "--steps", "3",
+                   "--offload-optimizer", "cpu"))
+    assert "step 3/3  loss" in out and "tokens/s" in out
+    assert "offload optimizer=cpu" in out
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_under_torchrun():
+    out = _ok(_run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "examples/train_gpt.py", "--stage", "2", "--steps", "3",
+                   "--offload-optimizer", "cpu"))
+    assert "stage 2" in out and "tokens/s" in out
+
+
+def test_finetune_13b_shrunk_with_cpu_optimizer():
+    out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3",
+                   "--offload-optimizer", "cpu"))
+    assert "plan for the 13B model" in out and "<- recommended" in out
+    assert "'offload_optimizer': 'cpu'" in out and "step 3/3  loss" in out
+    assert "ledger vs estimate" in out
+
+
+def test_finetune_13b_shrunk_with_planned_settings():
+    """No overrides: the plan's choice for 4 × 24 GB (optimizer on NVMe; a temporary
+    directory stands in for the disk when shrunk)."""
+    out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3"))
+    assert "'offload_optimizer': 'nvme'" in out and "finetune_13b_" in out
+
+
+def test_finetune_13b_param_offload_runs_or_falls_back():
+    out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3",
+                   "--offload-optimizer", "cpu", "--offload-param", "cpu"))
+    assert ("falling back to offload_param='none'" in out
+            or "'offload_param': 'cpu'" in out)
+
+
+def test_finetune_13b_stops_when_nothing_fits():
+    res = _run("examples/finetune_13b.py", "--scale", "0.01", "--gpus", "1",
+               "--gpu-memory", "8GB", "--host-memory", "16GB")
+    assert res.returncode == 1
+    assert "nothing fits" in res.stdout and "nothing fits" in res.stderr
