@@ -1,0 +1,337 @@
+"""``zero-offload bench step``: one training step of a GPT-style model through the engine.
+
+What it answers: where the time of a step goes (forward + backward, optimizer step), and, with
+the optimizer on NVMe, whether the sub-group pipeline hides I/O behind Adam (or the reverse):
+read, compute and write time of the optimizer phase from the updater's ``StepTimings``, the
+overlap efficiency ``max(read + write, compute) / wall``, and the NVMe traffic in GB/s next to
+raw direct I/O on the same directory measured in the same run (so a ratio, not a number that
+drifts with the host). With several ``--prefetch-depth`` values it sweeps stage 3's prefetch
+depth and compares each with stage 3 with parameters resident (``offload_param="none"``).
+
+Why this shape: every configuration gets a fresh model and engine (no state carried over),
+warm-up steps first (the first step pays for first-touch page faults and the recorded module
+order), medians over the timed steps. The page cache is never measured: the swap engine uses
+O_DIRECT and a ``--nvme-path`` on a memory filesystem is refused (``bench io``'s check).
+
+Run: ``python -m zero_offload.bench.step --offload-optimizer nvme --nvme-path DIR [--json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zero_offload as zo
+from ..swap.buffers import HostBuffer
+from .gpt import GPT, GPTConfig, synthetic_batch
+from .io import MEMORY_FILESYSTEMS, _check_path, _fs_type, _progress, _raw, parse_size
+
+DEFAULT_PARAMS = 300_000_000
+"""3.6 GB of fp32 master + m + v: the NVMe optimizer phase reads and writes a few GB."""
+DEFAULT_VOCAB, DEFAULT_SEQ, HEAD_DIM = 8192, 128, 64
+REFERENCE_DEPTH = 2  # the library's default prefetch_depth; the resident run uses it
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``zero-offload bench step``."""
+    size = parser.add_argument_group("model (GPT-style; --params picks layers and width)")
+    size.add_argument("--params", type=float, default=None,
+                      help=f"approximate parameter count (default {DEFAULT_PARAMS:.0e})")
+    size.add_argument("--preset", default=None, help="a GPTConfig preset (tiny, small, 1b, ...)")
+    size.add_argument("--layers", type=int, default=None)
+    size.add_argument("--width", type=int, default=None)
+    size.add_argument("--seq", type=int, default=None, help=f"sequence length (default {DEFAULT_SEQ})")
+    size.add_argument("--batch", type=int, default=1, help="micro-batch (default 1)")
+    parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3], help="ZeRO stage (default 3)")
+    parser.add_argument("--offload-optimizer", nargs="+", default=["nvme"], choices=["none", "cpu", "nvme"],
+                        help="one or more; each is a separate run (default nvme)")
+    parser.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
+    parser.add_argument("--prefetch-depth", type=int, nargs="+", default=[REFERENCE_DEPTH],
+                        help="one or more; several sweep it and add a resident stage-3 reference")
+    parser.add_argument("--nvme-path", type=Path, default=None, help="directory on the disk to test")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--sub-group-size", type=int, default=None, help="params per NVMe sub-group")
+    parser.add_argument("--host-memory-limit", type=parse_size, default=None, help="bytes of host buffers")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    parser.add_argument("--baseline-size", type=parse_size, default=2**30,
+                        help="bytes of raw O_DIRECT read/write baseline on --nvme-path (0: skip)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT shape: a preset, explicit layers/width, or the shape nearest ``--params`` with
+    width ≈ 64 · layers-ish proportions (width a multiple of 128, heads of 64)."""
+    seq = args.seq or DEFAULT_SEQ
+    if args.preset:
+        over = {k: v for k, v in (("layers", args.layers), ("width", args.width), ("seq", args.seq)) if v}
+        cfg = GPTConfig.preset(args.preset, **over)
+        return GPTConfig(**{**asdict(cfg), "heads": max(1, cfg.width // HEAD_DIM) if args.width else cfg.heads})
+    target = int(args.params or DEFAULT_PARAMS)
+    width = args.width or max(128, round((target / 0.1875) ** (1 / 3) / 128) * 128)
+    per_layer = 12 * width * width + 13 * width
+    layers = args.layers or max(1, round((target - (DEFAULT_VOCAB + seq) * width) / per_layer))
+    return GPTConfig(layers=layers, width=width, heads=max(1, width // HEAD_DIM), vocab=DEFAULT_VOCAB, seq=seq)
+
+
+@dataclass
+class Sample:
+    """One timed step. ``opt_*`` come from the updater's ``StepTimings``."""
+
+    fwd_bwd_s: float
+    step_s: float
+    total_s: float
+    opt_read_s: float
+    opt_write_s: float
+    opt_compute_s: float
+    opt_wall_s: float
+    bytes_read: int
+    bytes_written: int
+    overlap: float
+
+
+@dataclass
+class RunResult:
+    """One configuration: medians over its timed steps (each field separately)."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    prefetch_depth: int
+    error: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    median: dict[str, float] = field(default_factory=dict)
+    nvme_gbps: float | None = None  # (read + written bytes) / optimizer wall
+    io_efficiency: float | None = None  # raw-disk time for those bytes / optimizer wall
+
+    @property
+    def label(self) -> str:
+        return (f"stage {self.stage} opt={self.offload_optimizer} param={self.offload_param} "
+                f"depth={self.prefetch_depth}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(stage=args.stage, offload_optimizer=opt, offload_param=param,
+                              prefetch_depth=depth, dtype=_DTYPES[args.dtype], lr=1e-4)
+    if "nvme" in (opt, param):
+        kw["nvme_path"] = os.fspath(args.nvme_path)
+    if args.sub_group_size:
+        kw["sub_group_size"] = args.sub_group_size
+    if args.host_memory_limit:
+        kw["host_memory_limit"] = args.host_memory_limit
+    return kw
+
+
+def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, depth: int) -> RunResult:
+    """Fresh model + engine, ``--warmup`` then ``--steps`` timed steps; errors are recorded."""
+    res = RunResult(args.stage, opt, param, depth)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    engine = None
+    try:
+        engine = zo.initialize(GPT(cfg), **_engine_kwargs(args, opt, param, depth))
+    except NotImplementedError as exc:
+        res.error = f"not implemented yet ({exc})"
+        return res
+    try:
+        for i in range(args.warmup + args.steps):
+            _progress(f"bench step: {res.label}: step {i + 1}/{args.warmup + args.steps}"
+                      + (" (warm-up)" if i < args.warmup else ""))
+            x, y = synthetic_batch(cfg, args.batch, gen)
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            _sync(engine.device)
+            t1 = time.perf_counter()
+            engine.step()
+            _sync(engine.device)
+            t2 = time.perf_counter()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
+            if i >= args.warmup:
+                t = engine.sharded_optimizer.updater.last_timings
+                res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.compute_s,
+                                          t.wall_s, t.bytes_read, t.bytes_written, t.overlap))
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    res.median = {k: statistics.median(getattr(s, k) for s in res.samples)
+                  for k in Sample.__dataclass_fields__}
+    m = res.median
+    if m["bytes_read"] + m["bytes_written"] > 0 and m["opt_wall_s"] > 0:
+        res.nvme_gbps = (m["bytes_read"] + m["bytes_written"]) / m["opt_wall_s"] / 1e9
+    return res
+
+
+def disk_baseline(directory: Path, size: int) -> dict[str, float]:
+    """Raw O_DIRECT GB/s on ``directory``: one thread, 64 MiB requests, huge-page buffer
+    (``bench io``'s baseline loop); the file is written once untimed first."""
+    size = max(4096, size // 4096 * 4096)
+    path = directory / f"zo_bench_step_{os.getpid()}.dat"
+    buf = HostBuffer(min(size, 512 * 2**20))
+    try:
+        _raw(path, "write", size, buf)
+        return {"size": size, "write_gbps": _raw(path, "write", size, buf),
+                "read_gbps": _raw(path, "read", size, buf)}
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
+
+
+def _runs_wanted(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    runs = [(opt, args.offload_param, d) for opt in args.offload_optimizer for d in args.prefetch_depth]
+    if len(args.prefetch_depth) > 1 and args.stage == 3:
+        for opt in args.offload_optimizer:
+            if (opt, "none", REFERENCE_DEPTH) not in runs:
+                runs.append((opt, "none", REFERENCE_DEPTH))
+    return runs
+
+
+def _sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Step time per depth, and its ratio to the resident stage-3 run with the same optimizer."""
+    rows = []
+    for r in results:
+        if r.offload_param != args.offload_param or r.prefetch_depth not in args.prefetch_depth:
+            continue
+        ref = next((x for x in results if x.offload_param == "none" and x.offload_optimizer == r.offload_optimizer
+                    and x.prefetch_depth == REFERENCE_DEPTH and not x.error), None)
+        total = None if r.error else r.median["total_s"]
+        ratio = total / ref.median["total_s"] if ref and total else None
+        rows.append({"offload_optimizer": r.offload_optimizer, "offload_param": r.offload_param,
+                     "prefetch_depth": r.prefetch_depth, "total_s": total, "ratio_to_resident": ratio,
+                     "error": r.error})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 on success, 2 on unusable arguments, 1 when every run failed."""
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        print("bench step: need --steps >= 1, --warmup >= 0, --batch >= 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = model_config(args)
+    except ValueError as exc:
+        print(f"bench step: {exc}", file=sys.stderr)
+        return 2
+    uses_nvme = "nvme" in args.offload_optimizer or args.offload_param == "nvme"
+    baseline = None
+    if uses_nvme:
+        if args.nvme_path is None:
+            print("bench step: offload to nvme needs --nvme-path DIR (on the disk to test)", file=sys.stderr)
+            return 2
+        args.nvme_path.mkdir(parents=True, exist_ok=True)
+        fs = _fs_type(args.nvme_path)
+        why = (f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure a disk"
+               if fs in MEMORY_FILESYSTEMS else None) or _check_path(args.nvme_path, 12 * cfg.num_params + max(args.baseline_size, 0))
+        if why:
+            print(f"bench step: {why.replace('--path ', '--nvme-path ')}", file=sys.stderr)
+            return 2
+        if args.baseline_size > 0:
+            _progress(f"bench step: raw O_DIRECT baseline, {args.baseline_size / 2**30:.2f} GiB")
+            baseline = disk_baseline(args.nvme_path, args.baseline_size)
+    load_start = os.getloadavg()[0]
+    results: list[RunResult] = []
+    for opt, param, depth in _runs_wanted(args):
+        res = run_one(args, cfg, opt, param, depth)
+        if res.error:
+            print(f"bench step: {res.label}: skipped, {res.error.splitlines()[0]}", file=sys.stderr)
+        elif baseline and res.median["bytes_read"] > 0:
+            m = res.median
+            ideal = m["bytes_read"] / 1e9 / baseline["read_gbps"] + m["bytes_written"] / 1e9 / baseline["write_gbps"]
+            res.io_efficiency = max(ideal, m["opt_compute_s"]) / m["opt_wall_s"]
+        results.append(res)
+    if sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    report = {
+        "model": {**asdict(cfg), "params": cfg.num_params}, "batch": args.batch, "dtype": args.dtype,
+        "stage": args.stage, "steps": args.steps, "warmup": args.warmup,
+        "nvme_path": os.fspath(args.nvme_path) if args.nvme_path else None,
+        "sub_group_size": args.sub_group_size, "host_memory_limit": args.host_memory_limit,
+        "device": str(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")),
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "baseline": baseline,
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        "runs": [{**{k: v for k, v in asdict(r).items() if k != "samples"}, "samples": [asdict(s) for s in r.samples]}
+                 for r in results],
+        "sweep": _sweep(results, args) if len(args.prefetch_depth) > 1 else None,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_tables(report)
+    return 0 if any(not r.error for r in results) else 1
+
+
+def _short(error: str) -> str:
+    """The table cell for a failed run: its first words, not the whole message."""
+    return error.split(" (", 1)[0].splitlines()[0]
+
+
+def print_tables(report: dict) -> None:
+    m = report["model"]
+    print(f"bench step: GPT {m['layers']} layers x width {m['width']}, {m['params'] / 1e6:.0f}M params, "
+          f"seq {m['seq']}, batch {report['batch']}, {report['dtype']}, stage {report['stage']}, "
+          f"{report['device']}, {report['threads']} threads; median of {report['steps']} steps "
+          f"after {report['warmup']} warm-up")
+    load = report["load_average"]
+    if max(load.values()) > 0.5 * (report["cpus"] or 1):
+        print(f"note: 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end on "
+              f"{report['cpus']} CPUs: other work shares this host and skews these numbers")
+    b = report["baseline"]
+    if b:
+        print(f"raw O_DIRECT on {report['nvme_path']} ({b['size'] / 2**30:.2f} GiB, one thread, 64 MiB requests): "
+              f"read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s")
+    print()
+    print("| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s | "
+          "opt write s | opt wall s | overlap | NVMe GB/s | vs raw disk |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["runs"]:
+        head = f"| {r['offload_optimizer']} / {r['offload_param']} | {r['prefetch_depth']} |"
+        if r["error"]:
+            print(f"{head} {_short(r['error'])} |" + " |" * 9)
+            continue
+        d = r["median"]
+        gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
+        eff = f"{r['io_efficiency']:.2f}" if r["io_efficiency"] else "-"
+        print(f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | {d['opt_read_s']:.3f} | "
+              f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
+              f"{gbps} | {eff} |")
+    if report["sweep"]:
+        print()
+        print("| offload opt / param | prefetch depth | step s | / resident stage 3 (depth 2) |")
+        print("|---|---|---|---|")
+        for row in report["sweep"]:
+            step = f"{row['total_s']:.3f}" if row["total_s"] else _short(row["error"] or "-")
+            ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
+            print(f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |")
+    print()
+    print("overlap = max(read + write, compute) / wall of the optimizer phase (StepTimings; read and write "
+          "are summed per request, submit to completion). vs raw disk = max(bytes at raw GB/s, compute) / wall.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zero_offload.bench.step", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
