@@ -1,0 +1,182 @@
+"""The CUDA path: the engine on a GPU trains to the CPU reference (stages 1-3, offload none / cpu /
+nvme, one process and two NCCL ranks), host buffers are page-locked, swaps to and from CUDA
+tensors round-trip, and ``engine.step()`` issues no synchronizing CUDA call (offload none).
+
+Everything here skips without CUDA; ``tests/gpu/check.sh`` runs it on a machine with a GPU.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import equivalence
+import zero_offload as zo
+from models import batch, loss_fn, make
+from zero_offload.swap import HostBuffer, Swapper, Tier
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# (stage, offload_optimizer, offload_param)
+CASES = [(s, o, "none") for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + [
+    (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+# GPU and CPU fp32 kernels reduce in different orders: gradients differ in the last bits, which
+# Adam's g / sqrt(v) can amplify where a gradient is near zero. Tighter than one Adam step.
+MAX_DIFF_LR, MEAN_DIFF = 0.5, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """No TF32: the reference is fp32 on the CPU."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _train(rank: int, world: int, nvme: str, stage: int, opt: str, param: str,
+           steps: int = equivalence.STEPS) -> tuple[zo.Engine, torch.nn.Module]:
+    """equivalence.train on the GPU: targets go to the engine's device too."""
+    torch.manual_seed(0)
+    model = make("gpt")
+    initial = copy.deepcopy(model)
+    engine = zo.initialize(model, lr=equivalence.LR, weight_decay=equivalence.WD,
+                           max_grad_norm=equivalence.CLIP, dtype=torch.float32, stage=stage,
+                           offload_optimizer=opt, offload_param=param, nvme_path=nvme,
+                           sub_group_size=3000)
+    gen = torch.Generator().manual_seed(1234)
+    per_rank = equivalence.GLOBAL_BATCH // world
+    for _ in range(steps):
+        x, y = batch("gpt", equivalence.GLOBAL_BATCH, gen)
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        engine.backward(loss_fn("gpt", engine(x[sl]), y[sl].to(engine.device)))
+        engine.step()
+    return engine, initial
+
+
+def _case(rank: int, world: int, nvme: str, stage: int, opt: str, param: str) -> dict:
+    engine, initial = _train(rank, world, nvme, stage, opt, param)
+    assert engine.device.type == "cuda"
+    info = {"grads_pinned": engine.grads.is_pinned() if opt != "none" else None}
+    sd = engine.full_state_dict()
+    engine.close()
+    if rank == 0:
+        ref = equivalence.reference(initial, "gpt", torch.float32, equivalence.STEPS)
+        info["max_diff_lr"], info["mean_diff"] = equivalence.compare(sd, ref)
+    return info
+
+
+def _check(info: dict, opt: str) -> None:
+    assert info["max_diff_lr"] <= MAX_DIFF_LR, f"max |diff| = {info['max_diff_lr']:.4f} lr"
+    assert info["mean_diff"] <= MEAN_DIFF
+    if opt != "none":
+        assert info["grads_pinned"], "host gradient buffer must be pinned with CUDA"
+
+
+@pytest.mark.parametrize("stage,opt,param", CASES)
+def test_engine_on_cuda_matches_cpu_reference(tmp_path: Path, stage: int, opt: str, param: str) -> None:
+    _check(_case(0, 1, str(tmp_path), stage, opt, param), opt)
+
+
+def _nccl_entry(rank: int, world: int, init_file: str, out_dir: str, nvme: str, cases: list) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {case: _case(rank, world, nvme, *case) for case in cases}
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 GPUs and NCCL")
+def test_two_nccl_ranks_match_cpu_reference(tmp_path: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_nccl_entry, args=(2, os.path.join(tmp, "init"), tmp, str(tmp_path), CASES),
+                           nprocs=2, join=True, start_method="spawn")
+        with open(os.path.join(tmp, "rank0.pkl"), "rb") as f:
+            results = pickle.load(f)
+    for (stage, opt, param), info in results.items():
+        _check(info, opt)
+
+
+def test_host_buffer_is_pinned() -> None:
+    buf = HostBuffer(4 << 20, pin=True)
+    try:
+        assert buf.pinned and buf.tensor.is_pinned()
+        dev = torch.empty(buf.nbytes, dtype=torch.uint8, device="cuda")
+        buf.tensor.fill_(7)
+        dev.copy_(buf.tensor, non_blocking=True)  # DMA from page-locked memory
+        torch.cuda.synchronize()
+        assert int(dev[-1]) == 7
+    finally:
+        buf.close()
+    plain = HostBuffer(4096, pin=False)
+    assert not plain.pinned and not plain.tensor.is_pinned()
+    plain.close()
+
+
+@pytest.mark.parametrize("dtype,numel", [(torch.float32, 1 << 20), (torch.bfloat16, 1000)])
+def test_swap_round_trip_through_cuda(tmp_path: Path, dtype: torch.dtype, numel: int) -> None:
+    with Swapper(tmp_path, buffer_bytes=8 << 20, buffer_count=2) as sw:
+        buf = sw.pool.acquire()
+        assert buf.pinned and buf.tensor.is_pinned(), "pool buffers are pinned under CUDA"
+        sw.pool.release(buf)
+        src = torch.randn(numel, device="cuda").to(dtype)
+        sw.swap_out("k", src).result()
+        assert sw.where("k") is Tier.NVME
+        out = torch.empty_like(src)
+        assert sw.swap_in("k", out=out).result() is out
+        torch.cuda.synchronize()
+        assert torch.equal(out, src)
+        assert sw.where("k") is Tier.DEVICE
+        sw.release("k")
+        assert sw.where("k") is Tier.NVME
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_does_not_synchronize(stage: int, dtype: torch.dtype) -> None:
+    """``set_sync_debug_mode("warn")`` warns on each synchronizing CUDA call; ``step()`` with
+    offload none should make none (no clipping, no fp16 overflow check: those need a host
+    value and are expected to sync)."""
+    torch.manual_seed(0)
+    engine = zo.initialize(make("gpt"), stage=stage, dtype=dtype, lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def micro_step() -> None:
+        x, y = batch("gpt", 4, gen)
+        engine.backward(loss_fn("gpt", engine(x), y.to(engine.device)))
+
+    micro_step()
+    engine.step()  # first step: lazily created optimizer state, recorded module order
+    torch.cuda.synchronize()
+    syncs: list[str] = []
+    for _ in range(2):
+        micro_step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                  if "synchroniz" in str(w.message)]
+    engine.close()
+    assert not syncs, "engine.step() synchronized:\n" + "\n".join(syncs)
