@@ -4,11 +4,15 @@
     engine = zo.initialize(model, stage=3, lr=1e-4, dtype=torch.bfloat16)
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
+from .checkpoint import CheckpointError, consolidate_checkpoint
 from .config import ConfigError, ZeroConfig, build_config, config_keys
 from .engine import Engine, initialize
 from .ledger import MemoryReport
+from .optim import CPUAdam, CPUAdamW
 from .planner import estimate_memory, plan
+from .swap import SwapIOError
 
 __all__ = ["ConfigError", "ZeroConfig", "build_config", "config_keys", "Engine", "initialize",
-           "MemoryReport", "estimate_memory", "plan"]
+           "MemoryReport", "estimate_memory", "plan", "consolidate_checkpoint",
+           "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError"]
 __version__ = "0.1.0"

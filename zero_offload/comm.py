@@ -111,6 +111,14 @@ class Comm:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast(tensor, src=global_src, group=self.group)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (small metadata only)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -139,10 +139,9 @@ class Engine:
                                 master if self.config.offload.optimizer == "none" else master.cpu())
             if self.param_store is not None:
                 lo, hi = unit.layout.shard_range(self.comm.rank)
-                shard = unit.full[lo:hi]
-                self.param_store.put(unit, shard if self.param_store.resident is None or
-                                     self.param_store.resident.device == shard.device
-                                     else shard.cpu())
+                # A copy, never a view of ``full``: a NumPy view taken for direct I/O would
+                # pin ``full``'s storage at its size, and stage 3 must release it.
+                self.param_store.put(unit, unit.full[lo:hi].to("cpu", copy=True))
                 unit.free()
             units.append(unit)
         return units
@@ -217,6 +216,21 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self.reducer.zero()
+
+    # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
+    def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
+                        lr_scheduler: Any = None) -> "os.PathLike":
+        """Save this rank's shards (and, rank 0, the manifest) under ``directory/tag``
+        (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, directory, tag, lr_scheduler)
+
+    def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
+                        lr_scheduler: Any = None) -> str:
+        """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
+        stage; returns the tag. Collective."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, directory, tag, lr_scheduler)
 
     def close(self) -> None:
         """Release swap files and host buffers now (also done when the engine is collected

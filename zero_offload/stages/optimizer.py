@@ -88,22 +88,22 @@ class ShardedOptimizer:
 
     def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """New values for rank-flat [lo, hi): hand every unit completed by them to
-        :meth:`_finish` (a unit cut by a sub-group boundary waits in the staging buffer)."""
+        :meth:`write_params` (a unit cut by a sub-group boundary waits in the staging buffer)."""
         first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
         for u in self.units[first:]:
             start, end = u.shard_offset, u.shard_offset + u.shard_numel
             if start >= hi:
                 break
             if start >= lo and end <= hi:
-                self._finish(u, values[start - lo:end - lo])
+                self.write_params(u, values[start - lo:end - lo])
                 continue
             assert self._staging is not None, "only NVMe sub-groups cut units"
             a, b = max(lo, start), min(hi, end)
             self._staging[a - start:b - start].copy_(values[a - lo:b - lo])
             if b == end:
-                self._finish(u, self._staging[:u.shard_numel])
+                self.write_params(u, self._staging[:u.shard_numel])
 
-    def _finish(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+    def write_params(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """Write a unit's updated shard into its compute-dtype parameters."""
         if unit.sharded_params:
             assert self.params is not None

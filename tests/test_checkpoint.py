@@ -1,0 +1,271 @@
+"""Checkpoints: exact resume in a new process, another world size, consolidation with bounded
+memory, and damaged or interrupted checkpoints that never replace a good one."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_offload as zo
+from distributed import run_ranks
+from models import TinyGPT, batch, loss_fn
+from zero_offload.checkpoint import CheckpointError
+
+CONFIGS = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+
+
+def _kwargs(stage, offload, nvme):
+    kw = dict(stage=stage, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05,
+              offload_optimizer=offload, nvme_path=nvme, sub_group_size=3000)
+    if stage == 3:
+        kw["offload_param"] = offload
+    return kw
+
+
+def _steps(engine, rank, world, start, end):
+    for i in range(start, end):
+        x, y = batch("gpt", 8, torch.Generator().manual_seed(100 + i))
+        per = 8 // world
+        sl = slice(rank * per, (rank + 1) * per)
+        engine.backward(loss_fn("gpt", engine(x[sl]), y[sl]))
+        engine.step()
+
+
+def _optimizer_state(engine) -> dict[str, torch.Tensor]:
+    """This rank's flat [master | m | v] and the step count, as plain tensors."""
+    parts = [torch.cat([c[k].clone() for c in [dict(zip("lmxav", chunk)) for chunk in
+                        engine.sharded_optimizer.updater.iter_state()]]) for k in "xav"]
+    return {"master": parts[0], "exp_avg": parts[1], "exp_avg_sq": parts[2],
+            "steps": torch.tensor(engine.sharded_optimizer.updater.steps)}
+
+
+def _train(rank, world, ckpt, nvme, phase):
+    """phase 'straight': 6 steps; 'first': 3 steps + save; 'resume': load + 3 steps."""
+    out = {}
+    for stage, offload in CONFIGS:
+        torch.manual_seed(0 if phase != "resume" else 1)  # resume must not rely on init
+        engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
+        if phase == "resume":
+            engine.load_checkpoint(ckpt, tag=f"s{stage}-{offload}")
+            _steps(engine, rank, world, 3, 6)
+        else:
+            _steps(engine, rank, world, 0, 3 if phase == "first" else 6)
+            if phase == "first":
+                engine.save_checkpoint(ckpt, tag=f"s{stage}-{offload}")
+        out[(stage, offload)] = (engine.full_state_dict(), _optimizer_state(engine))
+        engine.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_in_a_new_process_is_bit_exact(world, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    straight = run_ranks(world, _train, str(tmp_path), nvme, "straight")
+    run_ranks(world, _train, str(tmp_path), nvme, "first")
+    resumed = run_ranks(world, _train, str(tmp_path), nvme, "resume")
+    for rank in range(world):
+        for key in straight[rank]:
+            params_a, opt_a = straight[rank][key]
+            params_b, opt_b = resumed[rank][key]
+            for name in params_a:
+                assert torch.equal(params_a[name], params_b[name]), (key, name)
+            for name in opt_a:
+                assert torch.equal(opt_a[name], opt_b[name]), (key, name)
+
+
+def _save_then_report(rank, world, ckpt, nvme, stage, offload):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
+    _steps(engine, rank, world, 0, 2)
+    engine.save_checkpoint(ckpt, tag="t")
+    sd = engine.full_state_dict()
+    engine.close()
+    return sd
+
+
+def _load_then_report(rank, world, ckpt, nvme, stage, offload):
+    torch.manual_seed(5)
+    engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
+    engine.load_checkpoint(ckpt)
+    sd = engine.full_state_dict()
+    steps = engine.sharded_optimizer.updater.steps
+    _steps(engine, rank, world, 2, 3)  # and it keeps training
+    engine.close()
+    return sd, steps
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_saved_on_two_ranks_loads_on_one_and_four(stage, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    offload = "none" if stage == 0 else "nvme"
+    saved = run_ranks(2, _save_then_report, str(tmp_path), nvme, stage, offload)[0]
+    consolidated = zo.consolidate_checkpoint(tmp_path)
+    for world in (1, 4):
+        for sd, steps in run_ranks(world, _load_then_report, str(tmp_path), nvme, stage, offload):
+            assert steps == 2
+            for name in saved:
+                assert torch.equal(saved[name], sd[name]), (world, name)
+                assert torch.equal(saved[name], consolidated[name]), name
+
+
+def test_consolidate_cli_and_tied_names(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = zo.initialize(model, stage=3, lr=1e-2)
+    _steps(engine, 0, 1, 0, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    want = engine.full_state_dict()
+    out = tmp_path / "full.pt"
+    from zero_offload.cli import main
+    assert main(["consolidate", str(tmp_path / "ck"), str(out)]) == 0
+    got = torch.load(out) if out.exists() else None
+    if got is None:  # safetensors wrote it
+        from safetensors.torch import load_file
+        got = load_file(str(out))
+    assert set(want) <= set(got) | {"lm_head.weight"}
+    for name, value in got.items():
+        assert torch.equal(value, want[name]), name
+    fresh = TinyGPT()
+    fresh.load_state_dict(zo.consolidate_checkpoint(tmp_path / "ck"))
+
+
+def _good_and_bad(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1e-2)
+    _steps(engine, 0, 1, 0, 1)
+    engine.save_checkpoint(tmp_path, tag="good")
+    good = engine.full_state_dict()
+    _steps(engine, 0, 1, 1, 2)
+    engine.save_checkpoint(tmp_path, tag="bad")
+    return engine, good
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "checksum", "version", "manifest"])
+def test_damaged_checkpoint_is_named_and_the_previous_one_still_loads(tmp_path, damage):
+    engine, good = _good_and_bad(tmp_path)
+    bad = tmp_path / "bad"
+    state = bad / "rank0.state"
+    if damage == "missing":
+        state.unlink()
+    elif damage == "truncated":
+        with open(state, "r+b") as f:
+            f.truncate(state.stat().st_size - 4)
+    elif damage == "checksum":
+        with open(state, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "version":
+        m = json.loads((bad / "manifest.json").read_text())
+        m["format_version"] = 99
+        (bad / "manifest.json").write_text(json.dumps(m))
+    else:
+        (bad / "manifest.json").unlink()
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError) as err:
+        engine.load_checkpoint(tmp_path, tag="bad")
+    named = "manifest.json" if damage in ("version", "manifest") else "rank0.state"
+    assert named in str(err.value)
+    after = engine.full_state_dict()  # nothing was used before the checks passed
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.load_checkpoint(tmp_path, tag="good")
+    now = engine.full_state_dict()
+    assert all(torch.equal(good[k], now[k]) for k in good)
+
+
+def test_names_that_do_not_match_are_listed(tmp_path):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    engine.save_checkpoint(tmp_path)
+    other = zo.initialize(TinyGPT(layers=1), stage=1)
+    with pytest.raises(CheckpointError, match=r"not in the model: \['blocks\.1\."):
+        other.load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        other.load_checkpoint(tmp_path / "nothing-here")
+
+
+def test_lr_scheduler_and_loss_scale_come_back(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1.0, dtype=torch.float16,
+                           initial_loss_scale=2.0**10)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    for i in range(3):
+        _steps(engine, 0, 1, i, i + 1)
+        sched.step()
+    engine.sharded_optimizer.scaler.scale = 123.0
+    engine.save_checkpoint(tmp_path, lr_scheduler=sched)
+    other = zo.initialize(TinyGPT(), stage=2, lr=1.0, dtype=torch.float16)
+    sched2 = torch.optim.lr_scheduler.StepLR(other.optimizer, step_size=1, gamma=0.5)
+    other.load_checkpoint(tmp_path, lr_scheduler=sched2)
+    assert other.param_groups[0]["lr"] == engine.param_groups[0]["lr"] == 0.125
+    assert sched2.last_epoch == 3 and other.loss_scale == 123.0
+    assert other.global_steps == engine.global_steps
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    import zero_offload as zo
+    import zero_offload.checkpoint.save as save
+    from models import TinyGPT
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2)
+    engine.save_checkpoint({root!r}, tag="first")
+    real = save._write_state
+    def write_then_die(engine, path):
+        real(engine, path)
+        os.kill(os.getpid(), signal.SIGKILL)
+    save._write_state = write_then_die
+    engine.save_checkpoint({root!r}, tag="second")
+""")
+
+
+def test_killed_save_leaves_the_previous_checkpoint_and_latest(tmp_path):
+    script = KILLER.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (tmp_path / "latest").read_text() == "first"
+    assert not (tmp_path / "second").exists()
+    engine = zo.initialize(TinyGPT(), stage=2)
+    assert engine.load_checkpoint(tmp_path) == "first"
+
+
+RSS = textwrap.dedent("""
+    import resource, sys, psutil, torch
+    import zero_offload as zo
+    base = psutil.Process().memory_info().rss
+    zo.consolidate_checkpoint({root!r}, verify=False)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(peak - base)
+""")
+
+
+@pytest.mark.large
+def test_consolidation_memory_is_one_copy_of_the_params(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)])  # 25M
+    params = sum(p.numel() for p in model.parameters())
+    engine = zo.initialize(model, stage=2, reduce_bucket_size=5_000_000)
+    x = torch.randn(2, 2048)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(tmp_path)  # 12 bytes per param: ~300 MB
+    del engine, model
+    proc = subprocess.run([sys.executable, "-c", RSS.format(root=str(tmp_path))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grown = int(proc.stdout.split()[-1])
+    largest = 2048 * 2048 * 4
+    assert grown <= params * 4 + 1.5 * largest, f"grew {grown / 2**20:.0f} MiB"

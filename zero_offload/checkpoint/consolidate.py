@@ -1,0 +1,63 @@
+"""One ordinary full-precision state dict from a sharded checkpoint, no converter needed.
+
+Reads only the master section of each rank file, straight into the output tensors, one
+parameter at a time: memory is one fp32 copy of the parameters (what the output is) and
+nothing of the optimizer state.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .format import CheckpointError, pieces, read_manifest, resolve_tag, verify_rank_file
+from .load import _Reader
+
+__all__ = ["consolidate_checkpoint"]
+
+
+def _save(state: dict[str, torch.Tensor], aliases: dict[str, str], out: Path) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        full = dict(state)
+        full.update({alias: state[name] for alias, name in aliases.items()})
+        torch.save(full, out)  # shared storage for tied names, as torch.save keeps it
+        return
+    # safetensors stores no shared tensors: tied names go in the metadata instead
+    save_file(state, str(out), metadata={f"alias:{a}": n for a, n in aliases.items()})
+
+
+def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
+                           out: str | os.PathLike | None = None,
+                           verify: bool = True) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters (and module buffers) under their original names. With ``out``,
+    also written there: safetensors when installed (tied names in its metadata), else
+    ``torch.save``. ``verify``: check every rank file's size and checksums first."""
+    root = Path(directory)
+    folder = root / resolve_tag(root, tag)
+    manifest = read_manifest(folder)
+    if verify:
+        for record in manifest.ranks:
+            verify_rank_file(folder / record.file, record)
+    state: dict[str, torch.Tensor] = {}
+    reader = _Reader(folder, manifest)
+    try:
+        for unit in manifest.units:
+            for slot in unit.slots:
+                tensor = torch.empty(slot.numel, dtype=torch.float32)
+                for rank, element, count, at in pieces(unit, slot, 0, slot.numel):
+                    reader.read(rank, 0, element, tensor[at:at + count])
+                state[slot.name] = tensor.view(slot.shape)
+    finally:
+        reader.close()
+    extra_path = folder / "rank0.extra.pt"
+    if not extra_path.exists():
+        raise CheckpointError(f"{extra_path}: missing")
+    buffers = torch.load(extra_path, weights_only=False).get("buffers", {})
+    state.update(buffers)
+    if out is not None:
+        _save(state, manifest.aliases, Path(out))
+    state.update({alias: state[name] for alias, name in manifest.aliases.items()})
+    return state

@@ -1,0 +1,186 @@
+"""The checkpoint format: one folder per tag, a state file per rank, a manifest written last.
+
+    DIR/latest                 the tag of the last complete checkpoint (replaced atomically)
+    DIR/<tag>/manifest.json    format version, world size, stage, dtypes, the unit layouts
+                               (original parameter names, shapes, offsets), per-rank checksums
+    DIR/<tag>/rank<r>.state    rank r's flat fp32 shards: [master | exp_avg | exp_avg_sq],
+                               each ``numel`` elements, little-endian
+    DIR/<tag>/rank<r>.extra.pt step counts, loss scaler, RNG states, hyperparameters,
+                               (rank 0) lr scheduler state and module buffers
+
+The low-precision parameters are not stored: they are always the round-to-nearest cast of the
+fp32 master, and loading recomputes them. Names and offsets in the manifest let any world size
+and stage read any other's files, and let consolidation build one state dict without a
+converter and without the optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "SlotRecord", "UnitRecord", "RankRecord",
+           "Manifest", "read_manifest", "resolve_tag", "pieces", "verify_rank_file",
+           "write_atomically", "fsync_dir", "SECTIONS"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+_FP32 = 4
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass
+class SlotRecord:
+    name: str
+    shape: list[int]
+    offset: int
+    numel: int
+
+
+@dataclass
+class UnitRecord:
+    shard_offset: int
+    padded_numel: int
+    num_shards: int
+    slots: list[SlotRecord]
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+
+@dataclass
+class RankRecord:
+    file: str
+    numel: int
+    crc32: list[int]  # one per section
+
+
+@dataclass
+class Manifest:
+    world_size: int
+    stage: int
+    dtype: str
+    step: int
+    units: list[UnitRecord]
+    ranks: list[RankRecord]
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> stored name
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, path: Path) -> "Manifest":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: not a valid manifest ({exc})") from exc
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: checkpoint format version {version!r}, this zero_offload reads "
+                f"version {FORMAT_VERSION}; use the zero_offload release that wrote it")
+        try:
+            raw["units"] = [UnitRecord(**{**u, "slots": [SlotRecord(**s) for s in u["slots"]]})
+                            for u in raw["units"]]
+            raw["ranks"] = [RankRecord(**r) for r in raw["ranks"]]
+            return cls(**raw)
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path}: manifest is missing or has bad fields ({exc})") from exc
+
+    def slots_by_name(self) -> dict[str, tuple[UnitRecord, SlotRecord]]:
+        return {s.name: (u, s) for u in self.units for s in u.slots}
+
+
+def resolve_tag(directory: Path, tag: str | None) -> str:
+    """``tag``, or the one ``DIR/latest`` names."""
+    if tag is not None:
+        return tag
+    latest = directory / LATEST
+    try:
+        return latest.read_text().strip()
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
+            "to pick one") from exc
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = folder / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)") from exc
+    return Manifest.from_json(text, path)
+
+
+def pieces(unit: UnitRecord, slot: SlotRecord, start: int, end: int
+           ) -> list[tuple[int, int, int, int]]:
+    """Where elements [start, end) of a stored parameter are: (rank, element offset in that
+    rank's flat shard, count, offset inside [start, end))."""
+    lo, hi = slot.offset + start, slot.offset + end
+    if unit.num_shards == 1:  # stage 0: every rank holds the whole unit; read rank 0's
+        return [(0, unit.shard_offset + lo, hi - lo, 0)]
+    size = unit.shard_numel
+    out = []
+    for shard in range(lo // size, (hi - 1) // size + 1):
+        a, b = max(lo, shard * size), min(hi, (shard + 1) * size)
+        out.append((shard, unit.shard_offset + a - shard * size, b - a, a - lo))
+    return out
+
+
+def section_offset(numel: int, section: int, element: int) -> int:
+    """Byte offset of ``element`` of ``section`` in a rank file of ``numel`` per section."""
+    return (section * numel + element) * _FP32
+
+
+def verify_rank_file(path: Path, record: RankRecord, chunk: int = 1 << 26) -> None:
+    """Size and per-section CRC32 against the manifest, streamed in ``chunk`` bytes."""
+    expected = 3 * record.numel * _FP32
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing") from exc
+    if size != expected:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated "
+                              "or from another checkpoint)")
+    with open(path, "rb") as f:
+        for section, want in enumerate(record.crc32):
+            crc, left = 0, record.numel * _FP32
+            while left:
+                data = f.read(min(chunk, left))
+                if not data:
+                    raise CheckpointError(f"{path}: ends early")
+                crc = zlib.crc32(data, crc)
+                left -= len(data)
+            if crc != want:
+                raise CheckpointError(f"{path}: checksum mismatch in the {SECTIONS[section]} "
+                                      "section (the file is damaged)")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, write: Any) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsync, then rename over ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    f: BinaryIO
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,148 @@
+"""Load: every rank rebuilds its own shards, unit by unit, from whichever stored ranks hold
+those elements — so a checkpoint saved on N ranks loads on M ranks, in any stage.
+
+Nothing is used before it is checked: the manifest's version, the parameter names and shapes,
+and each stored file's size and checksums (the ranks split that work). The state then streams
+one unit at a time into the optimizer's tier (device, host or NVMe) and the compute-dtype
+parameters are recomputed from the master.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .format import (CheckpointError, Manifest, pieces, read_manifest, resolve_tag,
+                     section_offset, verify_rank_file)
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+__all__ = ["load_checkpoint", "check_names"]
+
+
+def check_names(manifest: Manifest, expected: dict[str, tuple[int, ...]], where: Path) -> None:
+    """The stored parameters must be exactly the model's, with the same shapes."""
+    stored = {name: tuple(slot.shape) for name, (_, slot) in manifest.slots_by_name().items()}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    shapes = sorted(f"{n}: stored {stored[n]}, model {expected[n]}"
+                    for n in set(stored) & set(expected) if stored[n] != expected[n])
+    if missing or unexpected or shapes:
+        parts = [f"missing from the checkpoint: {missing}" if missing else "",
+                 f"not in the model: {unexpected}" if unexpected else "",
+                 f"shape mismatches: {shapes}" if shapes else ""]
+        raise CheckpointError(f"{where}: does not match the model — "
+                              + "; ".join(p for p in parts if p))
+
+
+def _verify(engine: "Engine", folder: Path, manifest: Manifest) -> None:
+    """Ranks check the stored files round-robin, then agree that all are sound."""
+    comm = engine.comm
+    error = None
+    for i in range(comm.rank, len(manifest.ranks), comm.world_size):
+        try:
+            verify_rank_file(folder / manifest.ranks[i].file, manifest.ranks[i])
+        except CheckpointError as exc:
+            error = str(exc)
+            break
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+class _Reader:
+    """Positioned reads from the stored rank files into tensors."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        self.folder, self.manifest = folder, manifest
+        self._fds: dict[int, int] = {}
+
+    def read(self, rank: int, section: int, element: int, out: torch.Tensor) -> None:
+        record = self.manifest.ranks[rank]
+        if rank not in self._fds:
+            self._fds[rank] = os.open(self.folder / record.file, os.O_RDONLY)
+        view = memoryview(out.numpy()).cast("B")
+        offset = section_offset(record.numel, section, element)
+        while view:
+            got = os.preadv(self._fds[rank], [view], offset)
+            if got <= 0:
+                raise CheckpointError(f"{self.folder / record.file}: ends early at byte {offset}")
+            view, offset = view[got:], offset + got
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
+    comm = engine.comm
+    own = folder / f"rank{comm.rank}.extra.pt"
+    path = own if own.exists() else folder / "rank0.extra.pt"
+    try:
+        extra = torch.load(path, weights_only=False)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing") from exc
+    opt = engine.sharded_optimizer
+    engine.micro_steps = extra["micro_steps"]
+    engine.global_steps = extra["global_steps"]
+    opt.updater.steps = extra["optimizer_steps"]
+    for group, saved in zip(opt.optimizer.param_groups, extra["param_groups"]):
+        group.update(saved)
+    if opt.scaler is not None and extra["loss_scaler"] is not None:
+        opt.scaler.load_state_dict(extra["loss_scaler"])
+    if path == own:  # RNG streams belong to a rank; a new rank keeps its own
+        rng = extra["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    first = extra if comm.rank == 0 else torch.load(folder / "rank0.extra.pt",
+                                                     weights_only=False)
+    if lr_scheduler is not None and first.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(first["lr_scheduler"])
+    buffers = dict(engine.module.named_buffers())
+    for name, value in first.get("buffers", {}).items():
+        if name in buffers:
+            buffers[name].copy_(value)
+
+
+def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | None = None,
+                    lr_scheduler: Any = None) -> str:
+    """Restore params, optimizer state, step counts, loss scaler and RNG; returns the tag.
+    Collective: every rank must call it."""
+    root = Path(directory)
+    tag = resolve_tag(root, tag)
+    folder = root / tag
+    manifest = read_manifest(folder)
+    check_names(manifest, {n: tuple(s.shape) for u in engine.units for n, s in
+                           zip(u.names, u.layout.slots)}, folder / "manifest.json")
+    _verify(engine, folder, manifest)
+    stored = manifest.slots_by_name()
+    opt = engine.sharded_optimizer
+    rank = engine.comm.rank
+    reader = _Reader(folder, manifest)
+    try:
+        for unit in engine.units:
+            arrays = [torch.zeros(unit.shard_numel, dtype=torch.float32) for _ in range(3)]
+            shard = 0 if unit.layout.num_shards == 1 else rank
+            for o in unit.layout.overlaps(shard):
+                old_unit, old_slot = stored[unit.layout.slots[o.slot].name]
+                for src_rank, element, count, at in pieces(old_unit, old_slot, o.slot_start,
+                                                           o.slot_end):
+                    dst = o.shard_start + at
+                    for section, array in enumerate(arrays):
+                        reader.read(src_rank, section, element, array[dst:dst + count])
+            opt.updater.load_state(unit.shard_offset, *arrays)
+            opt.write_params(unit, arrays[0])
+    finally:
+        reader.close()
+    engine.zero_grad()
+    _restore_extra(engine, folder, lr_scheduler)
+    return tag

@@ -1,0 +1,120 @@
+"""Save: every rank streams its optimizer tier into its own file; rank 0 commits.
+
+Atomic at every step: ranks write into ``DIR/.<tag>.partial`` under temporary names, fsync and
+rename; rank 0 writes the manifest last, renames the folder to ``DIR/<tag>`` and only then
+moves ``latest``. A process killed at any point leaves the previous checkpoint and ``latest``
+as they were. State held on NVMe is streamed sub-group by sub-group, never whole in memory.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .format import (LATEST, MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
+                     section_offset, write_atomically)
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+__all__ = ["save_checkpoint"]
+
+
+def _write_state(engine: "Engine", path: Path) -> RankRecord:
+    """Stream [master | exp_avg | exp_avg_sq] into ``path``; CRC32 per section."""
+    updater = engine.sharded_optimizer.updater
+    numel = engine.grads.numel()
+    crcs = [0, 0, 0]
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for lo, _hi, *arrays in updater.iter_state():
+            for section, values in enumerate(arrays):
+                data = memoryview(values.contiguous().numpy()).cast("B")
+                crcs[section] = zlib.crc32(data, crcs[section])
+                offset = section_offset(numel, section, lo)
+                while data:
+                    written = os.pwrite(fd, data, offset)
+                    data, offset = data[written:], offset + written
+        os.ftruncate(fd, section_offset(numel, 3, 0))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return RankRecord(path.name, numel, crcs)
+
+
+def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
+    opt = engine.sharded_optimizer
+    extra: dict[str, Any] = {
+        "micro_steps": engine.micro_steps,
+        "global_steps": engine.global_steps,
+        "optimizer_steps": opt.updater.steps,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in opt.optimizer.param_groups],
+        "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+    }
+    if engine.comm.rank == 0:
+        extra["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
+        extra["buffers"] = {k: v.detach().cpu() for k, v in engine.module.named_buffers()}
+    return extra
+
+
+def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
+    units = [UnitRecord(u.shard_offset, u.layout.padded_numel, u.layout.num_shards,
+                        [SlotRecord(s.name, list(s.shape), s.offset, s.numel)
+                         for s in u.layout.slots]) for u in engine.units]
+    stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
+    aliases = {name: stored[id(p)]
+               for name, p in engine.module.named_parameters(remove_duplicate=False)
+               if stored[id(p)] != name}
+    return Manifest(engine.comm.world_size, engine.stage, str(engine.dtype).removeprefix("torch."),
+                    engine.sharded_optimizer.updater.steps, units, ranks, aliases)
+
+
+def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | None = None,
+                    lr_scheduler: Any = None) -> Path:
+    """Write this rank's shards and (rank 0) the manifest; returns ``DIR/<tag>``.
+    Collective: every rank must call it."""
+    comm = engine.comm
+    root = Path(directory)
+    tag = tag or f"step{engine.global_steps}"
+    if "/" in tag or tag in ("", ".", "..", LATEST) or tag.startswith("."):
+        raise ValueError(f"tag={tag!r} is not a valid checkpoint name")
+    partial, final = root / f".{tag}.partial", root / tag
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left behind
+        partial.mkdir()
+    comm.barrier()
+    rank = comm.rank
+    record = _write_state(engine, partial / f"rank{rank}.state")
+    extra = _extra_state(engine, lr_scheduler)
+    write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
+    records = comm.all_gather_object(record)
+    if rank == 0:
+        manifest = _manifest(engine, records)
+        write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
+        fsync_dir(partial)
+        if final.exists():
+            old = root / f".{tag}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        fsync_dir(root)
+        write_atomically(root / LATEST, lambda f: f.write(tag.encode()))
+        fsync_dir(root)
+    comm.barrier()
+    return final
