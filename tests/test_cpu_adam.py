@@ -269,6 +269,7 @@ def test_fallback_gives_same_results(mode: str, monkeypatch, tmp_path, caplog,
     if mode == "off":
         monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "off")
     else:
+        monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "auto")
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         monkeypatch.setenv("ZERO_OFFLOAD_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="zero_offload.optim.kernel"):
