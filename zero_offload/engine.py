@@ -20,7 +20,7 @@ from .comm import Comm
 from .config import ZeroConfig, build_config
 from .ledger import MemoryReport
 from .stages.gather import ParamGatherer
-from .stages.grads import GradReducer
+from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.optimizer import ShardedOptimizer
 from .stages.param_store import ParamStore
 from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
@@ -102,17 +102,23 @@ class Engine:
             shard_numel, config, self.device, self.dtype, self.comm.rank,
             self.param_store.resident if self.param_store else None, optimizer_budget)
         self.units = self._make_units(plans, updater)
-        if config.offload.optimizer == "none":
-            self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
-        else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-            self.grads = torch.zeros(shard_numel, dtype=torch.float32,
-                                     pin_memory=torch.cuda.is_available())
+        if getattr(updater, "grads_on_disk", False):
+            self.grads = None  # the optimizer keeps them in files beside its state
+            target: GradTarget = updater  # type: ignore[assignment]
+        else:
+            if config.offload.optimizer == "none":
+                self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
+            else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
+                self.grads = torch.zeros(shard_numel, dtype=torch.float32,
+                                         pin_memory=torch.cuda.is_available())
+            target = ResidentGrads(self.grads)
+        self.shard_numel = shard_numel
         self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
                                        prefetch_depth=config.prefetch_depth,
                                        prefetch_bytes=config.prefetch_bytes)
                          if self.param_store else None)
         self.reducer = GradReducer(
-            self.units, self.comm, self.stage, self.grads,
+            self.units, self.comm, self.stage, target,
             on_reduced=self.gatherer.release if self.gatherer else None)
         self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
@@ -184,7 +190,7 @@ class Engine:
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        self.reducer.begin_backward()
+        self.reducer.begin_backward(final=self.is_accumulation_boundary)
         if self.gatherer:
             self.gatherer.begin_backward()
         try:
@@ -272,8 +278,9 @@ class Engine:
             for p in u.params:
                 if p.grad is not None:
                     rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
-        grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
-        rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
+        if self.grads is not None:
+            grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
+            rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
         self.sharded_optimizer.add_to(rep)
         if self.gatherer:
             rep.peak_gathered_param_bytes = max(self._last_step_peak,

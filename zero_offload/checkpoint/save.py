@@ -29,7 +29,7 @@ __all__ = ["save_checkpoint"]
 def _write_state(engine: "Engine", path: Path) -> RankRecord:
     """Stream [master | exp_avg | exp_avg_sq] into ``path``; CRC32 per section."""
     updater = engine.sharded_optimizer.updater
-    numel = engine.grads.numel()
+    numel = engine.shard_numel
     crcs = [0, 0, 0]
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -10,24 +10,47 @@ Stages 2–3 keep no full gradient past its unit's reduction; a few reductions s
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from ..comm import Comm, Handle
 from .units import FlatUnit
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "GradTarget", "ResidentGrads"]
+
+
+class GradTarget(Protocol):
+    """Where reduced gradient shards are summed: memory (:class:`ResidentGrads`) or files
+    (:class:`~.nvme_adam.NvmeAdam`)."""
+
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+class ResidentGrads:
+    """The rank's gradient shard as one tensor (compute dtype on the device, or fp32 on the
+    host when the optimizer is offloaded)."""
+
+    def __init__(self, grads: torch.Tensor) -> None:
+        self.grads = grads
+
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        self.grads[offset:offset + values.numel()].add_(values.to(self.grads.device))
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
 
 
 class GradReducer:
-    def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, grads: torch.Tensor, *,
+    def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, target: GradTarget, *,
                  on_reduced: Callable[[FlatUnit], None] | None = None,
                  max_inflight: int = 2) -> None:
         self.units = units
         self.comm = comm
         self.stage = stage
-        self.grads = grads
+        self.target = target
+        self.final = True  # this backward ends an accumulation window
         self.on_reduced = on_reduced
         self.max_inflight = max_inflight
         self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
@@ -37,9 +60,6 @@ class GradReducer:
                 for p in unit.trainable:
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         lambda _p, unit=unit: self._on_grad(unit)))
-
-    def shard_of(self, unit: FlatUnit) -> torch.Tensor:
-        return self.grads[unit.shard_offset:unit.shard_offset + unit.shard_numel]
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -52,7 +72,8 @@ class GradReducer:
         return flat
 
     # -- stages 2-3 ------------------------------------------------------------------------
-    def begin_backward(self) -> None:
+    def begin_backward(self, final: bool) -> None:
+        self.final = final
         for unit in self.units:
             unit.pending_grads = len(unit.trainable)
             unit.grads_reduced = False
@@ -79,8 +100,7 @@ class GradReducer:
             self._accumulate(unit, out)
 
     def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
-        """Add a reduced shard into the rank's gradient buffer (on the host with offload)."""
-        self.shard_of(unit).add_(reduced.to(self.grads.device))
+        self.target.accumulate_grad(unit.shard_offset, reduced, self.final)
 
     def end_backward(self) -> None:
         """Reduce what no hook reduced (unused parameters count as zero gradients), in unit
@@ -96,6 +116,7 @@ class GradReducer:
         """At the step: reduce the gradients autograd accumulated in ``param.grad``."""
         if self.stage >= 2:
             return
+        self.final = True
         for unit in self.units:
             flat = self._flat_grads(unit)
             if self.stage == 0:
@@ -107,7 +128,7 @@ class GradReducer:
                 self._accumulate(unit, out)
 
     def zero(self) -> None:
-        self.grads.zero_()
+        self.target.zero_grad()
         for unit in self.units:
             for p in unit.params:
                 p.grad = None

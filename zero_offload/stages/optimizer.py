@@ -27,14 +27,15 @@ __all__ = ["ShardedOptimizer"]
 
 
 class ShardedOptimizer:
-    def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm, grads: torch.Tensor,
+    def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm,
+                 grads: torch.Tensor | None,
                  device: torch.device, dtype: torch.dtype, updater: Updater,
                  params: ParamStore | None) -> None:
         self.units = units
         self.cfg = cfg
         self.comm = comm
         self.stage = cfg.stage
-        self.grads = grads
+        self.grads = grads  # None: the gradients are in files (NVMe optimizer, small budget)
         self.device = device  # scalars for collectives live here (NCCL needs device tensors)
         self.dtype = dtype
         self.updater = updater
@@ -60,30 +61,43 @@ class ShardedOptimizer:
             self.comm.all_reduce(t, op="max")
         return bool(t.item())
 
-    def _global_norm(self, grads32: torch.Tensor) -> float:
-        sq = torch.linalg.vector_norm(grads32, dtype=torch.float32).pow(2).reshape(1)
-        sq = sq.to(self.device)
-        if self.stage > 0:  # stage 0: every rank holds the whole (already reduced) gradient
-            self.comm.all_reduce(sq)
-        return math.sqrt(float(sq.item()))
+    def _grad_stats(self) -> tuple[float, bool]:
+        """This rank's (sum of squares, all finite) of its reduced gradient shard, summed in
+        fp64 — so that the per-sub-group sums of gradients in files agree to the last bit of
+        the fp32 clip factor — without a copy of the shard."""
+        if self.grads is None:
+            return self.updater.grad_stats()  # type: ignore[attr-defined]
+        sumsq = 0.0
+        if self.cfg.optimizer.max_grad_norm is not None:
+            sumsq = float(torch.linalg.vector_norm(self.grads, dtype=torch.float64).item()) ** 2
+        finite = self.scaler is None or bool(torch.isfinite(self.grads).all())
+        return sumsq, finite
 
     def step(self) -> bool:
-        """Unscale, check overflow, clip, update, write the params back. False: skipped."""
-        grads32 = self.grads.float()
+        """Check overflow, clip, update, write the params back. False: skipped (overflow).
+
+        Unscaling and clipping fold into one factor that the updater applies as it reads the
+        gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
+        sumsq, finite = self._grad_stats()
+        scale = self.loss_scale
         if self.scaler is not None:
-            grads32.mul_(1.0 / self.scaler.scale)
-            overflow = self._any_rank(not bool(torch.isfinite(grads32).all()))
+            overflow = self._any_rank(not finite)
             self.scaler.update(overflow)
             if overflow:
                 return False
+        factor = 1.0 / scale
         max_norm = self.cfg.optimizer.max_grad_norm
         if max_norm is not None:
-            norm = self._global_norm(grads32)
+            sq = torch.tensor([sumsq], dtype=torch.float64 if self.device.type == "cpu"
+                              else torch.float32, device=self.device)
+            if self.stage > 0:  # stage 0: every rank holds the whole (reduced) gradient
+                self.comm.all_reduce(sq)
+            norm = math.sqrt(float(sq.item())) / scale
             self.last_grad_norm = norm
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                grads32.mul_(coef)
-        self.updater.update(grads32, self._sink)
+                factor *= coef
+        self.updater.update(self.grads, factor, self._sink)
         return True
 
     def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:

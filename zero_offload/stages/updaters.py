@@ -1,23 +1,22 @@
 """Where the optimizer state lives and how the AdamW update runs on it.
 
-Three updaters share one face — ``update(grads32) -> new params (rank-flat)`` plus a torch
-``optimizer`` whose ``param_groups`` carry the hyperparameters (lr schedulers drive it):
+Three updaters share one face — ``update(grads, factor, sink)``: step the rank-flat state with
+``grads × factor`` (the factor folds loss-scale and clipping into the one pass that reads the
+gradients) and hand the new parameter values to ``sink`` — plus a torch ``optimizer`` whose
+``param_groups`` carry the hyperparameters (lr schedulers drive it):
 
 - :class:`DeviceAdam`: fp32 master, m, v on an accelerator; torch's fused AdamW.
 - :class:`HostAdam` (``offload_optimizer="cpu"``, and the no-offload case when the compute
   device is the CPU): the state in host memory, updated by the vectorized CPU Adam, which also
   writes the compute-dtype params in the same pass, so only 2 bytes per parameter travel back
   to the device. Every CPU tier runs this same kernel, so offloading changes no bit.
-- :class:`NvmeAdam` (``offload_optimizer="nvme"``): master, m and v of each sub-group sit in one
-  file; the step is a pipeline over sub-groups — group i+1 is read while group i computes and
-  group i−1 is written — through a pool of three host buffers sized within
-  ``host_memory_limit``.
+- :class:`~.nvme_adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
+  a pipeline over sub-groups (see its module).
 """
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -27,14 +26,13 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
-from ..swap.buffers import HostBuffer
-from ..swap.swapper import Swapper
 
-__all__ = ["Updater", "StepTimings", "DeviceAdam", "HostAdam", "NvmeAdam", "make_updater"]
+__all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
+           "adam_hyperparameters"]
 
 log = logging.getLogger(__name__)
 
-_PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+_GRAD_CHUNK = 1 << 22  # elements upcast and scaled at a time (16 MiB of fp32)
 
 
 Sink = Callable[[int, int, torch.Tensor], None]
@@ -73,10 +71,20 @@ class Updater(Protocol):
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None: ...
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None: ...
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...
+
+
+def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
+    """Keyword arguments of :func:`~zero_offload.optim.adam_update` from the optimizer's
+    first param group (read at every step: lr schedulers change it)."""
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
+                num_threads=getattr(optimizer, "num_threads", None))
 
 
 def _adam_kwargs(cfg: ZeroConfig) -> dict:
@@ -164,8 +172,12 @@ class DeviceAdam(_ResidentAdam):
             optimizer = torch.optim.AdamW([param], **_adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
 
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
         start = time.perf_counter()
+        assert grads is not None
+        grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
+        if factor != 1.0:
+            grads32.mul_(factor)
         self.param.grad = grads32
         self.optimizer.step()
         self.param.grad = None
@@ -189,10 +201,36 @@ class HostAdam(_ResidentAdam):
         self.out = torch.empty(master.numel(), dtype=dtype) if self.owns_out else out
         if dtype == torch.float32:
             self.out = None
+        self._scratch_buf: torch.Tensor | None = None
 
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._scratch_buf is None:
+            self._scratch_buf = torch.empty(min(_GRAD_CHUNK, self.master.numel()))
+        return self._scratch_buf[:n]
+
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
+        """One pass of the CPU kernel, chunk by chunk: a chunk of gradients is upcast and
+        scaled into a small fp32 buffer only when it is not fp32 already or ``factor`` != 1
+        (fp32 host gradients are scaled in place)."""
+        assert grads is not None
         start = time.perf_counter()
-        self.optimizer.step_param(self.param, grads32, out=self.out)
+        state = self._moments()
+        step = self.steps + 1
+        hyper = adam_hyperparameters(self.optimizer, step)
+        n = self.master.numel()
+        for lo in range(0, n, _GRAD_CHUNK):
+            hi = min(lo + _GRAD_CHUNK, n)
+            g = grads[lo:hi].to("cpu", non_blocking=False)
+            if factor != 1.0:
+                if g.dtype == torch.float32 and g.data_ptr() == grads[lo:hi].data_ptr():
+                    g.mul_(factor)
+                else:
+                    g = self._scratch(hi - lo).copy_(g).mul_(factor)
+            adam_update(self.master[lo:hi], g, state["exp_avg"][lo:hi],
+                        state["exp_avg_sq"][lo:hi],
+                        out=None if self.out is None else self.out[lo:hi], **hyper)
+        self.steps = step
+        self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master if self.out is None else self.out)
@@ -201,145 +239,6 @@ class HostAdam(_ResidentAdam):
         super().add_to(report)
         if self.owns_out:
             report.add(self.tier, "params", _nbytes(self.out))
-
-
-class NvmeAdam:
-    """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
-
-    BUFFERS = 3  # one being read ahead, one computing, one being written back
-
-    def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
-                 host_memory_limit: int | None) -> None:
-        off = cfg.offload
-        self.numel = numel
-        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel)
-        self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
-        self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
-                               buffer_count=self.BUFFERS, min_buffers=2,
-                               host_memory_limit=host_memory_limit,
-                               expected_bytes=12 * numel, rank=rank)
-        # The optimizer holds no tensors of its own: its param_groups carry the
-        # hyperparameters (for lr schedulers); the state is in the swap files.
-        self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
-        self.out = torch.empty(self.group, dtype=dtype)  # a sub-group's new params
-        self.steps = 0
-        self.last_timings = StepTimings()
-        self._loading: tuple[int, HostBuffer] | None = None
-        log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB",
-                 len(self.bounds), self.group, self.swapper.pool.count, 12 * self.group / 2**20)
-
-    @staticmethod
-    def _group_size(sub_group_size: int, host_memory_limit: int | None, numel: int) -> int:
-        """Params per sub-group: ``sub_group_size``, shrunk so three buffers fit the budget."""
-        size = min(sub_group_size, numel)
-        if host_memory_limit is not None:
-            size = min(size, host_memory_limit // (NvmeAdam.BUFFERS * 12))
-        return max(_PAGE_ELEMS, size // _PAGE_ELEMS * _PAGE_ELEMS)
-
-    @staticmethod
-    def _key(i: int) -> str:
-        return f"adam.{i}"
-
-    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
-                   exp_avg_sq: torch.Tensor | None = None) -> None:
-        """Store state given in increasing, gap-free ``offset`` order (moments default to
-        zeros); each sub-group is written as [master | m | v] once it is complete."""
-        values = (master, exp_avg, exp_avg_sq)
-        pos = 0
-        while pos < master.numel():
-            start = offset + pos
-            i = start // self.group
-            lo, hi = self.bounds[i]
-            if self._loading is None:
-                buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
-                buf.view(torch.float32, (3, hi - lo))[1:].zero_()
-                self._loading = (i, buf)
-            buf = self._loading[1]
-            take = min(hi - start, master.numel() - pos)
-            state = buf.view(torch.float32, (3, hi - lo))
-            for row, src in enumerate(values):
-                if src is not None:
-                    state[row, start - lo:start - lo + take].copy_(src[pos:pos + take])
-            pos += take
-            if start + take == hi:
-                try:
-                    self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
-                finally:
-                    self.swapper.pool.release(buf)
-                    self._loading = None
-
-    def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
-        """Add the request's duration (submit to completion) to ``timings`` when it ends."""
-        start = time.perf_counter()
-
-        def done(_: Future) -> None:
-            setattr(timings, kind, getattr(timings, kind) + time.perf_counter() - start)
-        fut.add_done_callback(done)
-        return fut
-
-    def _read(self, i: int, timings: StepTimings) -> Future:
-        lo, hi = self.bounds[i]
-        timings.bytes_read += 12 * (hi - lo)
-        return self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
-
-    def update(self, grads32: torch.Tensor, sink: Sink) -> None:
-        group = self.optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
-        self.steps += 1
-        hyper = dict(step=self.steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                     eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
-                     num_threads=self.optimizer.num_threads)
-        timings = StepTimings()
-        start = time.perf_counter()
-        last = len(self.bounds) - 1
-        lookahead = self.swapper.pool.count >= self.BUFFERS
-        pending = self._read(0, timings)
-        for i, (lo, hi) in enumerate(self.bounds):
-            state = pending.result().view(3, hi - lo)
-            if lookahead and i < last:
-                pending = self._read(i + 1, timings)
-            t0 = time.perf_counter()
-            master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
-            out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
-            adam_update(master, grads32[lo:hi], exp_avg, exp_avg_sq, out=out, **hyper)
-            timings.compute_s += time.perf_counter() - t0
-            sink(lo, hi, master if out is None else out)
-            timings.bytes_written += 12 * (hi - lo)
-            self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
-                        timings)
-            if i > 0:
-                self.swapper.release(self._key(i - 1))
-            if not lookahead and i < last:
-                self.swapper.release(self._key(i))
-                pending = self._read(i + 1, timings)
-        self.swapper.release(self._key(last))
-        timings.wall_s = time.perf_counter() - start
-        self.last_timings = timings
-        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
-
-    def iter_state(self) -> Iterator[StateChunk]:
-        """Each sub-group read from its file (a pool buffer: used before the next is read)."""
-        for i, (lo, hi) in enumerate(self.bounds):
-            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
-            try:
-                yield lo, hi, state[0], state[1], state[2]
-            finally:
-                self.swapper.release(self._key(i))
-
-    def master_values(self) -> torch.Tensor:
-        """A host copy of the fp32 master, read sub-group by sub-group from the files."""
-        master = torch.empty(self.numel, dtype=torch.float32)
-        for lo, hi, values, _, _ in self.iter_state():
-            master[lo:hi].copy_(values)
-        return master
-
-    def add_to(self, report: MemoryReport) -> None:
-        report.add("nvme", "optimizer", 12 * self.numel)
-        report.add("host", "optimizer", self.swapper.host_buffer_nbytes + _nbytes(self.out))
-
-    def close(self) -> None:
-        self.swapper.close()
 
 
 def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
@@ -351,6 +250,7 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
     share of the host budget (NVMe pool)."""
     where = cfg.offload.optimizer
     if where == "nvme":
+        from .nvme_adam import NvmeAdam  # one-way: nvme_adam builds on this module
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
     out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
         and param_shards.dtype == dtype else None

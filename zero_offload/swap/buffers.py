@@ -148,6 +148,8 @@ class BufferPool:
         if host_memory_limit is None:
             host_memory_limit = int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
         self.buffer_bytes = round_up(int(buffer_bytes), ALIGNMENT)
+        # A buffer smaller than a huge page gains nothing from one and would waste the rest.
+        huge_pages = huge_pages and self.buffer_bytes >= HUGE_PAGE
         footprint = _footprint(self.buffer_bytes, huge_pages)
         self.host_memory_limit = int(host_memory_limit)
         count = min(needed, self.host_memory_limit // footprint)

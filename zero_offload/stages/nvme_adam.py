@@ -1,0 +1,277 @@
+"""``offload_optimizer="nvme"``: the optimizer state in files, stepped as a pipeline.
+
+The rank-flat state is cut into sub-groups of ``sub_group_size`` parameters (shrunk to fit
+``host_memory_limit``); sub-group k's [master | m | v] is one file. A step reads group k+1
+while the CPU Adam updates group k in its host buffer and group k−1 is written back, so the
+disk and the CPU work at the same time.
+
+The fp32 gradient shard stays in host memory when it fits the host budget. When it does not
+(an explicit ``host_memory_limit`` smaller than twice the shard), gradients go to files too:
+reduced pieces are summed into a sub-group's buffer as backward produces them, a complete
+sub-group is written out (its sum of squares and finiteness noted for clipping and overflow
+checks, so the step needs no extra pass), and the step reads it back beside the state.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from ..config import ZeroConfig
+from ..ledger import MemoryReport
+from ..optim import CPUAdam, adam_update
+from ..swap.buffers import HostBuffer
+from ..swap.swapper import Swapper
+from .updaters import Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters
+
+__all__ = ["NvmeAdam", "grads_fit_in_host"]
+
+log = logging.getLogger(__name__)
+
+_PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+
+
+def grads_fit_in_host(numel: int, host_memory_limit: int | None) -> bool:
+    """Keep the fp32 gradient shard in host memory unless an explicit budget is too small
+    for it (half the budget; the other half is for the swap buffers)."""
+    return host_memory_limit is None or 4 * numel <= host_memory_limit // 2
+
+
+class NvmeAdam:
+    """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
+
+    BUFFERS = 3  # one being read ahead, one computing, one being written back
+
+    def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
+                 host_memory_limit: int | None) -> None:
+        off = cfg.offload
+        self.numel = numel
+        self.grads_on_disk = not grads_fit_in_host(numel, host_memory_limit)
+        per_param = 12 + (4 if self.grads_on_disk else 0)
+        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel, per_param)
+        self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
+        state_budget = grad_budget = host_memory_limit
+        if host_memory_limit is not None and self.grads_on_disk:
+            state_budget = host_memory_limit * 3 // 4
+            grad_budget = host_memory_limit - state_budget
+        self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
+                               buffer_count=self.BUFFERS, min_buffers=2,
+                               host_memory_limit=state_budget,
+                               expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank)
+        self.grad_swapper = (Swapper(off.nvme_path, buffer_bytes=4 * self.group,
+                                     buffer_count=self.BUFFERS, min_buffers=2,
+                                     host_memory_limit=grad_budget, rank=rank,
+                                     engine=self.swapper.engine)
+                             if self.grads_on_disk else None)
+        # The optimizer holds no tensors of its own: its param_groups carry the
+        # hyperparameters (for lr schedulers); the state is in the swap files.
+        self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
+        self.out = torch.empty(self.group, dtype=dtype)  # a sub-group's new params
+        self.steps = 0
+        self.last_timings = StepTimings()
+        self._loading: tuple[int, HostBuffer] | None = None
+        # gradients on disk: sub-groups being summed, and what was written this window
+        self._filling: dict[int, tuple[HostBuffer, int]] = {}
+        self._written: set[int] = set()
+        self._sumsq = 0.0
+        self._finite = True
+        log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB"
+                 "%s", len(self.bounds), self.group, self.swapper.pool.count,
+                 12 * self.group / 2**20, "; gradients on NVMe too" if self.grads_on_disk else "")
+
+    @classmethod
+    def _group_size(cls, sub_group_size: int, host_memory_limit: int | None, numel: int,
+                    per_param: int) -> int:
+        """Params per sub-group: ``sub_group_size``, shrunk so the buffers fit the budget."""
+        size = min(sub_group_size, numel)
+        if host_memory_limit is not None:
+            size = min(size, host_memory_limit // (cls.BUFFERS * per_param))
+        return max(_PAGE_ELEMS, size // _PAGE_ELEMS * _PAGE_ELEMS)
+
+    @staticmethod
+    def _key(i: int) -> str:
+        return f"adam.{i}"
+
+    @staticmethod
+    def _grad_key(i: int) -> str:
+        return f"grad.{i}"
+
+    # -- state in -------------------------------------------------------------------------
+    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                   exp_avg_sq: torch.Tensor | None = None) -> None:
+        """Store state given in increasing, gap-free ``offset`` order (moments default to
+        zeros); each sub-group is written as [master | m | v] once it is complete."""
+        values = (master, exp_avg, exp_avg_sq)
+        pos = 0
+        while pos < master.numel():
+            start = offset + pos
+            i = start // self.group
+            lo, hi = self.bounds[i]
+            if self._loading is None:
+                buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
+                buf.view(torch.float32, (3, hi - lo))[1:].zero_()
+                self._loading = (i, buf)
+            buf = self._loading[1]
+            take = min(hi - start, master.numel() - pos)
+            state = buf.view(torch.float32, (3, hi - lo))
+            for row, src in enumerate(values):
+                if src is not None:
+                    state[row, start - lo:start - lo + take].copy_(src[pos:pos + take])
+            pos += take
+            if start + take == hi:
+                try:
+                    self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
+                finally:
+                    self.swapper.pool.release(buf)
+                    self._loading = None
+
+    # -- gradients on disk ----------------------------------------------------------------
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        """Add a reduced gradient piece for rank-flat [offset, offset + n). ``final``: this
+        is the last micro-step before the update (note norm and finiteness)."""
+        assert self.grad_swapper is not None
+        values = values.to("cpu")
+        pos = 0
+        while pos < values.numel():
+            start = offset + pos
+            i = start // self.group
+            lo, hi = self.bounds[i]
+            take = min(hi - start, values.numel() - pos)
+            if i not in self._filling:
+                buf = self.grad_swapper.pool.acquire(timeout=self.grad_swapper.acquire_timeout)
+                grad = buf.view(torch.float32, (hi - lo,))
+                if i in self._written:  # an earlier micro-step of this window wrote it
+                    self.grad_swapper.swap_in(self._grad_key(i), grad).result()
+                else:
+                    grad.zero_()
+                self._filling[i] = (buf, 0)
+            buf, covered = self._filling[i]
+            grad = buf.view(torch.float32, (hi - lo,))
+            grad[start - lo:start - lo + take].add_(values[pos:pos + take])
+            pos += take
+            covered += take
+            self._filling[i] = (buf, covered)
+            if covered == hi - lo:
+                self._flush_grad(i, grad, final)
+
+    def _flush_grad(self, i: int, grad: torch.Tensor, final: bool) -> None:
+        assert self.grad_swapper is not None
+        buf, _ = self._filling.pop(i)
+        try:
+            if final:
+                self._sumsq += float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+                self._finite = self._finite and bool(torch.isfinite(grad).all())
+            self.grad_swapper.swap_out(self._grad_key(i), grad).result()
+            self._written.add(i)
+        finally:
+            self.grad_swapper.pool.release(buf)
+
+    def grad_stats(self) -> tuple[float, bool]:
+        """(sum of squares, all finite) of the gradients written at the last final flush."""
+        if self._filling:
+            raise RuntimeError(f"gradient sub-groups {sorted(self._filling)} were only partly "
+                               "reduced: every rank-flat element must be reduced each backward")
+        return self._sumsq, self._finite
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation window (the files are overwritten, not read)."""
+        for buf, _ in self._filling.values():
+            assert self.grad_swapper is not None
+            self.grad_swapper.pool.release(buf)
+        self._filling.clear()
+        self._written.clear()
+        self._sumsq, self._finite = 0.0, True
+
+    # -- the step -------------------------------------------------------------------------
+    def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
+        """Add the request's duration (submit to completion) to ``timings`` when it ends."""
+        start = time.perf_counter()
+
+        def done(_: Future) -> None:
+            setattr(timings, kind, getattr(timings, kind) + time.perf_counter() - start)
+        fut.add_done_callback(done)
+        return fut
+
+    def _read(self, i: int, timings: StepTimings) -> tuple[Future, Future | None]:
+        lo, hi = self.bounds[i]
+        timings.bytes_read += (12 + 4 * self.grads_on_disk) * (hi - lo)
+        state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
+        grad = None
+        if self.grad_swapper is not None:
+            grad = self._timed(self.grad_swapper.prefetch(self._grad_key(i)), "read_s", timings)
+        return state, grad
+
+    def _release(self, i: int) -> None:
+        self.swapper.release(self._key(i))
+        if self.grad_swapper is not None:
+            self.grad_swapper.release(self._grad_key(i))
+
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
+        """``grads``: the host fp32 shard, or None when the gradients are in files."""
+        self.steps += 1
+        hyper = adam_hyperparameters(self.optimizer, self.steps)
+        timings = StepTimings()
+        start = time.perf_counter()
+        last = len(self.bounds) - 1
+        lookahead = self.swapper.pool.count >= self.BUFFERS and (
+            self.grad_swapper is None or self.grad_swapper.pool.count >= self.BUFFERS)
+        pending = self._read(0, timings)
+        for i, (lo, hi) in enumerate(self.bounds):
+            state = pending[0].result().view(3, hi - lo)
+            grad = pending[1].result() if pending[1] is not None else grads[lo:hi]
+            if lookahead and i < last:
+                pending = self._read(i + 1, timings)
+            t0 = time.perf_counter()
+            if factor != 1.0:
+                grad.mul_(factor)  # in place: a host buffer or the host shard, both done after
+            out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
+            adam_update(state[0], grad, state[1], state[2], out=out, **hyper)
+            timings.compute_s += time.perf_counter() - t0
+            sink(lo, hi, state[0] if out is None else out)
+            timings.bytes_written += 12 * (hi - lo)
+            self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
+                        timings)
+            if i > 0:
+                self._release(i - 1)
+            if not lookahead and i < last:
+                self._release(i)
+                pending = self._read(i + 1, timings)
+        self._release(last)
+        timings.wall_s = time.perf_counter() - start
+        self.last_timings = timings
+        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
+
+    # -- state out ------------------------------------------------------------------------
+    def iter_state(self) -> Iterator[StateChunk]:
+        """Each sub-group read from its file (a pool buffer: used before the next is read)."""
+        for i, (lo, hi) in enumerate(self.bounds):
+            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
+            try:
+                yield lo, hi, state[0], state[1], state[2]
+            finally:
+                self.swapper.release(self._key(i))
+
+    def master_values(self) -> torch.Tensor:
+        """A host copy of the fp32 master, read sub-group by sub-group from the files."""
+        master = torch.empty(self.numel, dtype=torch.float32)
+        for lo, hi, values, _, _ in self.iter_state():
+            master[lo:hi].copy_(values)
+        return master
+
+    def add_to(self, report: MemoryReport) -> None:
+        report.add("nvme", "optimizer", 12 * self.numel)
+        report.add("host", "optimizer", self.swapper.host_buffer_nbytes
+                   + self.out.numel() * self.out.element_size())
+        if self.grad_swapper is not None:
+            report.add("nvme", "grads", 4 * self.numel)
+            report.add("host", "grads", self.grad_swapper.host_buffer_nbytes)
+
+    def close(self) -> None:
+        if self.grad_swapper is not None:
+            self.grad_swapper.close()
+        self.swapper.close()
