@@ -11,7 +11,8 @@ from zero_offload.bench import step
 
 TINY = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--sub-group-size", "4096",
         "--baseline-size", "1MiB", "--json"]
-SAMPLE_KEYS = {"fwd_bwd_s", "step_s", "total_s", "opt_read_s", "opt_write_s", "opt_compute_s",
+SAMPLE_KEYS = {"fwd_bwd_s", "step_s", "total_s", "opt_read_s", "opt_write_s", "opt_io_busy_s",
+               "opt_compute_s",
                "opt_wall_s", "bytes_read", "bytes_written", "overlap"}
 
 
@@ -37,7 +38,7 @@ def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         for key in ("fwd_bwd_s", "step_s", "total_s", "opt_compute_s", "opt_wall_s"):
             assert med[key] > 0, (name, key)
         assert med["total_s"] >= med["step_s"]
-        assert 0 < med["overlap"] <= 1.5, (name, med["overlap"])
+        assert 0 < med["overlap"] <= 1.05, (name, med["overlap"])
     nvme = runs["nvme"]["median"]
     assert nvme["opt_read_s"] > 0 and nvme["opt_write_s"] > 0
     # fp32 master + m + v of every parameter read and written once per step

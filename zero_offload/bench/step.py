@@ -94,6 +94,7 @@ class Sample:
     total_s: float
     opt_read_s: float
     opt_write_s: float
+    opt_io_busy_s: float
     opt_compute_s: float
     opt_wall_s: float
     bytes_read: int
@@ -168,7 +169,7 @@ def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, dept
                 raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
             if i >= args.warmup:
                 t = engine.sharded_optimizer.updater.last_timings
-                res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.compute_s,
+                res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.io_busy_s, t.compute_s,
                                           t.wall_s, t.bytes_read, t.bytes_written, t.overlap))
     finally:
         engine.close()
@@ -301,18 +302,19 @@ def print_tables(report: dict) -> None:
               f"read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s")
     print()
     print("| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s | "
-          "opt write s | opt wall s | overlap | NVMe GB/s | vs raw disk |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
         head = f"| {r['offload_optimizer']} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
-            print(f"{head} {_short(r['error'])} |" + " |" * 9)
+            print(f"{head} {_short(r['error'])} |" + " |" * 10)
             continue
         d = r["median"]
         gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
         eff = f"{r['io_efficiency']:.2f}" if r["io_efficiency"] else "-"
         print(f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | {d['opt_read_s']:.3f} | "
-              f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
+              f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_io_busy_s']:.3f} | "
+              f"{d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
               f"{gbps} | {eff} |")
     if report["sweep"]:
         print()

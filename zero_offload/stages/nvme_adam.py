@@ -14,6 +14,7 @@ checks, so the step needs no extra pass), and the step reads it back beside the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import Iterator
@@ -80,6 +81,9 @@ class NvmeAdam:
         self._written: set[int] = set()
         self._sumsq = 0.0
         self._finite = True
+        self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
+        self._in_flight = 0
+        self._busy_since = 0.0
         log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB"
                  "%s", len(self.bounds), self.group, self.swapper.pool.count,
                  12 * self.group / 2**20, "; gradients on NVMe too" if self.grads_on_disk else "")
@@ -189,11 +193,22 @@ class NvmeAdam:
 
     # -- the step -------------------------------------------------------------------------
     def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
-        """Add the request's duration (submit to completion) to ``timings`` when it ends."""
+        """Add the request's duration (submit to completion) to ``timings.<kind>``, and the
+        time with any request in flight to ``timings.io_busy_s``."""
         start = time.perf_counter()
+        with self._busy_lock:
+            if self._in_flight == 0:
+                self._busy_since = start
+            self._in_flight += 1
 
         def done(_: Future) -> None:
-            setattr(timings, kind, getattr(timings, kind) + time.perf_counter() - start)
+            now = time.perf_counter()
+            with self._busy_lock:
+                setattr(timings, kind, getattr(timings, kind) + now - start)
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    timings.io_busy_s += now - self._busy_since
+                    self._busy_lock.notify_all()
         fut.add_done_callback(done)
         return fut
 
@@ -242,6 +257,8 @@ class NvmeAdam:
                 self._release(i)
                 pending = self._read(i + 1, timings)
         self._release(last)
+        with self._busy_lock:  # completion callbacks may still be running
+            self._busy_lock.wait_for(lambda: self._in_flight == 0)
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran

@@ -42,12 +42,14 @@ in increasing order; it must be done with the tensor when it returns."""
 
 @dataclass
 class StepTimings:
-    """Seconds of the last update: I/O time summed over requests (submit to completion),
-    Adam compute, and wall time. ``overlap`` = max(read + write, compute) / wall: 1.0 when
-    the slower of I/O and compute hides the other completely."""
+    """Seconds of the last update. ``read_s`` / ``write_s``: per-request durations summed
+    (submit to completion; concurrent requests both count). ``io_busy_s``: time with at least
+    one request in flight — the disk's share of the wall time. ``overlap`` =
+    max(io_busy, compute) / wall: 1.0 when the slower of I/O and compute hides the other."""
 
     read_s: float = 0.0
     write_s: float = 0.0
+    io_busy_s: float = 0.0
     compute_s: float = 0.0
     wall_s: float = 0.0
     bytes_read: int = 0
@@ -55,7 +57,7 @@ class StepTimings:
 
     @property
     def overlap(self) -> float:
-        busy = max(self.read_s + self.write_s, self.compute_s)
+        busy = max(self.io_busy_s, self.compute_s)
         return busy / self.wall_s if self.wall_s > 0 else 1.0
 
 
