@@ -81,7 +81,7 @@ def run_case(rank: int, world: int, name: str, dtype: torch.dtype, stage: int,
     sd = engine.full_state_dict()
     res = CaseResult()
     res.params = sum(p.numel() for p in initial.parameters())
-    res.flat_shard = engine.grads.numel()
+    res.flat_shard = engine.shard_numel
     res.largest_unit_bytes = max(u.full_bytes for u in engine.units)
     res.units = len(engine.units)
     res.report = engine.memory_report()

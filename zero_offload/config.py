@@ -153,6 +153,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 0  # stage 3: modules with fewer params stay gathered
     process_group: Any = None  # a torch.distributed ProcessGroup; None: the default group
     device: torch.device | None = None  # None: cuda:LOCAL_RANK when CUDA is there, else cpu
+    init_weights: str | None = None  # safetensors file or Hugging Face folder to start from
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -172,6 +173,12 @@ class ZeroConfig:
             except (RuntimeError, TypeError) as exc:
                 raise _bad("device", self.device, "expected a torch.device or a string such as "
                            "'cuda:0' or 'cpu'") from exc
+        if self.init_weights is not None:
+            if not isinstance(self.init_weights, (str, os.PathLike)):
+                raise _bad("init_weights", self.init_weights, "expected a file or folder path")
+            object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
+            if not os.path.exists(self.init_weights):
+                raise _bad("init_weights", self.init_weights, "no such file or folder")
         if self.offload.param != "none" and self.stage != 3:
             raise ConfigError(
                 f"offload_param={self.offload.param!r} needs stage=3 (got stage={self.stage}): "

@@ -26,6 +26,7 @@ from .stages.param_store import ParamStore
 from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
                            plan_units)
 from .stages.updaters import Updater, make_updater
+from .weights import PretrainedWeights
 
 __all__ = ["Engine", "initialize"]
 
@@ -92,6 +93,7 @@ class Engine:
         _move_to_device(model, self.device)
         plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
                            bucket_size=config.reduce_bucket_size)
+        self._weights = self._open_weights(plans) if config.init_weights else None
         shard_numel = sum(p.shard_numel for p in plans)
         param_budget, optimizer_budget = _split_host_budget(config)
         self.param_store = (ParamStore(config, shard_numel,
@@ -102,6 +104,9 @@ class Engine:
             shard_numel, config, self.device, self.dtype, self.comm.rank,
             self.param_store.resident if self.param_store else None, optimizer_budget)
         self.units = self._make_units(plans, updater)
+        if self._weights is not None:
+            self._weights[0].close()
+            self._weights = None
         if getattr(updater, "grads_on_disk", False):
             self.grads = None  # the optimizer keeps them in files beside its state
             target: GradTarget = updater  # type: ignore[assignment]
@@ -130,6 +135,17 @@ class Engine:
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
 
+    def _open_weights(self, plans: list[UnitPlan]) -> tuple[PretrainedWeights, dict[str, str]]:
+        """Check the pretrained file against the model before any memory is allocated."""
+        weights = PretrainedWeights(self.config.init_weights)
+        canonical = {id(p): n for plan in plans for n, p in zip(plan.names, plan.params)}
+        aliases: dict[str, list[str]] = {}
+        for name, p in self._module.named_parameters(remove_duplicate=False):
+            if canonical[id(p)] != name:
+                aliases.setdefault(canonical[id(p)], []).append(name)
+        expected = {n: tuple(p.shape) for plan in plans for n, p in zip(plan.names, plan.params)}
+        return weights, weights.resolve(expected, aliases)
+
     def _make_units(self, plans: list[UnitPlan], updater: Updater) -> list[FlatUnit]:
         """Materialize units one at a time, streaming each rank's fp32 shard into the
         optimizer's tier and (stage 3) its compute-dtype shard into the parameter store, so
@@ -137,10 +153,14 @@ class Engine:
         refs = parameter_references(self._module)
         units = []
         for plan in plans:
+            values = None
+            if self._weights is not None:
+                weights, stored = self._weights
+                values = [weights.load(stored[name]) for name in plan.names]
             unit, master = make_unit(
                 plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
                 device=self.device, persistence_threshold=self.config.param_persistence_threshold,
-                comm=self.comm, refs=refs)
+                comm=self.comm, refs=refs, values=values)
             updater.load_state(unit.shard_offset,
                                 master if self.config.offload.optimizer == "none" else master.cpu())
             if self.param_store is not None:

@@ -44,16 +44,31 @@ class GPTConfig:
         return self.layers * block + (self.vocab + self.seq) * self.width + 2 * self.width
 
 
+class Linear(nn.Linear):
+    """GPT-2's init, N(0, 0.02) weights and zero bias, kept in ``reset_parameters`` so that a
+    model built on the meta device and materialized unit by unit starts the same way."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
         self.ln1 = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.qkv = Linear(cfg.width, 3 * cfg.width)
+        self.proj = Linear(cfg.width, cfg.width)
         self.ln2 = nn.LayerNorm(cfg.width)
-        self.fc = nn.Linear(cfg.width, 4 * cfg.width)
-        self.fc_out = nn.Linear(4 * cfg.width, cfg.width)
+        self.fc = Linear(cfg.width, 4 * cfg.width)
+        self.fc_out = Linear(4 * cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -68,17 +83,12 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab, cfg.width)
-        self.wpe = nn.Embedding(cfg.seq, cfg.width)
+        self.wte = Embedding(cfg.vocab, cfg.width)
+        self.wpe = Embedding(cfg.seq, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width)
-        self.lm_head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        self.lm_head = Linear(cfg.width, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)  # GPT-2's init: logits start small
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when ``targets`` are given."""

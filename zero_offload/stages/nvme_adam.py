@@ -76,8 +76,10 @@ class NvmeAdam:
         self.steps = 0
         self.last_timings = StepTimings()
         self._loading: tuple[int, HostBuffer] | None = None
-        # gradients on disk: sub-groups being summed, and what was written this window
-        self._filling: dict[int, tuple[HostBuffer, int]] = {}
+        # gradients on disk: sub-groups being summed (in buffers, oldest first), elements
+        # summed so far per sub-group this backward, and what was written this window
+        self._filling: dict[int, HostBuffer] = {}
+        self._covered: dict[int, int] = {}
         self._written: set[int] = set()
         self._sumsq = 0.0
         self._finite = True
@@ -138,7 +140,6 @@ class NvmeAdam:
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
         """Add a reduced gradient piece for rank-flat [offset, offset + n). ``final``: this
         is the last micro-step before the update (note norm and finiteness)."""
-        assert self.grad_swapper is not None
         values = values.to("cpu")
         pos = 0
         while pos < values.numel():
@@ -146,48 +147,73 @@ class NvmeAdam:
             i = start // self.group
             lo, hi = self.bounds[i]
             take = min(hi - start, values.numel() - pos)
-            if i not in self._filling:
-                buf = self.grad_swapper.pool.acquire(timeout=self.grad_swapper.acquire_timeout)
-                grad = buf.view(torch.float32, (hi - lo,))
-                if i in self._written:  # an earlier micro-step of this window wrote it
-                    self.grad_swapper.swap_in(self._grad_key(i), grad).result()
-                else:
-                    grad.zero_()
-                self._filling[i] = (buf, 0)
-            buf, covered = self._filling[i]
-            grad = buf.view(torch.float32, (hi - lo,))
+            grad = self._grad_buffer(i)
             grad[start - lo:start - lo + take].add_(values[pos:pos + take])
             pos += take
-            covered += take
-            self._filling[i] = (buf, covered)
-            if covered == hi - lo:
-                self._flush_grad(i, grad, final)
+            self._covered[i] = self._covered.get(i, 0) + take
+            if self._covered[i] == hi - lo:
+                self._flush_grad(i, final)
 
-    def _flush_grad(self, i: int, grad: torch.Tensor, final: bool) -> None:
+    def _grad_buffer(self, i: int) -> torch.Tensor:
+        """Sub-group i's gradient sum in a host buffer: zeros, or what an earlier micro-step
+        (or an eviction) wrote. With every buffer taken by sub-groups still waiting for
+        pieces, the oldest is written out and read back when its next piece comes."""
         assert self.grad_swapper is not None
-        buf, _ = self._filling.pop(i)
+        lo, hi = self.bounds[i]
+        if i in self._filling:
+            self._filling[i] = self._filling.pop(i)  # most recently used last
+            return self._filling[i].view(torch.float32, (hi - lo,))
+        pool = self.grad_swapper.pool
+        while pool.available < 2 and self._filling:  # keep one spare for unaligned I/O
+            self._evict(next(iter(self._filling)))
+        buf = pool.acquire(timeout=self.grad_swapper.acquire_timeout)
+        grad = buf.view(torch.float32, (hi - lo,))
         try:
-            if final:
-                self._sumsq += float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
-                self._finite = self._finite and bool(torch.isfinite(grad).all())
-            self.grad_swapper.swap_out(self._grad_key(i), grad).result()
+            if i in self._written:
+                self.grad_swapper.swap_in(self._grad_key(i), grad).result()
+            else:
+                grad.zero_()
+        except BaseException:
+            pool.release(buf)
+            raise
+        self._filling[i] = buf
+        return grad
+
+    def _evict(self, i: int) -> None:
+        assert self.grad_swapper is not None
+        lo, hi = self.bounds[i]
+        buf = self._filling.pop(i)
+        try:
+            self.grad_swapper.swap_out(self._grad_key(i),
+                                       buf.view(torch.float32, (hi - lo,))).result()
             self._written.add(i)
         finally:
             self.grad_swapper.pool.release(buf)
 
+    def _flush_grad(self, i: int, final: bool) -> None:
+        assert self.grad_swapper is not None
+        lo, hi = self.bounds[i]
+        grad = self._filling[i].view(torch.float32, (hi - lo,))
+        if final:
+            self._sumsq += float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            self._finite = self._finite and bool(torch.isfinite(grad).all())
+        del self._covered[i]
+        self._evict(i)
+
     def grad_stats(self) -> tuple[float, bool]:
         """(sum of squares, all finite) of the gradients written at the last final flush."""
-        if self._filling:
-            raise RuntimeError(f"gradient sub-groups {sorted(self._filling)} were only partly "
+        if self._covered:
+            raise RuntimeError(f"gradient sub-groups {sorted(self._covered)} were only partly "
                                "reduced: every rank-flat element must be reduced each backward")
         return self._sumsq, self._finite
 
     def zero_grad(self) -> None:
         """Start a new accumulation window (the files are overwritten, not read)."""
-        for buf, _ in self._filling.values():
+        for buf in self._filling.values():
             assert self.grad_swapper is not None
             self.grad_swapper.pool.release(buf)
         self._filling.clear()
+        self._covered.clear()
         self._written.clear()
         self._sumsq, self._finite = 0.0, True
 

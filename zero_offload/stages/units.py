@@ -182,14 +182,18 @@ def _initial_values(plan: UnitPlan, device: torch.device) -> list[torch.Tensor]:
 
 def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
               device: torch.device, persistence_threshold: int, comm: Comm,
-              refs: dict[int, list[tuple[nn.Module, str]]]) -> tuple[FlatUnit, torch.Tensor]:
-    """Give a planned unit its memory: broadcast rank 0's starting values (so every rank
-    starts from the same weights), make ``full`` in the compute dtype, and point the model's
-    parameters at their views of it. Returns the unit and this rank's fp32 master shard."""
+              refs: dict[int, list[tuple[nn.Module, str]]],
+              values: list[torch.Tensor] | None = None) -> tuple[FlatUnit, torch.Tensor]:
+    """Give a planned unit its memory: broadcast rank 0's starting values (``values``, e.g.
+    pretrained weights, or the parameters' own) so every rank starts from the same weights,
+    make ``full`` in the compute dtype, and point the model's parameters at their views of
+    it. Returns the unit and this rank's fp32 master shard."""
     layout = plan.layout
     master = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
+    if values is None:
+        values = _initial_values(plan, device)
     with torch.no_grad():
-        layout.flatten_into(master, _initial_values(plan, device))
+        layout.flatten_into(master, [v.to(device=device, dtype=torch.float32) for v in values])
         comm.broadcast(master, src=0)
     full = master.to(dtype)
     sharded = stage == 3 and layout.numel >= persistence_threshold

@@ -1,0 +1,92 @@
+"""Pretrained weights from safetensors files, read one tensor at a time.
+
+Accepts what Hugging Face writes: a folder with ``model.safetensors.index.json`` (the
+``weight_map`` names each tensor's shard file), a folder of ``*.safetensors`` files, or one
+file. Only headers are read up front (names, shapes); each tensor is read when its unit is
+built, so a model larger than host memory loads without ever being whole in it. safetensors
+is a dependency because its lazy, memory-mapped reads are exactly this job.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .config import ConfigError
+
+__all__ = ["PretrainedWeights"]
+
+INDEX = "model.safetensors.index.json"
+
+
+class PretrainedWeights:
+    def __init__(self, path: str | os.PathLike) -> None:
+        root = Path(path)
+        if root.is_dir():
+            index = root / INDEX
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = {name: root / f for name, f in weight_map.items()}
+            else:
+                shards = sorted(root.glob("*.safetensors"))
+                if not shards:
+                    raise ConfigError(f"init_weights={str(root)!r}: no {INDEX} and no "
+                                      "*.safetensors files in that folder")
+                files = {name: shard for shard in shards for name in self._names(shard)}
+        elif root.is_file():
+            files = {name: root for name in self._names(root)}
+        else:
+            raise ConfigError(f"init_weights={str(root)!r}: no such file or folder")
+        self.path = root
+        self._file = files
+        self._handles: dict[Path, Any] = {}
+        self.shapes = {name: tuple(self._open(f).get_slice(name).get_shape())
+                       for name, f in files.items()}
+
+    @staticmethod
+    def _names(path: Path) -> list[str]:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+
+    def _open(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (OSError, Exception) as exc:  # safetensors raises its own error types
+                raise ConfigError(f"init_weights: cannot read {path}: {exc}") from exc
+        return self._handles[path]
+
+    def resolve(self, expected: dict[str, tuple[int, ...]],
+                aliases: dict[str, list[str]]) -> dict[str, str]:
+        """Map each model parameter name to the stored name that holds it (itself, or a tied
+        alias); raise one error listing every missing, unexpected or mis-shaped tensor."""
+        chosen: dict[str, str] = {}
+        missing, shapes = [], []
+        for name, shape in expected.items():
+            stored = next((n for n in [name, *aliases.get(name, [])] if n in self.shapes), None)
+            if stored is None:
+                missing.append(name)
+            elif self.shapes[stored] != tuple(shape):
+                shapes.append(f"{stored}: file {self.shapes[stored]}, model {tuple(shape)}")
+            else:
+                chosen[name] = stored
+        known = set(expected) | {a for names in aliases.values() for a in names}
+        unexpected = sorted(set(self.shapes) - known)
+        if missing or unexpected or shapes:
+            parts = [f"missing from the file: {sorted(missing)}" if missing else "",
+                     f"not in the model: {unexpected}" if unexpected else "",
+                     f"shape mismatches: {sorted(shapes)}" if shapes else ""]
+            raise ConfigError(f"init_weights={str(self.path)!r} does not match the model — "
+                              + "; ".join(p for p in parts if p))
+        return chosen
+
+    def load(self, stored_name: str) -> torch.Tensor:
+        """One tensor, read now (as stored; the caller converts)."""
+        return self._open(self._file[stored_name]).get_tensor(stored_name)
+
+    def close(self) -> None:
+        self._handles.clear()
