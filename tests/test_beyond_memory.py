@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
+from models import TinyGPT
 
 
 def _write_hf_folder(folder, state: dict[str, torch.Tensor], shards: int = 3) -> None:

@@ -9,6 +9,8 @@ changes, so a shard is written back only then.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..config import ZeroConfig
@@ -23,6 +25,7 @@ class ParamStore:
     def __init__(self, cfg: ZeroConfig, numel: int, largest_shard: int, dtype: torch.dtype,
                  device: torch.device, rank: int, host_memory_limit: int | None) -> None:
         self.tier = cfg.offload.param
+        self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
         self.resident: torch.Tensor | None = None
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -75,7 +78,10 @@ class ParamStore:
         if view is not None:
             return view
         assert self.swapper is not None
-        return self.swapper.prefetch(self._key(unit)).result()
+        start = time.perf_counter()
+        shard = self.swapper.prefetch(self._key(unit)).result()
+        self.wait_s += time.perf_counter() - start
+        return shard
 
     def done(self, unit: FlatUnit) -> None:
         """The all-gather that read :meth:`source` has finished: give its buffer back."""
