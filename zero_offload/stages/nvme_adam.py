@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
-from ..swap.buffers import HostBuffer
+from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
 from .updaters import Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters
 
@@ -52,13 +52,13 @@ class NvmeAdam:
         off = cfg.offload
         self.numel = numel
         self.grads_on_disk = not grads_fit_in_host(numel, host_memory_limit)
-        per_param = 12 + (4 if self.grads_on_disk else 0)
-        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel, per_param)
+        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel,
+                                      self.grads_on_disk)
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
         state_budget = grad_budget = host_memory_limit
         if host_memory_limit is not None and self.grads_on_disk:
-            state_budget = host_memory_limit * 3 // 4
-            grad_budget = host_memory_limit - state_budget
+            grad_budget = self.BUFFERS * _footprint(4 * self.group)
+            state_budget = host_memory_limit - grad_budget
         self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
                                buffer_count=self.BUFFERS, min_buffers=2,
                                host_memory_limit=state_budget,
@@ -92,12 +92,22 @@ class NvmeAdam:
 
     @classmethod
     def _group_size(cls, sub_group_size: int, host_memory_limit: int | None, numel: int,
-                    per_param: int) -> int:
-        """Params per sub-group: ``sub_group_size``, shrunk so the buffers fit the budget."""
-        size = min(sub_group_size, numel)
-        if host_memory_limit is not None:
-            size = min(size, host_memory_limit // (cls.BUFFERS * per_param))
-        return max(_PAGE_ELEMS, size // _PAGE_ELEMS * _PAGE_ELEMS)
+                    grads_on_disk: bool) -> int:
+        """Params per sub-group: ``sub_group_size``, shrunk until the buffers (three of
+        12 bytes a param, three more of 4 with gradients on disk, as the pool rounds them)
+        fit the budget."""
+        size = max(_PAGE_ELEMS, min(sub_group_size, numel) // _PAGE_ELEMS * _PAGE_ELEMS)
+        if host_memory_limit is None:
+            return size
+
+        def need(n: int) -> int:
+            grads = _footprint(4 * n) if grads_on_disk else 0
+            return cls.BUFFERS * (_footprint(12 * n) + grads)
+        while size > _PAGE_ELEMS and need(size) > host_memory_limit:
+            size = max(_PAGE_ELEMS, min(size - _PAGE_ELEMS,
+                                        size * host_memory_limit // need(size)
+                                        // _PAGE_ELEMS * _PAGE_ELEMS))
+        return size
 
     @staticmethod
     def _key(i: int) -> str:

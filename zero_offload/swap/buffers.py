@@ -49,6 +49,13 @@ def _footprint(nbytes: int, huge_pages: bool) -> int:
     return round_up(nbytes, HUGE_PAGE if huge_pages else ALIGNMENT)
 
 
+def pool_footprint(buffer_bytes: int) -> int:
+    """Host bytes one :class:`BufferPool` buffer of ``buffer_bytes`` takes (huge pages from
+    2 MiB up, whole huge pages then), for callers that size buffers to a budget."""
+    nbytes = round_up(int(buffer_bytes), ALIGNMENT)
+    return _footprint(nbytes, nbytes >= HUGE_PAGE)
+
+
 class HostBuffer:
     """One aligned host buffer, exposed as a flat ``torch.uint8`` tensor.
 
