@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
+
+from zero_offload.bench.gpt import GPT, GPTConfig
 
 VOCAB, SEQ, WIDTH = 64, 8, 32
 
@@ -36,49 +37,12 @@ class TwiceNet(nn.Module):
         return self.out(h)
 
 
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.fc_out = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """GPT-style causal LM; the output projection is tied to the token embedding."""
-
-    def __init__(self, layers: int = 2, width: int = WIDTH, heads: int = 2,
-                 checkpoint: bool = False) -> None:
-        super().__init__()
-        self.checkpoint = checkpoint
-        self.wte = nn.Embedding(VOCAB, width)
-        self.wpe = nn.Embedding(SEQ, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.lm_head(self.ln_f(x))
+def TinyGPT(layers: int = 2, width: int = WIDTH, heads: int = 2,
+            checkpoint: bool = False) -> GPT:
+    """The library's GPT-style LM at toy size; its output projection is tied to the token
+    embedding, and ``checkpoint`` recomputes each block in backward."""
+    return GPT(GPTConfig(layers=layers, width=width, heads=heads, vocab=VOCAB, seq=SEQ,
+                         checkpoint=checkpoint))
 
 
 def make(name: str) -> nn.Module:

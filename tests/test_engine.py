@@ -100,12 +100,14 @@ class Router(nn.Module):
         return self.out(torch.tanh(second(torch.tanh(first(h)))))
 
 
-def test_changed_module_order_warns_and_stays_correct(caplog):
+@pytest.mark.parametrize("offload_param", ["none", "nvme"])
+def test_changed_module_order_warns_and_stays_correct(caplog, tmp_path, offload_param):
     torch.manual_seed(0)
     model = Router()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = zo.initialize(model, stage=3, lr=1e-2, prefetch_depth=2)
+    engine = zo.initialize(model, stage=3, lr=1e-2, prefetch_depth=2,
+                           offload_param=offload_param, nvme_path=tmp_path)
     gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.WARNING):
         for i in range(6):
@@ -121,3 +123,4 @@ def test_changed_module_order_warns_and_stays_correct(caplog):
     sd = engine.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=0, atol=3e-4)
+    engine.close()

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize"]
+__all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize", "mismatch_message"]
 
 SHARD_ALIGN = 64  # elements: every shard (and so every rank's slice) starts 256-byte aligned in fp32
 
@@ -126,3 +126,14 @@ def bucketize(sizes: Sequence[int], bucket_size: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def mismatch_message(source: str, missing: Sequence[str], unexpected: Sequence[str],
+                     shapes: Sequence[str]) -> str | None:
+    """One sentence listing every tensor that does not line up between ``source`` (a file or
+    checkpoint) and the model; None when all do."""
+    parts = [f"missing from the {source}: {sorted(missing)}" if missing else "",
+             f"not in the model: {sorted(unexpected)}" if unexpected else "",
+             f"shape mismatches: {sorted(shapes)}" if shapes else ""]
+    found = [p for p in parts if p]
+    return "does not match the model — " + "; ".join(found) if found else None

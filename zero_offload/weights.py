@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError
+from .partition import mismatch_message
 
 __all__ = ["PretrainedWeights"]
 
@@ -75,13 +76,10 @@ class PretrainedWeights:
             else:
                 chosen[name] = stored
         known = set(expected) | {a for names in aliases.values() for a in names}
-        unexpected = sorted(set(self.shapes) - known)
-        if missing or unexpected or shapes:
-            parts = [f"missing from the file: {sorted(missing)}" if missing else "",
-                     f"not in the model: {unexpected}" if unexpected else "",
-                     f"shape mismatches: {sorted(shapes)}" if shapes else ""]
-            raise ConfigError(f"init_weights={str(self.path)!r} does not match the model — "
-                              + "; ".join(p for p in parts if p))
+        unexpected = set(self.shapes) - known
+        problem = mismatch_message("file", missing, unexpected, shapes)
+        if problem:
+            raise ConfigError(f"init_weights={str(self.path)!r} {problem}")
         return chosen
 
     def load(self, stored_name: str) -> torch.Tensor:

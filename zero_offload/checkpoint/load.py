@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..partition import mismatch_message
 from .format import (CheckpointError, Manifest, pieces, read_manifest, resolve_tag,
                      section_offset, verify_rank_file)
 
@@ -28,16 +29,12 @@ __all__ = ["load_checkpoint", "check_names"]
 def check_names(manifest: Manifest, expected: dict[str, tuple[int, ...]], where: Path) -> None:
     """The stored parameters must be exactly the model's, with the same shapes."""
     stored = {name: tuple(slot.shape) for name, (_, slot) in manifest.slots_by_name().items()}
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    shapes = sorted(f"{n}: stored {stored[n]}, model {expected[n]}"
-                    for n in set(stored) & set(expected) if stored[n] != expected[n])
-    if missing or unexpected or shapes:
-        parts = [f"missing from the checkpoint: {missing}" if missing else "",
-                 f"not in the model: {unexpected}" if unexpected else "",
-                 f"shape mismatches: {shapes}" if shapes else ""]
-        raise CheckpointError(f"{where}: does not match the model — "
-                              + "; ".join(p for p in parts if p))
+    problem = mismatch_message(
+        "checkpoint", set(expected) - set(stored), set(stored) - set(expected),
+        [f"{n}: stored {stored[n]}, model {expected[n]}"
+         for n in set(stored) & set(expected) if stored[n] != expected[n]])
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
 
 
 def _verify(engine: "Engine", folder: Path, manifest: Manifest) -> None:
