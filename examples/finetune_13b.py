@@ -119,22 +119,6 @@ def settings(args: argparse.Namespace, plan: zo.planner.Plan) -> dict | None:
     return kwargs
 
 
-def build_engine(model: torch.nn.Module, kwargs: dict, lr: float) -> zo.Engine:
-    """``zo.initialize`` with the planned settings; falls back to offload_param='none' (with a
-    message saying so) on an engine that cannot offload parameters yet."""
-    try:
-        return zo.initialize(model, lr=lr, max_grad_norm=1.0, **kwargs)
-    except NotImplementedError as exc:
-        if kwargs.get("offload_param", "none") == "none":
-            raise
-        print(f"note: offload_param={kwargs['offload_param']!r} is not available in this "
-              f"version of zero_offload ({exc}); falling back to offload_param='none': the "
-              "parameter shards stay on the GPU, which needs more GPU memory than planned",
-              flush=True)
-        kwargs["offload_param"] = "none"
-        return zo.initialize(model, lr=lr, max_grad_norm=1.0, **kwargs)
-
-
 def train(engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int,
           rank: int) -> tuple[float, float]:
     """Steps on one fixed batch; a ``\\r`` progress line with loss and tokens/s."""
@@ -189,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntraining {cfg.num_params / 1e6:.2f}M params (scale {args.scale}: "
                   f"{cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocab "
                   f"{cfg.vocab}, seq {cfg.seq}) with {kwargs}", flush=True)
-        engine = build_engine(model, kwargs, lr)
+        engine = zo.initialize(model, lr=lr, max_grad_norm=1.0, **kwargs)
         estimate = zo.estimate_memory(  # the same arithmetic, for the model that trains
             model, num_gpus=engine.comm.world_size, stage=engine.stage,
             offload_optimizer=engine.config.offload.optimizer,
