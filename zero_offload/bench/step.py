@@ -325,8 +325,9 @@ def print_tables(report: dict) -> None:
             ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
             print(f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |")
     print()
-    print("overlap = max(read + write, compute) / wall of the optimizer phase (StepTimings; read and write "
-          "are summed per request, submit to completion). vs raw disk = max(bytes at raw GB/s, compute) / wall.")
+    print("overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any request "
+          "in flight; read and write columns sum each request, submit to completion, so they overlap). "
+          "vs raw disk = max(bytes at raw GB/s, compute) / wall.")
 
 
 def main(argv: list[str] | None = None) -> int:
