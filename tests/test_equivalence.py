@@ -52,9 +52,10 @@ def test_matches_torch_adamw(world, case):
     if case[1] == "float32":
         assert r.max_diff_lr <= 0.03, f"max |diff| = {r.max_diff_lr:.4f} lr"
         assert r.mean_diff <= 1e-6
-    else:  # bf16 compute: rounding flips compound over steps; the mean stays tiny
+    else:  # bf16 compute, gradients summed over ranks in bf16: rounding flips compound over
+        # steps, the mean stays small (a lost or doubled gradient shows up as ~lr)
         assert r.max_diff_lr <= 8.0, f"max |diff| = {r.max_diff_lr:.4f} lr"
-        assert r.mean_diff <= 0.05 * equivalence.LR
+        assert r.mean_diff <= 0.1 * equivalence.LR
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -165,11 +165,11 @@ class Engine:
                                 master if self.config.offload.optimizer == "none" else master.cpu())
             if self.param_store is not None:
                 lo, hi = unit.layout.shard_range(self.comm.rank)
-                # A copy, never a view of ``full``: a NumPy view taken for direct I/O would
-                # pin ``full``'s storage at its size, and stage 3 must release it.
-                self.param_store.put(unit, unit.full[lo:hi].to("cpu", copy=True))
+                self.param_store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
                 unit.free()
             units.append(unit)
+        if self.param_store is not None:
+            self.param_store.flush()
         return units
 
     # -- the training loop ------------------------------------------------------------------
@@ -229,6 +229,8 @@ class Engine:
             return False
         self.reducer.reduce_accumulated()
         applied = self.sharded_optimizer.step()
+        if self.param_store is not None:
+            self.param_store.flush()
         self.reducer.zero()
         if applied:
             self.global_steps += 1
@@ -237,6 +239,7 @@ class Engine:
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
+            self.gatherer.prefetch_first()
         return applied
 
     def zero_grad(self) -> None:

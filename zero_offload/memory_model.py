@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from .config import ConfigError
 from .partition import SHARD_ALIGN, bucketize
-from .swap.buffers import ALIGNMENT, HUGE_PAGE, round_up
+from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
+from .swap.buffers import pool_footprint
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
            "RESIDENT", "FORWARD_BACKWARD", "STEP", "MODEL_STATE", "BUFFER", "ACTIVATIONS"]
@@ -39,7 +40,6 @@ ACTIVATIONS = "activations"
 
 TIERS = ("device", "host", "nvme")
 _NVME_BUFFERS = 3  # NvmeAdam's pool: read ahead, compute, write back
-_NVME_PAGE_ELEMS = 1024  # NvmeAdam sub-groups are whole 4 KiB pages of fp32
 _INFLIGHT_REDUCTIONS = 3  # GradReducer keeps 2 reductions in flight, plus the one being issued
 _DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
 
@@ -203,17 +203,12 @@ def _padded(numel: int, shards: int) -> int:
     return max(unit, math.ceil(numel / unit) * unit)
 
 
-def _huge(nbytes: int) -> int:
-    """Host bytes of one swap-pool buffer: direct-I/O size, then whole huge pages."""
-    return round_up(round_up(nbytes, ALIGNMENT), HUGE_PAGE)
-
-
-def _nvme_group(shard: int, sub_group_size: int, host_memory_limit: int | None) -> int:
-    """Params per NvmeAdam sub-group: three 12-byte buffers of it fit the host budget."""
-    group = min(sub_group_size, shard)
-    if host_memory_limit is not None:
-        group = min(group, host_memory_limit // (_NVME_BUFFERS * 12))
-    return max(_NVME_PAGE_ELEMS, group // _NVME_PAGE_ELEMS * _NVME_PAGE_ELEMS)
+def _pool(buffer_bytes: int, wanted: int, budget: int | None) -> int:
+    """Host bytes of a swap pool: ``wanted`` buffers, fewer if the budget holds fewer (the
+    pool's own rule), each rounded as the pool rounds it."""
+    each = pool_footprint(buffer_bytes)
+    count = wanted if budget is None else max(1, min(wanted, budget // each))
+    return count * each
 
 
 def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:
@@ -287,11 +282,21 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
             (prefetch_depth + 1) * largest * b, "(prefetch_depth + 1) × largest module")
         if offload_param == "nvme":
+            param_budget = host_memory_limit
+            if host_memory_limit is not None and offload_optimizer == "nvme":
+                param_budget = host_memory_limit // 2  # the engine splits it between pools
             add("param swap buffers", "host", RESIDENT, BUFFER,
-                (prefetch_depth + 2) * _huge(b * math.ceil(largest / shards)),
-                "(prefetch_depth + 2) × largest module's shard, huge-page rounded")
-    # Gradients.
+                _pool(b * math.ceil(largest / shards), prefetch_depth + 2, param_budget),
+                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it")
+    # Gradients. With the optimizer on NVMe and an explicit budget too small for the fp32
+    # shard, they go to files beside the optimizer state.
+    opt_budget = host_memory_limit
+    if host_memory_limit is not None and offload_optimizer == "nvme" and offload_param == "nvme":
+        opt_budget = host_memory_limit - host_memory_limit // 2
+    grads_on_disk = offload_optimizer == "nvme" and not grads_fit_in_host(s, opt_budget)
     g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else ("host", 4)
+    if grads_on_disk:
+        g_tier = "nvme"
     if stage < 2:
         add("grads", "device", FORWARD_BACKWARD, MODEL_STATE, b * psi,
             f"{b}Ψ: autograd's full gradients until the step")
@@ -302,23 +307,28 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s, f"{g_bytes}Ψ/N")
         add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
             _INFLIGHT_REDUCTIONS * largest * b, f"{_INFLIGHT_REDUCTIONS} × largest unit")
-    if offload_optimizer == "none" and b != 4:
-        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s, "4Ψ/N, for the update")
+    if offload_optimizer == "none" and b != 4 and not on_cpu:
+        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s, "4Ψ/N, for torch's fused AdamW")
     # Optimizer state: fp32 master + Adam m + v.
     o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
     add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s, "12Ψ/N: fp32 master, m, v")
     if offload_optimizer == "nvme":
-        if host_memory_limit is not None and offload_param == "nvme":
-            host_memory_limit -= host_memory_limit // 2  # the engine splits it between pools
-        group = _nvme_group(s, sub_group_size, host_memory_limit)
+        group = sub_group_numel(sub_group_size, opt_budget, s, grads_on_disk)
+        grad_pool = _pool(4 * group, _NVME_BUFFERS, None) if grads_on_disk else 0
+        state_budget = None if opt_budget is None else opt_budget - grad_pool
         add("optimizer swap buffers", "host", RESIDENT, BUFFER,
-            _NVME_BUFFERS * _huge(12 * group), "3 sub-groups × 12 bytes, huge-page rounded")
+            _pool(12 * group, _NVME_BUFFERS, state_budget),
+            "3 sub-groups × 12 bytes, as the pool rounds them")
+        if grads_on_disk:
+            add("grad swap buffers", "host", RESIDENT, BUFFER, grad_pool,
+                "3 sub-groups × 4 bytes, as the pool rounds them")
         add("param staging", "host", RESIDENT, BUFFER, b * group,
             f"{b} bytes × one sub-group: CPU Adam's output")
     elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
         # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
         # shards are themselves in host memory.
-        shards_on_host = stage == 3 and (on_cpu or offload_param == "cpu")
+        shards_on_host = stage == 3 and offload_param != "nvme" and (
+            on_cpu or offload_param == "cpu")
         if not shards_on_host:
             tier = "host" if offload_optimizer == "cpu" else "device"
             add("param staging", tier, RESIDENT, BUFFER, b * s, f"{b}Ψ/N: CPU Adam's output")

@@ -138,6 +138,8 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
                         reader.read(src_rank, section, element, array[dst:dst + count])
             opt.updater.load_state(unit.shard_offset, *arrays)
             opt.write_params(unit, arrays[0])
+        if engine.param_store is not None:
+            engine.param_store.flush()
     finally:
         reader.close()
     engine.zero_grad()

@@ -181,6 +181,12 @@ class ParamGatherer:
                 self.recorded = list(self._current)
             self.release_all()  # prefetched units the forward did not use after all
 
+    def prefetch_first(self) -> None:
+        """After a step: start the next forward's first reads (params on NVMe) so that its
+        first modules do not wait on the disk."""
+        if self.store.reads_from_disk and self.recorded:
+            self._prefetch(self.recorded)
+
     def begin_backward(self) -> None:
         self.in_backward = True
 

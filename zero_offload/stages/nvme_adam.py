@@ -29,7 +29,7 @@ from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
 from .updaters import Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters
 
-__all__ = ["NvmeAdam", "grads_fit_in_host"]
+__all__ = ["NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,25 @@ def grads_fit_in_host(numel: int, host_memory_limit: int | None) -> bool:
     return host_memory_limit is None or 4 * numel <= host_memory_limit // 2
 
 
+def sub_group_numel(sub_group_size: int, host_memory_limit: int | None, numel: int,
+                    grads_on_disk: bool) -> int:
+    """Params per sub-group: ``sub_group_size``, shrunk until the buffers (three of 12 bytes
+    a param, three more of 4 with gradients on disk, as the pool rounds them) fit the
+    budget."""
+    size = max(_PAGE_ELEMS, min(sub_group_size, numel) // _PAGE_ELEMS * _PAGE_ELEMS)
+    if host_memory_limit is None:
+        return size
+
+    def need(n: int) -> int:
+        grads = _footprint(4 * n) if grads_on_disk else 0
+        return NvmeAdam.BUFFERS * (_footprint(12 * n) + grads)
+    while size > _PAGE_ELEMS and need(size) > host_memory_limit:
+        size = max(_PAGE_ELEMS, min(size - _PAGE_ELEMS,
+                                    size * host_memory_limit // need(size)
+                                    // _PAGE_ELEMS * _PAGE_ELEMS))
+    return size
+
+
 class NvmeAdam:
     """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
 
@@ -52,8 +71,8 @@ class NvmeAdam:
         off = cfg.offload
         self.numel = numel
         self.grads_on_disk = not grads_fit_in_host(numel, host_memory_limit)
-        self.group = self._group_size(off.sub_group_size, host_memory_limit, numel,
-                                      self.grads_on_disk)
+        self.group = sub_group_numel(off.sub_group_size, host_memory_limit, numel,
+                                     self.grads_on_disk)
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
         state_budget = grad_budget = host_memory_limit
         if host_memory_limit is not None and self.grads_on_disk:
@@ -89,25 +108,6 @@ class NvmeAdam:
         log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB"
                  "%s", len(self.bounds), self.group, self.swapper.pool.count,
                  12 * self.group / 2**20, "; gradients on NVMe too" if self.grads_on_disk else "")
-
-    @classmethod
-    def _group_size(cls, sub_group_size: int, host_memory_limit: int | None, numel: int,
-                    grads_on_disk: bool) -> int:
-        """Params per sub-group: ``sub_group_size``, shrunk until the buffers (three of
-        12 bytes a param, three more of 4 with gradients on disk, as the pool rounds them)
-        fit the budget."""
-        size = max(_PAGE_ELEMS, min(sub_group_size, numel) // _PAGE_ELEMS * _PAGE_ELEMS)
-        if host_memory_limit is None:
-            return size
-
-        def need(n: int) -> int:
-            grads = _footprint(4 * n) if grads_on_disk else 0
-            return cls.BUFFERS * (_footprint(12 * n) + grads)
-        while size > _PAGE_ELEMS and need(size) > host_memory_limit:
-            size = max(_PAGE_ELEMS, min(size - _PAGE_ELEMS,
-                                        size * host_memory_limit // need(size)
-                                        // _PAGE_ELEMS * _PAGE_ELEMS))
-        return size
 
     @staticmethod
     def _key(i: int) -> str:

@@ -10,6 +10,7 @@ changes, so a shard is written back only then.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -26,6 +27,7 @@ class ParamStore:
                  device: torch.device, rank: int, host_memory_limit: int | None) -> None:
         self.tier = cfg.offload.param
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
+        self._writes: list[Future] = []
         self.resident: torch.Tensor | None = None
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -56,15 +58,21 @@ class ParamStore:
         return self.swapper is not None
 
     def put(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """Store new values of the unit's shard (waits for an NVMe write to finish, so the
-        caller may reuse ``shard`` at once)."""
+        """Store new values of the unit's shard; the caller may reuse ``shard`` at once. An
+        NVMe write runs on while the caller goes on (a later read of the unit waits for it);
+        :meth:`flush` waits for all and raises the first failure."""
         view = self.view(unit)
         if view is not None:
             if view.data_ptr() != shard.data_ptr():
                 view.copy_(shard)
         else:
             assert self.swapper is not None
-            self.swapper.swap_out(self._key(unit), shard).result()
+            self._writes.append(self.swapper.swap_out(self._key(unit), shard, copy=True))
+
+    def flush(self) -> None:
+        writes, self._writes = self._writes, []
+        for fut in writes:
+            fut.result()
 
     def prefetch(self, unit: FlatUnit) -> None:
         """Start reading an NVMe shard into a host buffer (no-op for resident shards)."""

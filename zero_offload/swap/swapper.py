@@ -154,8 +154,10 @@ class Swapper:
         self._closed = False
 
     # ---- public API -------------------------------------------------------------------
-    def swap_out(self, key: str, tensor: torch.Tensor) -> "Future[None]":
-        """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete."""
+    def swap_out(self, key: str, tensor: torch.Tensor, copy: bool = False) -> "Future[None]":
+        """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete.
+        ``copy``: stage the bytes in a pool buffer first, so the caller may reuse ``tensor``
+        as soon as this returns (else it must not change until the future is done)."""
         self._check_open()
         nbytes = tensor.numel() * tensor.element_size()
         entry = self._entries.get(key)
@@ -169,7 +171,7 @@ class Swapper:
             src = entry.host.tensor[:padded]  # writing back the buffer we lent out
         else:
             self._drop_host(entry)  # any host copy is stale now
-            if _direct_ok(tensor):
+            if _direct_ok(tensor) and not copy:
                 src = tensor
             else:
                 release_after = self._acquire(padded, key)
