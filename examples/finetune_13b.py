@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.plan_cli import format_plan, parse_size
 from zero_offload.planner import activation_memory
+
+from train_gpt import text_batch, train  # the sibling example: same data and training loop
 
 FULL = GPTConfig.preset("13b", checkpoint=True)
 
@@ -83,15 +84,6 @@ def scaled_config(scale: float, seq: int | None = None, vocab: int | None = None
         seq=seq or max(32, round(FULL.seq * min(scale, 1.0))), checkpoint=True)
 
 
-def text_batch(path: str, cfg: GPTConfig, batch: int, rank: int) -> tuple[torch.Tensor, ...]:
-    data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
-    need = batch * (cfg.seq + 1)
-    if data.numel() < need * (rank + 1):
-        raise SystemExit(f"{path} is too short: need {need * (rank + 1)} bytes for this batch")
-    idx = data[rank * need:(rank + 1) * need].view(batch, cfg.seq + 1)
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-
-
 def make_plan(args: argparse.Namespace) -> zo.planner.Plan:
     """The plan for the full 13B model on the target GPUs (shapes only, on the meta device)."""
     with torch.device("meta"):
@@ -117,25 +109,6 @@ def settings(args: argparse.Namespace, plan: zo.planner.Plan) -> dict | None:
         if kwargs.get("offload_param", "none") != "none":  # only stage 3 shards params
             kwargs["offload_param"] = "none"
     return kwargs
-
-
-def train(engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int,
-          rank: int) -> tuple[float, float]:
-    """Steps on one fixed batch; a ``\\r`` progress line with loss and tokens/s."""
-    tokens = x.numel() * engine.comm.world_size
-    first = last = math.nan
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        last = loss.item()
-        first = last if step == 1 else first
-        if rank == 0:
-            line = (f"step {step}/{steps}  loss {last:.4f}  "
-                    f"{tokens / (time.perf_counter() - t0):,.0f} tokens/s")
-            print(f"\r{line:<60}", end="\n" if step == steps else "", flush=True)
-    return first, last
 
 
 def main(argv: list[str] | None = None) -> int:

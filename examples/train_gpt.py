@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -51,6 +52,25 @@ def text_batch(path: str, cfg: GPTConfig, batch: int, rank: int) -> tuple[torch.
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
+def train(engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int,
+          rank: int) -> tuple[float, float]:
+    """Steps on one fixed batch; a ``\\r`` progress line with loss and tokens/s."""
+    tokens = x.numel() * engine.comm.world_size
+    first = last = math.nan
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        last = loss.item()
+        first = last if step == 1 else first
+        if rank == 0:
+            line = (f"step {step}/{steps}  loss {last:.4f}  "
+                    f"{tokens / (time.perf_counter() - t0):,.0f} tokens/s")
+            print(f"\r{line:<60}", end="\n" if step == steps else "", flush=True)
+    return first, last
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -72,21 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         x, y = text_batch(args.text, cfg, args.batch, rank)
     else:
         x, y = synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(rank))
-    tokens = x.numel() * engine.comm.world_size
-    first = last = None
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        last = loss.item()
-        first = last if first is None else first
-        if rank == 0:
-            dt = time.perf_counter() - t0
-            line = f"step {step}/{args.steps}  loss {last:.4f}  {tokens / dt:,.0f} tokens/s"
-            # padded so that a shorter line fully covers the one it overwrites
-            print(f"\r{line:<60}", end="\n" if step == args.steps else "", flush=True)
+    first, last = train(engine, x, y, args.steps, rank)
     if rank == 0:
         elapsed = time.perf_counter() - start
         print(f"{cfg.num_params / 1e6:.1f}M params, stage {args.stage}, "
