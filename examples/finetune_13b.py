@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{estimate.resident_bytes(tier) / 2**20:>10.2f} MiB")
         engine.close()
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still talks
         dist.destroy_process_group()
     if not last < first:
         print("error: the loss did not fall", file=sys.stderr)

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"loss {first:.4f} -> {last:.4f} in {elapsed:.1f} s")
         print(engine.memory_report())
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still talks
         dist.destroy_process_group()
     if not last < first:
         print("error: the loss did not fall", file=sys.stderr)

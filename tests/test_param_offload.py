@@ -130,3 +130,25 @@ def test_meta_module_without_reset_parameters_is_a_clear_error():
         model = Bare()
     with pytest.raises(ValueError, match="reset_parameters"):
         zo.initialize(model, stage=3)
+
+
+def test_param_pool_smaller_than_prefetch_depth_degrades_not_deadlocks(tmp_path):
+    """A budget that holds two shard buffers while prefetch_depth asks for five: reads ahead
+    are skipped when no spare buffer is free, never waited for, and results are unchanged."""
+    def run(**kw):
+        torch.manual_seed(0)
+        engine = zo.initialize(TinyGPT(), stage=3, lr=1e-2, offload_param="nvme",
+                               offload_optimizer="cpu", nvme_path=tmp_path, prefetch_depth=3,
+                               **kw)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            x, y = batch("gpt", 4, gen)
+            engine.backward(loss_fn("gpt", engine(x), y))
+            engine.step()
+        sd, pool = engine.full_state_dict(), engine.param_store.swapper.pool.count
+        engine.close()
+        return sd, pool
+    tight, count = run(host_memory_limit=2 * 20480)  # two buffers of the largest shard
+    assert count == 2
+    roomy, _ = run()
+    assert all(torch.equal(tight[k], roomy[k]) for k in roomy)

@@ -193,6 +193,7 @@ class ParamGatherer:
     def end_backward(self) -> None:
         self.in_backward = False
         self.release_all()
+        self.store.drop_prefetched()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -28,6 +28,7 @@ class ParamStore:
         self.tier = cfg.offload.param
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
         self._writes: list[Future] = []
+        self._prefetched: dict[int, FlatUnit] = {}  # reads started ahead, not yet gathered
         self.resident: torch.Tensor | None = None
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -67,6 +68,9 @@ class ParamStore:
                 view.copy_(shard)
         else:
             assert self.swapper is not None
+            if self.swapper.pool.available == 0:
+                self.drop_prefetched()  # reads ahead give way to a write that needs a buffer
+            self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
             self._writes.append(self.swapper.swap_out(self._key(unit), shard, copy=True))
 
     def flush(self) -> None:
@@ -75,9 +79,15 @@ class ParamStore:
             fut.result()
 
     def prefetch(self, unit: FlatUnit) -> None:
-        """Start reading an NVMe shard into a host buffer (no-op for resident shards)."""
-        if self.swapper is not None:
-            self.swapper.prefetch(self._key(unit))
+        """Start reading an NVMe shard into a host buffer (no-op for resident shards). Never
+        waits for a buffer: with fewer than two free (one stays for the read that cannot
+        wait), the read simply is not started ahead."""
+        if self.swapper is None or unit.index in self._prefetched:
+            return
+        if self.swapper.pool.available < 2:
+            return
+        self.swapper.prefetch(self._key(unit))
+        self._prefetched[unit.index] = unit
 
     def source(self, unit: FlatUnit) -> torch.Tensor:
         """The shard to all-gather from (NVMe: waits for the read into a host buffer, held
@@ -86,15 +96,26 @@ class ParamStore:
         if view is not None:
             return view
         assert self.swapper is not None
+        if unit.index not in self._prefetched and self.swapper.pool.available == 0:
+            self.drop_prefetched()  # the read that is needed now comes first
         start = time.perf_counter()
         shard = self.swapper.prefetch(self._key(unit)).result()
         self.wait_s += time.perf_counter() - start
+        self._prefetched.pop(unit.index, None)
         return shard
 
     def done(self, unit: FlatUnit) -> None:
         """The all-gather that read :meth:`source` has finished: give its buffer back."""
         if self.swapper is not None:
             self.swapper.release(self._key(unit))
+
+    def drop_prefetched(self) -> None:
+        """Give back the buffers of reads ahead that no gather used (a changed module order,
+        or room needed now); the disk copies stay."""
+        if self.swapper is not None:
+            for unit in list(self._prefetched.values()):
+                self.swapper.release(self._key(unit))
+            self._prefetched.clear()
 
     def add_to(self, report: MemoryReport) -> None:
         if self.resident is not None:
