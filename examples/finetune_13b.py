@@ -32,7 +32,7 @@ from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.plan_cli import format_plan, parse_size
 from zero_offload.planner import activation_memory
 
-from train_gpt import text_batch, train  # the sibling example: same data and training loop
+from train_gpt import finish, text_batch, train  # the sibling example: same data and training loop
 
 FULL = GPTConfig.preset("13b", checkpoint=True)
 
@@ -164,13 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {tier:<6} {report.total(tier) / 2**20:>10.2f} MiB  "
                       f"{estimate.resident_bytes(tier) / 2**20:>10.2f} MiB")
         engine.close()
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears its connections down while another still talks
-        dist.destroy_process_group()
-    if not last < first:
-        print("error: the loss did not fall", file=sys.stderr)
-        return 1
-    return 0
+    return finish(first, last)
 
 
 if __name__ == "__main__":

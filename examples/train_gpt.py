@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
               f"offload optimizer={args.offload_optimizer} param={args.offload_param}: "
               f"loss {first:.4f} -> {last:.4f} in {elapsed:.1f} s")
         print(engine.memory_report())
+    return finish(first, last)
+
+
+def finish(first: float, last: float) -> int:
+    """Leave the process group and say whether training worked (exit status)."""
     if dist.is_initialized():
         dist.barrier()  # no rank tears its connections down while another still talks
         dist.destroy_process_group()

@@ -1,8 +1,14 @@
 """Fault injection for the swap tests: a backend that fails chosen syscalls."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from zero_offload.swap.io import OsBackend
 
@@ -36,3 +42,18 @@ class FaultBackend(OsBackend):
 
     def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
         return self._maybe_fail("write", fd, buffers, offset, os.pwritev)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A small real filesystem (tmpfs with ``options``) at ``where``; skips the test when this
+    container refuses the mount."""
+    where.mkdir(exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

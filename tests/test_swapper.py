@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swap_faults import FaultBackend
+from swap_faults import FaultBackend, mounted_tmpfs
 from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.io import FileIOEngine
@@ -163,17 +163,10 @@ def test_unwritable_nvme_path(tmp_path: Path) -> None:
     afile.write_text("x")
     with pytest.raises(SwapIOError, match="nvme_path"):
         _swapper(afile)
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(ro)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {res.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1M") as ro:
         with pytest.raises(SwapIOError, match="nvme_path") as info:
             _swapper(ro)
         assert info.value.errno == errno.EROFS
-    finally:
-        subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
 def test_free_space_checked_up_front(tmp_path: Path) -> None:
