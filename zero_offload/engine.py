@@ -22,7 +22,9 @@ from .ledger import MemoryReport
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.optimizer import ShardedOptimizer
+from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
+from .stages.streams import Streams
 from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
                            plan_units)
 from .stages.updaters import Updater, make_updater
@@ -90,6 +92,7 @@ class Engine:
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
+        self.streams = Streams(self.device)
         _move_to_device(model, self.device)
         plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
                            bucket_size=config.reduce_bucket_size)
@@ -98,7 +101,8 @@ class Engine:
         param_budget, optimizer_budget = _split_host_budget(config)
         self.param_store = (ParamStore(config, shard_numel,
                                        max((p.shard_numel for p in plans), default=0),
-                                       self.dtype, self.device, self.comm.rank, param_budget)
+                                       self.dtype, self.device, self.comm.rank, param_budget,
+                                       self.streams)
                             if self.stage == 3 else None)
         updater = make_updater(
             shard_numel, config, self.device, self.dtype, self.comm.rank,
@@ -107,16 +111,23 @@ class Engine:
         if self._weights is not None:
             self._weights[0].close()
             self._weights = None
+        self.grad_queue: HostGradQueue | None = None
         if getattr(updater, "grads_on_disk", False):
             self.grads = None  # the optimizer keeps them in files beside its state
-            target: GradTarget = updater  # type: ignore[assignment]
-        else:
-            if config.offload.optimizer == "none":
-                self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
-            else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-                self.grads = torch.zeros(shard_numel, dtype=torch.float32,
-                                         pin_memory=torch.cuda.is_available())
-            target = ResidentGrads(self.grads)
+            host_target: GradTarget = updater  # type: ignore[assignment]
+        elif config.offload.optimizer == "none":
+            self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
+        else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
+            self.grads = torch.zeros(shard_numel, dtype=torch.float32,
+                                     pin_memory=torch.cuda.is_available())
+            host_target = ResidentGrads(self.grads)
+        if config.offload.optimizer == "none":
+            target: GradTarget = ResidentGrads(self.grads)
+        else:  # copied and summed in the background while backward runs on
+            self.grad_queue = HostGradQueue(
+                host_target, self.streams, max((p.shard_numel for p in plans), default=0),
+                self.dtype)
+            target = self.grad_queue
         self.shard_numel = shard_numel
         self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
                                        prefetch_depth=config.prefetch_depth,
@@ -127,7 +138,7 @@ class Engine:
             on_reduced=self.gatherer.release if self.gatherer else None)
         self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
-                                                  self.param_store)
+                                                  self.param_store, self.streams)
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
@@ -264,6 +275,8 @@ class Engine:
     def close(self) -> None:
         """Release swap files and host buffers now (also done when the engine is collected
         or the process exits normally)."""
+        if self.grad_queue is not None:
+            self.grad_queue.close()
         self.sharded_optimizer.close()
 
     # -- inspection -------------------------------------------------------------------------
@@ -305,6 +318,8 @@ class Engine:
             grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
             rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
         self.sharded_optimizer.add_to(rep)
+        if self.grad_queue is not None:
+            self.grad_queue.add_to(rep)
         if self.gatherer:
             rep.peak_gathered_param_bytes = max(self._last_step_peak,
                                                 self.gatherer.peak_gathered_bytes)

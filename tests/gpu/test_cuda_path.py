@@ -1,11 +1,14 @@
 """The CUDA path: the engine on a GPU trains to the CPU reference (stages 1-3, offload none / cpu /
 nvme, one process and two NCCL ranks), host buffers are page-locked, swaps to and from CUDA
-tensors round-trip, and ``engine.step()`` issues no synchronizing CUDA call (offload none).
+tensors round-trip, ``engine.step()`` (offload none) and forward/backward (offload none or to
+host memory) issue no synchronizing CUDA call, and delayed side streams still give the
+reference result (every cross-stream hand-over waits for its event).
 
 Everything here skips without CUDA; ``tests/gpu/check.sh`` runs it on a machine with a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -180,3 +183,70 @@ def test_step_does_not_synchronize(stage: int, dtype: torch.dtype) -> None:
                   if "synchroniz" in str(w.message)]
     engine.close()
     assert not syncs, "engine.step() synchronized:\n" + "\n".join(syncs)
+
+
+# (stage, offload_optimizer, offload_param) whose forward and backward should not synchronize
+NO_SYNC_CASES = [(2, "none", "none"), (2, "cpu", "none"), (3, "none", "none"),
+                 (3, "cpu", "none"), (3, "cpu", "cpu")]
+
+
+@pytest.mark.parametrize("stage,opt,param", NO_SYNC_CASES)
+def test_forward_backward_do_not_synchronize(stage: int, opt: str, param: str) -> None:
+    """Gathers ahead (host-to-device copy, all-gather on the gather stream) and reduced
+    gradients going to the host (device-to-host stream, summed by a worker thread) make the
+    host wait for nothing in forward and backward: the compute stream never stalls for them."""
+    torch.manual_seed(0)
+    engine = zo.initialize(make("gpt"), stage=stage, dtype=torch.bfloat16, lr=1e-3,
+                           offload_optimizer=opt, offload_param=param, prefetch_depth=2)
+    gen = torch.Generator().manual_seed(0)
+    syncs: list[str] = []
+    for step in range(3):
+        x, y = batch("gpt", 4, gen)
+        x, y = x.to(engine.device), y.to(engine.device)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.backward(loss_fn("gpt", engine(x), y))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if step > 0:  # the first forward records the module order
+            syncs += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                      if "synchroniz" in str(w.message)]
+        engine.step()
+    engine.close()
+    assert not syncs, "forward/backward synchronized:\n" + "\n".join(syncs)
+
+
+def test_side_streams_are_ordered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every side stream runs late (a long sleep queued before each of its copies and
+    gathers), and the compute stream is slow before each backward: a missing event wait
+    anywhere would read unfilled parameters or stale gradients and miss the reference."""
+    from zero_offload.stages import streams as streams_mod
+    cycles = 20_000_000  # ~10 ms
+    original = (streams_mod.Streams.to_device, streams_mod.Streams.to_host,
+                streams_mod.Streams.on_gather)
+
+    def late_to_device(self, host, dtype=None, *, own=False):
+        with torch.cuda.stream(self.h2d):
+            torch.cuda._sleep(cycles)
+        return original[0](self, host, dtype, own=own)
+
+    def late_to_host(self, values, out):
+        torch.cuda._sleep(cycles)  # the producer (compute stream) is slow too
+        with torch.cuda.stream(self.d2h):
+            torch.cuda._sleep(cycles)
+        return original[1](self, values, out)
+
+    @contextlib.contextmanager
+    def late_on_gather(self, after):
+        with original[2](self, after):
+            torch.cuda._sleep(cycles)
+            yield
+
+    monkeypatch.setattr(streams_mod.Streams, "to_device", late_to_device)
+    monkeypatch.setattr(streams_mod.Streams, "to_host", late_to_host)
+    monkeypatch.setattr(streams_mod.Streams, "on_gather", late_on_gather)
+    for stage, opt, param in [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]:
+        _check(_case(0, 1, str(tmp_path), stage, opt, param), opt)

@@ -8,9 +8,13 @@ saved-tensor hooks installed around the forward tag every saved tensor that live
 unit; unpacking one re-gathers its unit (and prefetches the units used before it in the
 forward). The gradient reducer frees a unit once all its gradients are reduced.
 
-With parameters on NVMe only the reads run ahead (``prefetch_depth`` modules, within
-``prefetch_bytes``); the all-gather starts when the module is about to run, so every rank
-issues its collectives in the same order whatever its disk does.
+With parameters on NVMe the reads run ``prefetch_depth`` modules ahead and the all-gathers one
+module less: a gather waits for its read, and every rank issues its collectives in the same
+order whatever its disk does.
+
+On CUDA a gather ahead — the shard's copy to the device on the host-to-device stream, the
+all-gather on the gather stream — overlaps the running module's kernels; the compute stream
+waits for it (on the device) only when the module that needs it is about to run.
 
 Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
 they gather but do not free, because the recomputed saved tensors still point at the unit.
@@ -47,6 +51,7 @@ class ParamGatherer:
                  prefetch_depth: int, prefetch_bytes: int | None) -> None:
         self.comm = comm
         self.store = store
+        self.streams = store.streams
         self.prefetch_depth = prefetch_depth
         self.prefetch_bytes = prefetch_bytes
         self.units = units
@@ -77,12 +82,8 @@ class ParamGatherer:
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
         if unit.state is GatherState.FREE:
-            shard = self.store.source(unit).to(unit.full.device, non_blocking=True)
-            from_disk = self.store.reads_from_disk
-            unit.gather(self.comm, shard, async_op=not (wait or from_disk))
-            if from_disk:  # the host buffer goes back to the pool once the gather has it
-                unit.wait()
-                self.store.done(unit)
+            shard, copied = self.store.load(unit)
+            unit.gather(self.comm, shard, async_op=not wait, streams=self.streams, after=copied)
             self._by_ptr[unit.full.untyped_storage().data_ptr()] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -102,27 +103,25 @@ class ParamGatherer:
     def reset_peak(self) -> None:
         self.peak_gathered_bytes = self.gathered_bytes
 
-    def _prefetch(self, candidates: list[int]) -> None:
-        """All-gather ahead the first ``prefetch_depth`` of ``candidates`` within the byte cap."""
+    def _prefetch(self, candidates: list[int], reads_only: bool = False) -> None:
+        """Gather ahead the first ``prefetch_depth`` of ``candidates`` within the byte cap.
+        With parameters on NVMe only the reads start for the last of them (or for all, with
+        ``reads_only``): a gather waits for its read, so it is issued one module later than
+        the read, which then has a module's computation to finish in."""
         budget = self.prefetch_bytes
-        taken = 0
-        for index in candidates:
-            if taken >= self.prefetch_depth:
-                break
+        gathers = 0 if reads_only else self.prefetch_depth - self.store.reads_from_disk
+        for taken, index in enumerate(candidates[:self.prefetch_depth]):
             unit = self.units[index]
-            taken += 1
             if unit.state is not GatherState.FREE or (self.in_backward and unit.grads_reduced):
                 continue
             if budget is not None:
                 if unit.full_bytes > budget:
                     break
                 budget -= unit.full_bytes
-            if self.store.reads_from_disk:
-                # Only the disk read runs ahead: a collective issued when a read happens to
-                # finish would be issued in a different order on different ranks.
-                self.store.prefetch(unit)
-            else:
+            if taken < gathers:
                 self._fetch(unit, wait=False)
+            else:
+                self.store.prefetch(unit)
 
     # -- forward hooks ---------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -185,7 +184,7 @@ class ParamGatherer:
         """After a step: start the next forward's first reads (params on NVMe) so that its
         first modules do not wait on the disk."""
         if self.store.reads_from_disk and self.recorded:
-            self._prefetch(self.recorded)
+            self._prefetch(self.recorded, reads_only=True)
 
     def begin_backward(self) -> None:
         self.in_backward = True

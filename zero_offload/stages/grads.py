@@ -26,6 +26,8 @@ class GradTarget(Protocol):
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None: ...
     def zero_grad(self) -> None: ...
+    def flush(self) -> None:
+        """Every piece handed over so far is summed; raise the first failure."""
 
 
 class ResidentGrads:
@@ -40,6 +42,9 @@ class ResidentGrads:
 
     def zero_grad(self) -> None:
         self.grads.zero_()
+
+    def flush(self) -> None:
+        pass  # summed at once
 
 
 class GradReducer:
@@ -110,6 +115,7 @@ class GradReducer:
                 if not unit.grads_reduced:
                     self._reduce_unit(unit)
             self._drain(0)
+            self.target.flush()
 
     # -- stages 0-1 ------------------------------------------------------------------------
     def reduce_accumulated(self) -> None:
@@ -126,6 +132,7 @@ class GradReducer:
                 out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
                 self.comm.reduce_scatter(out, flat)
                 self._accumulate(unit, out)
+        self.target.flush()
 
     def zero(self) -> None:
         self.target.zero_grad()

@@ -91,7 +91,8 @@ class NvmeAdam:
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
-        self.out = torch.empty(self.group, dtype=dtype)  # a sub-group's new params
+        self.out = torch.empty(self.group, dtype=dtype,  # a sub-group's new params
+                               pin_memory=torch.cuda.is_available())
         self.steps = 0
         self.last_timings = StepTimings()
         self._loading: tuple[int, HostBuffer] | None = None

@@ -20,6 +20,7 @@ from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from .loss_scale import LossScaler
 from .param_store import ParamStore
+from .streams import Streams
 from .units import FlatUnit
 from .updaters import Updater
 
@@ -30,7 +31,7 @@ class ShardedOptimizer:
     def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm,
                  grads: torch.Tensor | None,
                  device: torch.device, dtype: torch.dtype, updater: Updater,
-                 params: ParamStore | None) -> None:
+                 params: ParamStore | None, streams: Streams) -> None:
         self.units = units
         self.cfg = cfg
         self.comm = comm
@@ -41,6 +42,7 @@ class ShardedOptimizer:
         self.updater = updater
         self.optimizer = updater.optimizer
         self.params = params
+        self.streams = streams
         self._starts = [u.shard_offset for u in units]
         largest = max((u.shard_numel for u in units), default=0)
         # A unit split across NVMe sub-groups is assembled here before it is stored.
@@ -49,7 +51,7 @@ class ShardedOptimizer:
         p = cfg.precision
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
                        if p.dtype == torch.float16 else None)
-        self.last_grad_norm: float | None = None
+        self._grad_norm: float | torch.Tensor | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -78,6 +80,10 @@ class ShardedOptimizer:
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
+        self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
+        if self.scaler is None and self.grads is not None and self.grads.device.type == "cuda":
+            self.updater.update(self.grads, self._device_factor(), self._sink)
+            return True
         sumsq, finite = self._grad_stats()
         scale = self.loss_scale
         if self.scaler is not None:
@@ -93,12 +99,34 @@ class ShardedOptimizer:
             if self.stage > 0:  # stage 0: every rank holds the whole (reduced) gradient
                 self.comm.all_reduce(sq)
             norm = math.sqrt(float(sq.item())) / scale
-            self.last_grad_norm = norm
+            self._grad_norm = norm
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
         self.updater.update(self.grads, factor, self._sink)
         return True
+
+    def _device_factor(self) -> float | torch.Tensor:
+        """The clip factor of gradients on an accelerator, as a device tensor: the norm is
+        never brought to the host, so the step queues its kernels without waiting for the
+        backward's. (float16 needs the overflow flag on the host and takes the other path.)"""
+        max_norm = self.cfg.optimizer.max_grad_norm
+        if max_norm is None:
+            return 1.0
+        assert self.grads is not None
+        sq = torch.linalg.vector_norm(self.grads, dtype=torch.float32).square().reshape(1)
+        if self.stage > 0:
+            self.comm.all_reduce(sq)
+        norm = sq.sqrt()
+        self._grad_norm = norm
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (with clipping on). Reading it after a
+        step on an accelerator waits for that step's norm."""
+        norm = self._grad_norm
+        return float(norm.item()) if isinstance(norm, torch.Tensor) else norm
 
     def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """New values for rank-flat [lo, hi): hand every unit completed by them to
@@ -118,12 +146,21 @@ class ShardedOptimizer:
                 self.write_params(u, self._staging[:u.shard_numel])
 
     def write_params(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """Write a unit's updated shard into its compute-dtype parameters."""
+        """Write a unit's updated shard into its compute-dtype parameters. A host shard goes
+        to an accelerator on the host-to-device stream; the all-gather waits for it on the
+        device, and the next unit's copy runs while this unit's all-gather does."""
         if unit.sharded_params:
             assert self.params is not None
             self.params.put(unit, shard.to(self.dtype))
         elif self.stage == 0:
             unit.full.copy_(shard)
+        elif shard.device.type == "cpu" and self.streams.cuda:
+            values, copied = self.streams.to_device(shard, self.dtype)
+            self.streams.wait(copied)
+            self.streams.handed_over(values)
+            self.comm.all_gather(unit.full, values)
+            if copied is not None:  # the caller reuses ``shard`` when this returns
+                copied.synchronize()
         else:
             self.comm.all_gather(unit.full, shard.to(device=unit.full.device, dtype=self.dtype))
 

@@ -2,10 +2,10 @@
 
 ``offload_param="none"`` keeps them in one rank-flat buffer on the device, ``"cpu"`` in host
 memory (pinned with CUDA), ``"nvme"`` in one file per unit behind a small pool of host buffers
-(``prefetch_depth + 2`` of them, so reads for the next modules run while one computes). The
-gatherer reads a unit's shard through :meth:`ParamStore.source` just before its all-gather;
-the optimizer writes new values through :meth:`put` after a step — the only time a shard
-changes, so a shard is written back only then.
+(``prefetch_depth + 2`` of them, so reads for the next modules run while one computes).
+The optimizer writes new values through :meth:`put` after a step — the only time a shard
+changes, so a shard is written back only then. The gatherer takes a unit's shard on the
+compute device through :meth:`load` (with CUDA: copied on the host-to-device stream).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..swap.swapper import Swapper
+from .streams import Streams
 from .units import FlatUnit
 
 __all__ = ["ParamStore"]
@@ -24,8 +25,10 @@ __all__ = ["ParamStore"]
 
 class ParamStore:
     def __init__(self, cfg: ZeroConfig, numel: int, largest_shard: int, dtype: torch.dtype,
-                 device: torch.device, rank: int, host_memory_limit: int | None) -> None:
+                 device: torch.device, rank: int, host_memory_limit: int | None,
+                 streams: Streams) -> None:
         self.tier = cfg.offload.param
+        self.streams = streams
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
         self._writes: list[Future] = []
         self._prefetched: dict[int, FlatUnit] = {}  # reads started ahead, not yet gathered
@@ -89,25 +92,28 @@ class ParamStore:
         self.swapper.prefetch(self._key(unit))
         self._prefetched[unit.index] = unit
 
-    def source(self, unit: FlatUnit) -> torch.Tensor:
-        """The shard to all-gather from (NVMe: waits for the read into a host buffer, held
-        until :meth:`done`)."""
+    def load(self, unit: FlatUnit) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The unit's shard on the compute device, for its all-gather, and the event after
+        which it is there (None: it is there now). From host memory the copy runs on the
+        host-to-device stream; from NVMe the read is waited for, and its host buffer goes
+        back to the pool as soon as the shard is copied out of it."""
         view = self.view(unit)
         if view is not None:
-            return view
+            return self.streams.to_device(view)
         assert self.swapper is not None
         if unit.index not in self._prefetched and self.swapper.pool.available == 0:
             self.drop_prefetched()  # the read that is needed now comes first
         start = time.perf_counter()
-        shard = self.swapper.prefetch(self._key(unit)).result()
+        host = self.swapper.prefetch(self._key(unit)).result()
         self.wait_s += time.perf_counter() - start
         self._prefetched.pop(unit.index, None)
-        return shard
-
-    def done(self, unit: FlatUnit) -> None:
-        """The all-gather that read :meth:`source` has finished: give its buffer back."""
-        if self.swapper is not None:
+        try:
+            shard, copied = self.streams.to_device(host, own=True)
+            if copied is not None:
+                copied.synchronize()  # the copy itself, not the computation queued before it
+        finally:
             self.swapper.release(self._key(unit))
+        return shard, None
 
     def drop_prefetched(self) -> None:
         """Give back the buffers of reads ahead that no gather used (a changed module order,

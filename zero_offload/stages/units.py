@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..comm import Comm, Handle
 from ..partition import FlatLayout, bucketize, build_layout
+from .streams import Streams
 
 __all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
            "owning_modules", "parameter_references"]
@@ -39,6 +40,7 @@ class FlatUnit:
     sharded_params: bool  # stage 3 and not persistent: ``full`` is only there while gathered
     state: GatherState = GatherState.GATHERED
     handle: Handle | None = None
+    ready: "torch.cuda.Event | None" = None  # CUDA: the gather stream's event for this gather
     pending_grads: int = 0  # grads still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were reduced already
     views: list[torch.Tensor] = field(default_factory=list)
@@ -56,22 +58,37 @@ class FlatUnit:
         return [p for p in self.params if p.requires_grad]
 
     # -- stage 3: gather / free ------------------------------------------------------------
-    def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool) -> bool:
-        """Start filling ``full`` from every rank's ``shard``; True if work was issued."""
+    def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool,
+               streams: "Streams | None" = None, after: "torch.cuda.Event | None" = None) -> bool:
+        """Start filling ``full`` from every rank's ``shard``; True if work was issued. With
+        CUDA ``streams`` the all-gather runs on the gather stream once ``after`` (the shard's
+        copy to the device) has fired; :meth:`wait` then orders the compute stream after it
+        without blocking the host."""
         if self.state is not GatherState.FREE:
             return False
-        self.full.untyped_storage().resize_(self.full_bytes)
-        self.handle = comm.all_gather(self.full, shard, async_op=async_op)
+        self.full.untyped_storage().resize_(self.full_bytes)  # allocated on the compute stream
+        if streams is not None and streams.cuda:
+            with streams.on_gather(after):
+                comm.all_gather(self.full, shard, async_op=True).wait()  # a stream wait
+                shard.record_stream(torch.cuda.current_stream(self.full.device))
+                self.ready = streams.record_gather()
+        else:
+            self.handle = comm.all_gather(self.full, shard, async_op=async_op)
         self.state = GatherState.PENDING
         if not async_op:
             self.wait()
         return True
 
     def wait(self) -> None:
+        """The gathered parameters may be used after this (by work queued after it)."""
         if self.state is GatherState.PENDING:
-            assert self.handle is not None
-            self.handle.wait()
-            self.handle = None
+            if self.ready is not None:
+                torch.cuda.current_stream(self.full.device).wait_event(self.ready)
+                self.ready = None
+            else:
+                assert self.handle is not None
+                self.handle.wait()
+                self.handle = None
             self.state = GatherState.GATHERED
 
     def free(self) -> bool:

@@ -73,7 +73,8 @@ class Updater(Protocol):
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None: ...
+    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
+               sink: Sink) -> None: ...
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...
@@ -174,11 +175,13 @@ class DeviceAdam(_ResidentAdam):
             optimizer = torch.optim.AdamW([param], **_adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
 
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
+    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
+               sink: Sink) -> None:
+        """``factor`` may be a device tensor (the clip factor, never brought to the host)."""
         start = time.perf_counter()
         assert grads is not None
         grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
-        if factor != 1.0:
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
             grads32.mul_(factor)
         self.param.grad = grads32
         self.optimizer.step()
@@ -200,7 +203,8 @@ class HostAdam(_ResidentAdam):
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
         self.owns_out = out is None and dtype != torch.float32
-        self.out = torch.empty(master.numel(), dtype=dtype) if self.owns_out else out
+        self.out = torch.empty(master.numel(), dtype=dtype, pin_memory=torch.cuda.is_available()) \
+            if self.owns_out else out  # page-locked: it is copied to the device
         if dtype == torch.float32:
             self.out = None
         self._scratch_buf: torch.Tensor | None = None

@@ -1,0 +1,124 @@
+"""Reduced gradients on their way to an offloaded optimizer (``stages.host_grads``), and the
+CPU side of ``stages.streams``: pieces are summed in the background, ``flush`` waits for all
+and raises the first failure, at most ``depth`` pieces are in flight, and a disk failure while
+gradients go to NVMe surfaces from ``engine.backward``."""
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+
+import zero_offload as zo
+from swap_faults import FaultBackend
+from zero_offload.stages.grads import ResidentGrads
+from zero_offload.stages.host_grads import HostGradQueue
+from zero_offload.stages.streams import Streams
+from zero_offload.swap import SwapIOError
+
+CPU = Streams(torch.device("cpu"))
+
+
+class _Failing(ResidentGrads):
+    """Fails the piece at ``bad_offset``; sums the rest."""
+
+    def __init__(self, grads: torch.Tensor, bad_offset: int) -> None:
+        super().__init__(grads)
+        self.bad_offset = bad_offset
+
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        if offset == self.bad_offset:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().accumulate_grad(offset, values, final)
+
+
+def test_pieces_are_summed_across_micro_steps():
+    grads = torch.zeros(100)
+    q = HostGradQueue(ResidentGrads(grads), CPU, largest_piece=40, dtype=torch.bfloat16)
+    expected = torch.zeros(100)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # micro-steps
+        for lo, hi in [(60, 100), (0, 30), (30, 60)]:  # any order, like a backward
+            piece = torch.randn(hi - lo, generator=gen).bfloat16()
+            expected[lo:hi] += piece.float()
+            q.accumulate_grad(lo, piece, final=False)
+        q.flush()
+        assert torch.equal(grads, expected)
+    q.zero_grad()
+    assert not grads.any()
+    q.close()
+
+
+def test_flush_raises_the_first_failure_after_summing_the_rest():
+    grads = torch.zeros(30)
+    q = HostGradQueue(_Failing(grads, bad_offset=10), CPU, largest_piece=10,
+                      dtype=torch.float32)
+    for lo in (0, 10, 20):
+        q.accumulate_grad(lo, torch.ones(10), final=True)
+    with pytest.raises(OSError, match="No space left"):
+        q.flush()
+    assert grads[:10].eq(1).all() and grads[20:].eq(1).all() and not grads[10:20].any()
+    q.flush()  # the failure was reported once; the queue goes on
+    q.close()
+
+
+def test_at_most_depth_pieces_in_flight():
+    gate = threading.Event()
+    started = []
+
+    class _Slow(ResidentGrads):
+        def accumulate_grad(self, offset, values, final):
+            started.append(offset)
+            gate.wait(10)
+            super().accumulate_grad(offset, values, final)
+
+    grads = torch.zeros(40)
+    q = HostGradQueue(_Slow(grads), CPU, largest_piece=10, dtype=torch.float32, depth=2)
+    q.accumulate_grad(0, torch.ones(10), final=True)
+    q.accumulate_grad(10, torch.ones(10), final=True)
+    third = threading.Thread(target=q.accumulate_grad, args=(20, torch.ones(10), True))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "a third piece must wait while two are in flight"
+    gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    q.close()
+    assert grads[:30].eq(1).all() and not grads[30:].any()
+
+
+def test_cpu_streams_copy_only_when_asked():
+    t = torch.arange(6, dtype=torch.float32)
+    same, event = CPU.to_device(t)
+    assert same is t and event is None
+    own, _ = CPU.to_device(t, own=True)
+    assert torch.equal(own, t) and own.data_ptr() != t.data_ptr()
+    low, _ = CPU.to_device(t, torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and torch.equal(low.float(), t)
+    out = torch.empty(6)
+    assert CPU.to_host(t * 2, out) is None and torch.equal(out, t * 2)
+    with CPU.on_gather(None):
+        pass
+    assert CPU.record_gather() is None
+    CPU.sync_h2d()
+
+
+def test_disk_failure_while_gradients_go_to_nvme_is_raised_by_backward(tmp_path):
+    """Gradients on NVMe (the host budget cannot hold them): a failed write in the
+    background summing surfaces from ``backward``, and the next backward works again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    engine = zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
+                           host_memory_limit=12 * 2**20, reduce_bucket_size=1 << 18)
+    assert engine.grads is None, "the gradients must go to NVMe for this test"
+    updater = engine.sharded_optimizer.updater
+    x = torch.randn(4, 1024)
+    updater.swapper.engine.backend = FaultBackend("write", errno_=errno.EIO)
+    with pytest.raises(SwapIOError, match="Input/output error"):
+        engine.backward(engine(x).square().mean())
+    updater.swapper.engine.backend = FaultBackend("none")
+    engine.zero_grad()
+    engine.backward(engine(x).square().mean())
+    assert engine.step()
+    engine.close()

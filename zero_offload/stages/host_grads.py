@@ -1,0 +1,92 @@
+"""Reduced gradient shards on their way to an offloaded optimizer's host-side sum.
+
+Stages 2–3 reduce a unit's gradients while backward still runs; with the optimizer offloaded
+the reduced shard has to reach host memory (fp32, or files with gradients on NVMe). Doing that
+inline would stop the backward twice: once for the device-to-host copy (a synchronizing copy
+waits for every kernel queued before it) and once for the fp32 addition on the CPU. Here the
+copy goes into a page-locked staging buffer on the device-to-host stream, and one worker
+thread adds each piece to the target once its copy is done; backward waits only at its end
+(:meth:`HostGradQueue.flush`), for the last pieces. On a CPU device the piece itself goes to
+the worker (it is a fresh tensor nobody else writes). A failure in the target (a full disk
+with gradients on NVMe) is raised by ``flush``, so ``engine.backward`` reports it.
+"""
+from __future__ import annotations
+
+import queue
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..ledger import MemoryReport
+from .grads import GradTarget
+from .streams import Streams
+
+__all__ = ["HostGradQueue"]
+
+
+class HostGradQueue:
+    """A :class:`GradTarget` in front of a host-side target: pieces are copied and added
+    in the background, in order; at most ``depth`` are in flight."""
+
+    def __init__(self, target: GradTarget, streams: Streams, largest_piece: int,
+                 dtype: torch.dtype, depth: int = 3) -> None:
+        self.target = target
+        self.streams = streams
+        self.depth = depth
+        self._pending: deque[Future] = deque()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-host-grads")
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._staging_bytes = 0
+        if streams.cuda:  # page-locked, so that the copy is asynchronous
+            for _ in range(depth):
+                buf = torch.empty(largest_piece, dtype=dtype, pin_memory=True)
+                self._staging_bytes += buf.numel() * buf.element_size()
+                self._free.put(buf)
+
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        while len(self._pending) >= self.depth:  # back-pressure: oldest piece first
+            self._pending.popleft().result()
+        if values.device.type == "cpu":
+            piece, copied, staging = values, None, None
+        else:
+            staging = self._free.get()
+            piece = staging[:values.numel()]
+            copied = self.streams.to_host(values, piece)
+        self._pending.append(self._worker.submit(self._add, offset, piece, final, copied,
+                                                 staging))
+
+    def _add(self, offset: int, piece: torch.Tensor, final: bool,
+             copied: "torch.cuda.Event | None", staging: torch.Tensor | None) -> None:
+        try:
+            if copied is not None:
+                copied.synchronize()
+            self.target.accumulate_grad(offset, piece, final)
+        finally:
+            if staging is not None:
+                self._free.put(staging)
+
+    def flush(self) -> None:
+        """Wait until every piece is in the target; raise the first failure."""
+        error: BaseException | None = None
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except BaseException as err:  # noqa: BLE001 - wait for the rest, raise the first
+                error = error or err
+        if error is not None:
+            raise error
+
+    def zero_grad(self) -> None:
+        self.flush()
+        self.target.zero_grad()
+
+    def add_to(self, report: MemoryReport) -> None:
+        if self._staging_bytes:
+            report.add("host", "grads", self._staging_bytes)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._worker.shutdown(wait=True)
