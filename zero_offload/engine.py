@@ -275,9 +275,11 @@ class Engine:
     def close(self) -> None:
         """Release swap files and host buffers now (also done when the engine is collected
         or the process exits normally)."""
-        if self.grad_queue is not None:
-            self.grad_queue.close()
-        self.sharded_optimizer.close()
+        try:
+            if self.grad_queue is not None:
+                self.grad_queue.close()
+        finally:
+            self.sharded_optimizer.close()
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
