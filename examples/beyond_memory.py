@@ -10,7 +10,9 @@ time went, and exits non-zero if the loss does not fall.
     python examples/beyond_memory.py --nvme-path /tmp/zo --layers 4 --width 512 --vocab 4096
 
 Set MALLOC_MMAP_THRESHOLD_=131072 to have glibc return large freed blocks at once, so that
-peak RSS shows what the engine holds rather than what the allocator keeps for reuse.
+peak RSS shows what the engine holds rather than what the allocator keeps for reuse. On a CPU,
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 makes the fresh gather and gradient buffers fault in
+2 MiB pages, which shortens forward/backward (see the README).
 """
 from __future__ import annotations
 
