@@ -11,8 +11,8 @@ device and loaded from a ``save_pretrained`` folder (``init_weights``). The full
 must load back into the model, and a consolidated checkpoint must start a new run.
 
 As in test_equivalence, each world size runs the whole case matrix in one set of spawned gloo
-processes; the tests below check one case each. Known bugs are strict xfails (see
-"known bugs" below); the tests next to them check that nothing else is wrong in those cases.
+processes; the tests below check one case each. A known limitation is a strict xfail (see
+META_BUFFERS below); the test next to it checks that its failure is a clear error.
 """
 from __future__ import annotations
 
@@ -270,20 +270,11 @@ CASES = [c for m in MODELS for c in (
 ]
 
 
-# -- known bugs (strict xfails: a fix makes them pass, and then the mark must go) ---------------
-BUFFERS_BUG = ("non-persistent buffers exported as state: Engine.full_state_dict and "
-               "checkpoint/save.py take module.named_buffers(), which includes Llama's rotary "
-               "inv_freq/original_inv_freq (GPT-2's attn.bias in transformers 4.x), all "
-               "persistent=False, so model.load_state_dict(...) fails on unexpected keys and "
-               "a consolidated checkpoint is refused by init_weights")
+# -- a known limitation (a strict xfail: lifting it makes the test pass, then the mark goes) -------
 META_BUFFERS = ("a model built under torch.device('meta') has its buffers (Llama's rotary "
                 "inv_freq, computed in __init__) on the meta device too; "
-                "engine._move_to_device refuses meta buffers and init_weights files do not "
-                "hold non-persistent ones")
-FROZEN_BUG = ("frozen parameters are weight-decayed: plan_units puts requires_grad=False "
-              "parameters into the flat shard like any other and the one AdamW over it "
-              "(updaters.py: DeviceAdam/HostAdam/NvmeAdam) decays them every step "
-              "(w *= 1 - lr*wd) though they get no gradient; torch's AdamW skips them")
+                "engine._move_to_device refuses meta buffers (with an error naming the fix: "
+                "parameters only on meta) and init_weights files do not hold non-persistent ones")
 
 
 def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
@@ -293,7 +284,6 @@ def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
 
 # which models the buffer bugs reach (Llama in transformers 5; older GPT-2s had buffers too)
 HAS_BUFFERS = {m: any(True for _ in make(m).buffers()) for m in MODELS}
-HAS_NON_PERSISTENT = {m: bool(_non_persistent_buffers(make(m))) for m in MODELS}
 
 
 def _frozen(case) -> bool:
@@ -335,8 +325,8 @@ def results(tmp_path_factory):
 # -- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", [
-    _xfail_if(c, HAS_BUFFERS[c[0]], META_BUFFERS) if ("build", "meta_device") in c[3]
-    else _xfail_if(c, _frozen(c), FROZEN_BUG) for c in CASES])
+    _xfail_if(c, HAS_BUFFERS[c[0]] and ("build", "meta_device") in c[3], META_BUFFERS)
+    for c in CASES])
 def test_hf_model_matches_torch_adamw(results, world, case):
     r = results(world)[0][case]
     assert r.error is None, r.error
@@ -372,14 +362,12 @@ def test_hf_buffers_come_back_unchanged(results, world, name):
         for case in _trained(name):
             r = rank_results[case]
             assert r.buffers_kept, _id(case)
-            # the only keys beyond the model's state dict: its non-persistent buffers (the
-            # known bug below), so a failed load_state_dict can have no other cause
-            assert set(r.extra_keys) <= expected, _id(case)
+            # no keys beyond the model's state dict: non-persistent buffers are not state
+            assert not set(r.extra_keys) & expected, _id(case)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
-    strict=True, reason=BUFFERS_BUG) if HAS_NON_PERSISTENT[m] else ()) for m in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_hf_full_state_dict_loads_into_the_model(results, world, name):
     for rank_results in results(world):  # model.load_state_dict(engine.full_state_dict())
         for case in _trained(name):
@@ -388,8 +376,7 @@ def test_hf_full_state_dict_loads_into_the_model(results, world, name):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
-    strict=True, reason=BUFFERS_BUG) if HAS_NON_PERSISTENT[m] else ()) for m in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_hf_consolidated_checkpoint_starts_a_new_run(results, world, name):
     case = next(c for c in CASES if c[0] == name and ("checkpoint_roundtrip", True) in c[3])
     for rank_results in results(world):
@@ -400,13 +387,12 @@ def test_hf_consolidated_checkpoint_starts_a_new_run(results, world, name):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_hf_meta_device_buffers_fail_clearly(results, world):
-    """Until the META_BUFFERS limitation is lifted, its failure names the buffer and the fix."""
+    """While the META_BUFFERS limitation stands, its failure names the buffer and the fix."""
     for name in MODELS:
         r = results(world)[0][_case(name, 3, build="meta_device")]
         assert r.error is None or ("buffer" in r.error and "meta device" in r.error), r.error
 
 
-@pytest.mark.xfail(strict=True, reason=FROZEN_BUG)
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", [c for c in CASES if _frozen(c)], ids=_id)
 def test_hf_frozen_parameters_stay_as_they_were(results, world, case):

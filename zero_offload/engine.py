@@ -25,8 +25,8 @@ from .stages.optimizer import ShardedOptimizer
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
 from .stages.streams import Streams
-from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
-                           plan_units)
+from .stages.units import (FlatUnit, GatherState, UnitPlan, frozen_ranges, make_unit,
+                           parameter_references, plan_units)
 from .stages.updaters import Updater, make_updater
 from .weights import PretrainedWeights
 
@@ -68,9 +68,23 @@ def _move_to_device(model: nn.Module, device: torch.device) -> None:
                 if b.is_meta:
                     raise ValueError(
                         f"buffer {name!r} of {type(module).__name__} is on the meta device; "
-                        "zero_offload materializes meta parameters but not buffers: create "
+                        "zero_offload materializes meta parameters (through "
+                        "reset_parameters() or init_weights) but cannot know a buffer's "
+                        "values: build the model with only its parameters on the meta device "
+                        "(accelerate.init_empty_weights() does so by default), or create its "
                         "buffers on a real device")
                 module._buffers[name] = b.to(device)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong in a state dict (``register_buffer(..., persistent=False)``
+    ones, e.g. rotary frequencies recomputed in ``__init__``, do not), by name."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = b
+    return out
 
 
 def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
@@ -106,7 +120,8 @@ class Engine:
                             if self.stage == 3 else None)
         updater = make_updater(
             shard_numel, config, self.device, self.dtype, self.comm.rank,
-            self.param_store.resident if self.param_store else None, optimizer_budget)
+            self.param_store.resident if self.param_store else None, optimizer_budget,
+            frozen=frozen_ranges(plans))
         self.units = self._make_units(plans, updater)
         if self._weights is not None:
             self._weights[0].close()
@@ -283,7 +298,8 @@ class Engine:
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision parameters (every name, tied ones too) and buffers, on the CPU,
+        """Full-precision parameters (every name, tied ones too) and persistent buffers (what
+        ``model.load_state_dict`` takes), on the CPU,
         gathered from all ranks' fp32 master shards. Collective: every rank must call it."""
         master = self.sharded_optimizer.updater.master_values().to(self.device)
         values: dict[int, torch.Tensor] = {}
@@ -299,7 +315,7 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for name, p in self._module.named_parameters(remove_duplicate=False):
             out[name] = values[id(p)]
-        for name, b in self._module.named_buffers():
+        for name, b in persistent_buffers(self._module).items():
             out[name] = b.detach().cpu().clone()
         return out
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..engine import persistent_buffers
 from ..partition import mismatch_message
 from .format import (CheckpointError, Manifest, pieces, read_manifest, resolve_tag,
                      section_offset, verify_rank_file)
@@ -104,7 +105,7 @@ def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
                                                      weights_only=False)
     if lr_scheduler is not None and first.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(first["lr_scheduler"])
-    buffers = dict(engine.module.named_buffers())
+    buffers = persistent_buffers(engine.module)
     for name, value in first.get("buffers", {}).items():
         if name in buffers:
             buffers[name].copy_(value)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..engine import persistent_buffers
 from .format import (LATEST, MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
                      section_offset, write_atomically)
 
@@ -65,7 +66,8 @@ def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
     }
     if engine.comm.rank == 0:
         extra["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
-        extra["buffers"] = {k: v.detach().cpu() for k, v in engine.module.named_buffers()}
+        extra["buffers"] = {k: v.detach().cpu()
+                            for k, v in persistent_buffers(engine.module).items()}
     return extra
 
 

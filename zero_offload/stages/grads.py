@@ -1,7 +1,8 @@
 """Gradient reduction: all-reduce (stage 0), reduce-scatter at the step (stage 1), or
 reduce-scatter unit by unit during backward as each unit's gradients are ready (stages 2–3).
 
-Every rank ends with the average over ranks of the gradients of the slice it owns, in the
+Every rank ends with the average over ranks of the gradients of the slice it owns (frozen
+units have none: their slice stays zero and nothing is communicated for them), in the
 rank's flat gradient buffer (``grads``: compute dtype on the device, or fp32 in host memory
 when the optimizer is offloaded), accumulated across micro-steps.
 Stages 2–3 keep no full gradient past its unit's reduction; a few reductions stay in flight
@@ -112,7 +113,7 @@ class GradReducer:
         order so that every rank issues the same collectives, and wait for all of it."""
         if self.stage >= 2:
             for unit in self.units:
-                if not unit.grads_reduced:
+                if not unit.grads_reduced and not unit.frozen:
                     self._reduce_unit(unit)
             self._drain(0)
             self.target.flush()
@@ -124,6 +125,8 @@ class GradReducer:
             return
         self.final = True
         for unit in self.units:
+            if unit.frozen:
+                continue
             flat = self._flat_grads(unit)
             if self.stage == 0:
                 self.comm.all_reduce(flat)

@@ -20,7 +20,7 @@ from ..partition import FlatLayout, bucketize, build_layout
 from .streams import Streams
 
 __all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
-           "owning_modules", "parameter_references"]
+           "owning_modules", "parameter_references", "frozen_ranges"]
 
 
 class GatherState(enum.Enum):
@@ -56,6 +56,11 @@ class FlatUnit:
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]
+
+    @property
+    def frozen(self) -> bool:
+        """No parameter of the unit trains: no gradients, no update (see plan_units)."""
+        return not any(p.requires_grad for p in self.params)
 
     # -- stage 3: gather / free ------------------------------------------------------------
     def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool,
@@ -137,15 +142,22 @@ def plan_units(model: nn.Module, *, stage: int, world_size: int,
                bucket_size: int) -> list[UnitPlan]:
     """Group parameters into units (stage 3: one per module that holds parameters; else
     buckets of ``bucket_size`` elements in reverse registration order, the order in which
-    gradients tend to become ready) and lay each out. Touches no parameter memory, so a model
+    gradients tend to become ready) and lay each out. Frozen parameters
+    (``requires_grad=False``) get units of their own, which the optimizer never steps. Touches no parameter memory, so a model
     on the meta device is planned too."""
+    def split(group: list) -> list[list]:  # trainable first, frozen apart
+        trainable = [x for x in group if x[2].requires_grad]
+        frozen = [x for x in group if not x[2].requires_grad]
+        return [part for part in (trainable, frozen) if part]
+
     owned = [(module, name, p) for module, own in owning_modules(model) for name, p in own]
     if stage == 3:
-        groups = [[(m, n, p) for n, p in own] for m, own in owning_modules(model)]
+        groups = [part for m, own in owning_modules(model)
+                  for part in split([(m, n, p) for n, p in own])]
     else:
         owned.reverse()
-        groups = [[owned[i] for i in b]
-                  for b in bucketize([p.numel() for _, _, p in owned], bucket_size)]
+        groups = [[part[i] for i in b] for part in split(owned)
+                  for b in bucketize([p.numel() for _, _, p in part], bucket_size)]
     num_shards = 1 if stage == 0 else world_size
     plans, offset = [], 0
     for index, group in enumerate(groups):
@@ -229,3 +241,16 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
                     views=views)
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, master[lo:hi].clone()
+
+
+def frozen_ranges(units: list[FlatUnit] | list[UnitPlan]) -> list[tuple[int, int]]:
+    """The rank-flat [lo, hi) ranges of frozen units, merged, in order."""
+    out: list[tuple[int, int]] = []
+    for u in units:
+        if all(not p.requires_grad for p in u.params) and u.shard_numel:
+            lo, hi = u.shard_offset, u.shard_offset + u.shard_numel
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+    return out
