@@ -124,3 +124,24 @@ def test_changed_module_order_warns_and_stays_correct(caplog, tmp_path, offload_
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=0, atol=3e-4)
     engine.close()
+
+
+def test_stage3_module_called_outside_the_engine_gathers_without_a_warning(caplog):
+    """An inference loop on ``engine.module`` (e.g. Hugging Face ``generate``) runs outside
+    ``engine(...)``: parameters are gathered and freed, and the recorded order is untouched."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    engine = zo.initialize(model, stage=3, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    _step(engine, "gpt", gen)
+    recorded = list(engine.gatherer.recorded)
+    x, _ = batch("gpt", 2, gen)
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        out = engine.module(x[:, :3])
+        engine.module(x[:, :5])
+    assert not [r for r in caplog.records if "different order" in r.message]
+    assert engine.gatherer.recorded == recorded and engine.gatherer.gathered_bytes == 0
+    reference.load_state_dict(engine.full_state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x[:, :3]))

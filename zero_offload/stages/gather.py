@@ -18,6 +18,11 @@ waits for it (on the device) only when the module that needs it is about to run.
 
 Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
 they gather but do not free, because the recomputed saved tensors still point at the unit.
+
+Frozen units get no gradients, so no reduction releases them in backward; instead the module's
+inputs pass through an identity autograd function whose backward — run once the module's
+backward is done — releases them. Modules run outside the engine's forward (e.g. a
+``generate()`` loop) gather and free without recording the order.
 """
 from __future__ import annotations
 
@@ -46,6 +51,43 @@ class _Saved:
         self.unit, self.tensor = unit, tensor
 
 
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs. Its backward runs once the module's backward has
+    produced the inputs' gradients, and releases the module's frozen units, which no
+    gradient reduction would release."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: "ParamGatherer", units: list[FlatUnit],
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.units = gatherer, units
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        for unit in ctx.units:
+            ctx.gatherer.release(unit)
+        return (None, None, *grads)
+
+
+def _release_after_backward(gatherer: "ParamGatherer", units: list[FlatUnit], args: tuple,
+                            kwargs: dict) -> tuple[tuple, dict] | None:
+    """The module's inputs (those that need gradients) routed through :class:`_AfterBackward`."""
+    slots = [(i, a) for i, a in enumerate(args)
+             if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [(k, v) for k, v in kwargs.items()
+            if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not slots and not keys:
+        return None  # no gradient flows through the module: backward never needs it
+    routed = _AfterBackward.apply(gatherer, units, *[t for _, t in slots + keys])
+    new_args = list(args)
+    for (i, _), t in zip(slots, routed):
+        new_args[i] = t
+    new_kwargs = dict(kwargs)
+    for (k, _), t in zip(keys, routed[len(slots):]):
+        new_kwargs[k] = t
+    return tuple(new_args), new_kwargs
+
+
 class ParamGatherer:
     def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, store: ParamStore, *,
                  prefetch_depth: int, prefetch_bytes: int | None) -> None:
@@ -71,11 +113,13 @@ class ParamGatherer:
         self._order_matches = True
         self.order_changes = 0
         self.in_backward = False
+        self._in_forward = False
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self._hooks = []
         for module in self.module_units:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward,
+                                                                with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_forward))
 
     # -- gather / free bookkeeping ---------------------------------------------------------
@@ -124,9 +168,10 @@ class ParamGatherer:
                 self.store.prefetch(unit)
 
     # -- forward hooks ---------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple,
+                     kwargs: dict) -> tuple[tuple, dict] | None:
         units = self.module_units[module]
-        if not self.in_backward:
+        if not self.in_backward and self._in_forward:  # not e.g. generate() outside the engine
             start = len(self._current)
             indices = [u.index for u in units]
             self._current.extend(indices)
@@ -142,6 +187,10 @@ class ParamGatherer:
                 self._prefetch(self.recorded[end:])
         for unit in units:
             self._fetch(unit, wait=True)
+        frozen = [u for u in units if u.frozen]
+        if frozen and not self.in_backward and torch.is_grad_enabled():
+            return _release_after_backward(self, frozen, args, kwargs)
+        return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.in_backward:
@@ -172,10 +221,12 @@ class ParamGatherer:
         """The context one forward pass runs in."""
         self._current = []
         self._order_matches = True
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            self._in_forward = False
             if not self._order_matches or not self.recorded:
                 self.recorded = list(self._current)
             self.release_all()  # prefetched units the forward did not use after all

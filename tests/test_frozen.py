@@ -1,0 +1,86 @@
+"""Frozen parameters (``requires_grad=False``, a partial fine-tune): every stage and optimizer
+tier leaves them exactly as they were and trains the rest like ``torch.optim.AdamW`` (which
+skips parameters without gradients: no weight decay); stage 3 releases an all-frozen module's
+gathered parameters in backward as soon as its backward is done."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_offload as zo
+
+LR, WD, STEPS = 1e-2, 0.1, 3
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(*(nn.Linear(96, 96) for _ in range(5)))
+    m[0].requires_grad_(False)  # a whole module
+    m[2].weight.requires_grad_(False)  # its bias still trains
+    m[3].requires_grad_(False)
+    return m
+
+
+def _train(model: nn.Module, steps: int, **kwargs) -> zo.Engine:
+    engine = zo.initialize(model, lr=LR, weight_decay=WD, dtype=torch.float32, **kwargs)
+    for i in range(steps):
+        x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        assert engine.step()
+    return engine
+
+
+def _reference(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WD)
+    for i in range(steps):
+        x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+CASES = [(0, "none", None)] + [(s, o, None) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] \
+    + [(2, "nvme", 256 << 10), (3, "nvme", 256 << 10)]  # a small budget: gradients on NVMe too
+
+
+@pytest.mark.parametrize("stage,offload,limit", CASES)
+def test_frozen_parameters_stay_and_the_rest_trains_like_adamw(tmp_path, stage, offload, limit):
+    model = _model()
+    initial = copy.deepcopy(model.state_dict())
+    ref = _reference(copy.deepcopy(model), STEPS)
+    # small sub-groups: some all frozen (never read), some cut between frozen and trainable
+    engine = _train(model, STEPS, stage=stage, offload_optimizer=offload, nvme_path=tmp_path,
+                    sub_group_size=4096, host_memory_limit=limit)
+    if limit is not None:
+        assert engine.grads is None, "this case is meant to keep the gradients on NVMe"
+    sd = engine.full_state_dict()
+    engine.close()
+    for name in ("0.weight", "0.bias", "2.weight", "3.weight", "3.bias"):
+        assert torch.equal(sd[name], initial[name]), f"{name} is frozen but changed"
+    for name in ("1.weight", "2.bias", "4.weight"):
+        assert not torch.equal(sd[name], initial[name]), f"{name} did not train"
+    worst = max((sd[k] - ref[k]).abs().max().item() for k in ref) / LR
+    assert worst <= 0.03, f"max |diff| = {worst:.4f} lr"
+
+
+def test_all_frozen_modules_are_released_during_backward():
+    """A long frozen trunk under a trainable head: without a release after each module's
+    backward, every trunk module would stay gathered until backward ends."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(10)))
+    model[:9].requires_grad_(False)
+    x = torch.randn(4, 128, requires_grad=True)  # so that gradients flow through the trunk
+    engine = zo.initialize(model, stage=3, prefetch_depth=1, lr=LR, dtype=torch.float32)
+    unit = max(u.full_bytes for u in engine.units)
+    for _ in range(2):  # the second step prefetches in the recorded order
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    peak = engine.memory_report().peak_gathered_param_bytes
+    assert peak <= (1 + 2) * unit, f"{peak / unit:.1f} units gathered at once"
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    engine.close()
