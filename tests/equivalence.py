@@ -38,16 +38,23 @@ def reference(model: torch.nn.Module, name: str, dtype: torch.dtype, steps: int,
             x, y = batch(name, GLOBAL_BATCH, gen)
             x = x.to(dtype) if x.is_floating_point() else x
             (loss_fn(name, compute(x), y) / gas).backward()
-        for pm, pc in zip(master.parameters(), compute.parameters()):
-            pm.grad = pc.grad.float()
-            pc.grad = None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for pm, pc in zip(master.parameters(), compute.parameters()):
-                pc.copy_(pm)
+        master_step(master, compute, opt)
     return {k: v.float() for k, v in master.state_dict().items()}
+
+
+def master_step(master: torch.nn.Module, compute: torch.nn.Module,
+                opt: torch.optim.Optimizer) -> None:
+    """Mixed precision the plain way: the compute copy's gradients (None for frozen
+    parameters) go to the fp32 master, which is clipped and stepped and copied back."""
+    for pm, pc in zip(master.parameters(), compute.parameters()):
+        pm.grad = None if pc.grad is None else pc.grad.float()
+        pc.grad = None
+    torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for pm, pc in zip(master.parameters(), compute.parameters()):
+            pc.copy_(pm)
 
 
 def train(rank: int, world: int, name: str, dtype: torch.dtype, steps: int, gas: int = 1,

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 import zero_offload as zo  # noqa: E402
 from distributed import run_ranks  # noqa: E402
-from equivalence import CLIP, LR, WD  # noqa: E402
+from equivalence import CLIP, LR, WD, master_step  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -119,15 +119,7 @@ def reference(name: str, dtype: torch.dtype, frozen: str | None) -> dict[str, to
     for _ in range(STEPS):
         x = batch(gen)
         compute(input_ids=x, labels=x).loss.backward()
-        for pm, pc in zip(master.parameters(), compute.parameters()):
-            pm.grad = None if pc.grad is None else pc.grad.float()
-            pc.grad = None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for pm, pc in zip(master.parameters(), compute.parameters()):
-                pc.copy_(pm)
+        master_step(master, compute, opt)
     return {k: v.detach().float().clone() for k, v in master.state_dict().items()}
 
 
