@@ -25,8 +25,8 @@ from .stages.optimizer import ShardedOptimizer
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
 from .stages.streams import Streams
-from .stages.units import (FlatUnit, GatherState, UnitPlan, frozen_ranges, make_unit,
-                           parameter_references, plan_units)
+from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
+                           plan_units, trainable_numel)
 from .stages.updaters import Updater, make_updater
 from .weights import PretrainedWeights
 
@@ -118,10 +118,11 @@ class Engine:
                                        self.dtype, self.device, self.comm.rank, param_budget,
                                        self.streams)
                             if self.stage == 3 else None)
+        # optimizer state and gradients cover the trainable prefix of the rank-flat shard
+        self.trainable_numel = trainable = trainable_numel(plans)
         updater = make_updater(
-            shard_numel, config, self.device, self.dtype, self.comm.rank,
-            self.param_store.resident if self.param_store else None, optimizer_budget,
-            frozen=frozen_ranges(plans))
+            trainable, config, self.device, self.dtype, self.comm.rank,
+            self.param_store.resident if self.param_store else None, optimizer_budget)
         self.units = self._make_units(plans, updater)
         if self._weights is not None:
             self._weights[0].close()
@@ -131,9 +132,9 @@ class Engine:
             self.grads = None  # the optimizer keeps them in files beside its state
             host_target: GradTarget = updater  # type: ignore[assignment]
         elif config.offload.optimizer == "none":
-            self.grads = torch.zeros(shard_numel, dtype=self.dtype, device=self.device)
+            self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
         else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-            self.grads = torch.zeros(shard_numel, dtype=torch.float32,
+            self.grads = torch.zeros(trainable, dtype=torch.float32,
                                      pin_memory=torch.cuda.is_available())
             host_target = ResidentGrads(self.grads)
         if config.offload.optimizer == "none":
@@ -187,8 +188,9 @@ class Engine:
                 plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
                 device=self.device, persistence_threshold=self.config.param_persistence_threshold,
                 comm=self.comm, refs=refs, values=values)
-            updater.load_state(unit.shard_offset,
-                                master if self.config.offload.optimizer == "none" else master.cpu())
+            if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
+                updater.load_state(unit.shard_offset, master if self.config.offload.optimizer
+                                   == "none" else master.cpu())
             if self.param_store is not None:
                 lo, hi = unit.layout.shard_range(self.comm.rank)
                 self.param_store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
@@ -305,7 +307,8 @@ class Engine:
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
-            shard = master[u.shard_offset:u.shard_offset + u.shard_numel]
+            shard = self.frozen_shard(u).to(self.device) if u.frozen else \
+                master[u.shard_offset:u.shard_offset + u.shard_numel]
             if u.layout.num_shards == 1:
                 full.copy_(shard)
             else:
@@ -318,6 +321,18 @@ class Engine:
         for name, b in persistent_buffers(self._module).items():
             out[name] = b.detach().cpu().clone()
         return out
+
+    def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's shard of a frozen unit in fp32 on the CPU. Frozen parameters keep no
+        fp32 master: their values are the compute-dtype parameters (exact in fp32; in
+        bf16/fp16, what training used)."""
+        lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else self.comm.rank)
+        if not unit.sharded_params:
+            return unit.full[lo:hi].float().cpu()
+        assert self.param_store is not None
+        shard, copied = self.param_store.load(unit)
+        self.streams.wait(copied)
+        return shard.float().cpu()
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""

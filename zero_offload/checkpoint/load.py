@@ -137,7 +137,8 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
                     dst = o.shard_start + at
                     for section, array in enumerate(arrays):
                         reader.read(src_rank, section, element, array[dst:dst + count])
-            opt.updater.load_state(unit.shard_offset, *arrays)
+            if not unit.frozen:
+                opt.updater.load_state(unit.shard_offset, *arrays)
             opt.write_params(unit, arrays[0])
         if engine.param_store is not None:
             engine.param_store.flush()

@@ -12,7 +12,7 @@ import random
 import shutil
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -27,16 +27,37 @@ if TYPE_CHECKING:
 __all__ = ["save_checkpoint"]
 
 
+def _state_chunks(engine: "Engine") -> Iterator[tuple[int, list[torch.Tensor | None]]]:
+    """(rank-flat offset, [master, exp_avg, exp_avg_sq]) in increasing offset order: the
+    optimizer's state, then each frozen unit's values with moments that are zero (None)."""
+    for lo, _hi, *arrays in engine.sharded_optimizer.updater.iter_state():
+        yield lo, arrays
+    for unit in sorted((u for u in engine.units if u.frozen), key=lambda u: u.shard_offset):
+        yield unit.shard_offset, [engine.frozen_shard(unit), None, None]
+
+
+def _crc_zeros(nbytes: int, crc: int) -> int:
+    block = bytes(min(nbytes, 1 << 20))
+    while nbytes > 0:
+        crc = zlib.crc32(block[:min(nbytes, len(block))], crc)
+        nbytes -= len(block)
+    return crc
+
+
 def _write_state(engine: "Engine", path: Path) -> RankRecord:
-    """Stream [master | exp_avg | exp_avg_sq] into ``path``; CRC32 per section."""
-    updater = engine.sharded_optimizer.updater
+    """Stream [master | exp_avg | exp_avg_sq] into ``path``; CRC32 per section. Zero
+    moments (frozen units) are not written: the file is sparse there and reads as zeros."""
     numel = engine.shard_numel
     crcs = [0, 0, 0]
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for lo, _hi, *arrays in updater.iter_state():
+        for lo, arrays in _state_chunks(engine):
+            length = arrays[0].numel()  # type: ignore[union-attr]
             for section, values in enumerate(arrays):
+                if values is None:
+                    crcs[section] = _crc_zeros(4 * length, crcs[section])
+                    continue
                 data = memoryview(values.contiguous().numpy()).cast("B")
                 crcs[section] = zlib.crc32(data, crcs[section])
                 offset = section_offset(numel, section, lo)

@@ -27,8 +27,7 @@ from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
-from .updaters import (Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters,
-                       trainable_pieces)
+from .updaters import Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters
 
 __all__ = ["NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
 
@@ -68,19 +67,13 @@ class NvmeAdam:
     BUFFERS = 3  # one being read ahead, one computing, one being written back
 
     def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
-                 host_memory_limit: int | None, frozen: list[tuple[int, int]]) -> None:
+                 host_memory_limit: int | None) -> None:
         off = cfg.offload
         self.numel = numel
         self.grads_on_disk = not grads_fit_in_host(numel, host_memory_limit)
         self.group = sub_group_numel(off.sub_group_size, host_memory_limit, numel,
                                      self.grads_on_disk)
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
-        # what each sub-group steps (frozen parameters are skipped; an all-frozen sub-group
-        # is never read or written), and how many of its elements get no gradient
-        self.pieces = [trainable_pieces(lo, hi, frozen) for lo, hi in self.bounds]
-        self.active = [i for i, pieces in enumerate(self.pieces) if pieces]
-        self._no_grads = [hi - lo - sum(b - a for a, b in pieces)
-                          for (lo, hi), pieces in zip(self.bounds, self.pieces)]
         state_budget = grad_budget = host_memory_limit
         if host_memory_limit is not None and self.grads_on_disk:
             grad_budget = self.BUFFERS * _footprint(4 * self.group)
@@ -169,7 +162,7 @@ class NvmeAdam:
             grad[start - lo:start - lo + take].add_(values[pos:pos + take])
             pos += take
             self._covered[i] = self._covered.get(i, 0) + take
-            if self._covered[i] + self._no_grads[i] == hi - lo:
+            if self._covered[i] == hi - lo:
                 self._flush_grad(i, final)
 
     def _grad_buffer(self, i: int) -> torch.Tensor:
@@ -276,41 +269,31 @@ class NvmeAdam:
         hyper = adam_hyperparameters(self.optimizer, self.steps)
         timings = StepTimings()
         start = time.perf_counter()
-        active = self.active
+        last = len(self.bounds) - 1
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
             self.grad_swapper is None or self.grad_swapper.pool.count >= self.BUFFERS)
-        pending = self._read(active[0], timings) if active else None
-        for k, i in enumerate(active):
-            assert pending is not None
-            lo, hi = self.bounds[i]
+        pending = self._read(0, timings)
+        for i, (lo, hi) in enumerate(self.bounds):
             state = pending[0].result().view(3, hi - lo)
             grad = pending[1].result() if pending[1] is not None else grads[lo:hi]
-            more = k + 1 < len(active)
-            if lookahead and more:
-                pending = self._read(active[k + 1], timings)
+            if lookahead and i < last:
+                pending = self._read(i + 1, timings)
             t0 = time.perf_counter()
+            if factor != 1.0:
+                grad.mul_(factor)  # in place: a host buffer or the host shard, both done after
             out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
-            for a, b in self.pieces[i]:
-                g = grad[a - lo:b - lo]
-                if factor != 1.0:
-                    g.mul_(factor)  # in place: a host buffer or the host shard, done after
-                adam_update(state[0][a - lo:b - lo], g, state[1][a - lo:b - lo],
-                            state[2][a - lo:b - lo],
-                            out=None if out is None else out[a - lo:b - lo], **hyper)
+            adam_update(state[0], grad, state[1], state[2], out=out, **hyper)
             timings.compute_s += time.perf_counter() - t0
-            values = state[0] if out is None else out
-            for a, b in self.pieces[i]:
-                sink(a, b, values[a - lo:b - lo])
+            sink(lo, hi, state[0] if out is None else out)
             timings.bytes_written += 12 * (hi - lo)
             self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
                         timings)
-            if k > 0:
-                self._release(active[k - 1])
-            if not lookahead and more:
+            if i > 0:
+                self._release(i - 1)
+            if not lookahead and i < last:
                 self._release(i)
-                pending = self._read(active[k + 1], timings)
-        if active:
-            self._release(active[-1])
+                pending = self._read(i + 1, timings)
+        self._release(last)
         with self._busy_lock:  # completion callbacks may still be running
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         timings.wall_s = time.perf_counter() - start

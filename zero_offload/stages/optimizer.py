@@ -43,7 +43,9 @@ class ShardedOptimizer:
         self.optimizer = updater.optimizer
         self.params = params
         self.streams = streams
-        self._starts = [u.shard_offset for u in units]
+        # the units the updater steps, in rank-flat order (frozen ones come after them)
+        self._stepped = sorted((u for u in units if not u.frozen), key=lambda u: u.shard_offset)
+        self._starts = [u.shard_offset for u in self._stepped]
         largest = max((u.shard_numel for u in units), default=0)
         # A unit split across NVMe sub-groups is assembled here before it is stored.
         self._staging = torch.empty(largest, dtype=dtype) \
@@ -132,7 +134,7 @@ class ShardedOptimizer:
         """New values for rank-flat [lo, hi): hand every unit completed by them to
         :meth:`write_params` (a unit cut by a sub-group boundary waits in the staging buffer)."""
         first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        for u in self.units[first:]:
+        for u in self._stepped[first:]:
             start, end = u.shard_offset, u.shard_offset + u.shard_numel
             if start >= hi:
                 break

@@ -20,7 +20,7 @@ from ..partition import FlatLayout, bucketize, build_layout
 from .streams import Streams
 
 __all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
-           "owning_modules", "parameter_references", "frozen_ranges"]
+           "owning_modules", "parameter_references", "trainable_numel"]
 
 
 class GatherState(enum.Enum):
@@ -137,13 +137,24 @@ class UnitPlan:
     def shard_numel(self) -> int:
         return self.layout.shard_numel
 
+    @property
+    def frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.params)
+
+
+def trainable_numel(units: "list[UnitPlan] | list[FlatUnit]") -> int:
+    """Elements of the rank-flat prefix that trains (where optimizer state and gradients
+    live); frozen units' shards come after it."""
+    return sum(u.shard_numel for u in units if not u.frozen)
+
 
 def plan_units(model: nn.Module, *, stage: int, world_size: int,
                bucket_size: int) -> list[UnitPlan]:
     """Group parameters into units (stage 3: one per module that holds parameters; else
     buckets of ``bucket_size`` elements in reverse registration order, the order in which
     gradients tend to become ready) and lay each out. Frozen parameters
-    (``requires_grad=False``) get units of their own, which the optimizer never steps. Touches no parameter memory, so a model
+    (``requires_grad=False``) get units of their own, placed after the trainable ones in the
+    rank-flat order: they have no gradients and no optimizer state. Touches no parameter memory, so a model
     on the meta device is planned too."""
     def split(group: list) -> list[list]:  # trainable first, frozen apart
         trainable = [x for x in group if x[2].requires_grad]
@@ -159,12 +170,19 @@ def plan_units(model: nn.Module, *, stage: int, world_size: int,
         groups = [[part[i] for i in b] for part in split(owned)
                   for b in bucketize([p.numel() for _, _, p in part], bucket_size)]
     num_shards = 1 if stage == 0 else world_size
-    plans, offset = [], 0
+    plans = []
     for index, group in enumerate(groups):
         layout = build_layout(((n, p.shape) for _, n, p in group), num_shards)
         plans.append(UnitPlan(index, [n for _, n, _ in group], [p for _, _, p in group],
-                              [m for m, _, _ in group], layout, offset))
-        offset += layout.shard_numel
+                              [m for m, _, _ in group], layout, 0))
+    # Rank-flat order: trainable units first, so that the optimizer state and the gradients
+    # cover just the prefix [0, trainable_numel(plans)); frozen shards follow.
+    offset = 0
+    for frozen in (False, True):
+        for plan in plans:
+            if plan.frozen == frozen:
+                plan.shard_offset = offset
+                offset += plan.shard_numel
     return plans
 
 
@@ -242,15 +260,3 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, master[lo:hi].clone()
 
-
-def frozen_ranges(units: list[FlatUnit] | list[UnitPlan]) -> list[tuple[int, int]]:
-    """The rank-flat [lo, hi) ranges of frozen units, merged, in order."""
-    out: list[tuple[int, int]] = []
-    for u in units:
-        if all(not p.requires_grad for p in u.params) and u.shard_numel:
-            lo, hi = u.shard_offset, u.shard_offset + u.shard_numel
-            if out and out[-1][1] == lo:
-                out[-1] = (out[-1][0], hi)
-            else:
-                out.append((lo, hi))
-    return out

@@ -28,7 +28,7 @@ from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 
 __all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
-           "adam_hyperparameters", "trainable_pieces"]
+           "adam_hyperparameters"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ _GRAD_CHUNK = 1 << 22  # elements upcast and scaled at a time (16 MiB of fp32)
 
 Sink = Callable[[int, int, torch.Tensor], None]
 """Receives the new parameter values of rank-flat elements [lo, hi) (fp32 or compute dtype),
-in increasing order, for the trainable elements only; it must be done with the tensor when
-it returns."""
+in increasing order; it must be done with the tensor when it returns."""
 
 
 @dataclass
@@ -81,22 +80,6 @@ class Updater(Protocol):
     def close(self) -> None: ...
 
 
-def trainable_pieces(lo: int, hi: int, frozen: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[lo, hi) without the ``frozen`` ranges (sorted, disjoint): the pieces to step."""
-    pieces, pos = [], lo
-    for a, b in frozen:
-        if b <= pos:
-            continue
-        if a >= hi:
-            break
-        if a > pos:
-            pieces.append((pos, a))
-        pos = max(pos, b)
-    if pos < hi:
-        pieces.append((pos, hi))
-    return pieces
-
-
 def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
     """Keyword arguments of :func:`~zero_offload.optim.adam_update` from the optimizer's
     first param group (read at every step: lr schedulers change it)."""
@@ -126,10 +109,8 @@ class _ResidentAdam:
     tier = "device"
 
     def __init__(self, master: torch.Tensor, optimizer: torch.optim.Optimizer,
-                 param: nn.Parameter, frozen: list[tuple[int, int]]) -> None:
+                 param: nn.Parameter) -> None:
         self.master, self.optimizer, self.param = master, optimizer, param
-        self.frozen = frozen  # rank-flat ranges never stepped (frozen parameters)
-        self.pieces = trainable_pieces(0, master.numel(), frozen)
         self.last_timings = StepTimings()
 
     @property
@@ -186,35 +167,28 @@ class _ResidentAdam:
 class DeviceAdam(_ResidentAdam):
     """fp32 master + AdamW state on an accelerator: torch's fused AdamW."""
 
-    def __init__(self, master: torch.Tensor, cfg: ZeroConfig,
-                 frozen: list[tuple[int, int]]) -> None:
+    def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
         param = nn.Parameter(master, requires_grad=False)
         try:
             optimizer = torch.optim.AdamW([param], fused=True, **_adam_kwargs(cfg))
         except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
             optimizer = torch.optim.AdamW([param], **_adam_kwargs(cfg))
-        super().__init__(master, optimizer, param, frozen)
+        super().__init__(master, optimizer, param)
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
                sink: Sink) -> None:
-        """``factor`` may be a device tensor (the clip factor, never brought to the host).
-        The fused step runs over the whole master; frozen ranges (zero gradients, so zero
-        moments) would only be weight-decayed, and get their values back after it."""
+        """``factor`` may be a device tensor (the clip factor, never brought to the host)."""
         start = time.perf_counter()
         assert grads is not None
         grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
         if isinstance(factor, torch.Tensor) or factor != 1.0:
             grads32.mul_(factor)
-        kept = [self.master[a:b].clone() for a, b in self.frozen]
         self.param.grad = grads32
         self.optimizer.step()
         self.param.grad = None
-        for (a, b), values in zip(self.frozen, kept):
-            self.master[a:b].copy_(values)
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        for a, b in self.pieces:
-            sink(a, b, self.master[a:b])
+        sink(0, self.master.numel(), self.master)
 
 
 class HostAdam(_ResidentAdam):
@@ -222,11 +196,9 @@ class HostAdam(_ResidentAdam):
     names it in the ledger: "host" when offloaded, "device" when the CPU is the device."""
 
     def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
-                 frozen: list[tuple[int, int]], tier: str = "host",
-                 out: torch.Tensor | None = None) -> None:
+                 tier: str = "host", out: torch.Tensor | None = None) -> None:
         param = nn.Parameter(master, requires_grad=False)
-        super().__init__(master, CPUAdam([param], adamw=True, **_adam_kwargs(cfg)), param,
-                         frozen)
+        super().__init__(master, CPUAdam([param], adamw=True, **_adam_kwargs(cfg)), param)
         self.tier = tier
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
@@ -251,25 +223,23 @@ class HostAdam(_ResidentAdam):
         state = self._moments()
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
-        for a, b in self.pieces:  # frozen ranges are skipped
-            for lo in range(a, b, _GRAD_CHUNK):
-                hi = min(lo + _GRAD_CHUNK, b)
-                g = grads[lo:hi].to("cpu", non_blocking=False)
-                if factor != 1.0:
-                    if g.dtype == torch.float32 and g.data_ptr() == grads[lo:hi].data_ptr():
-                        g.mul_(factor)
-                    else:
-                        g = self._scratch(hi - lo).copy_(g).mul_(factor)
-                adam_update(self.master[lo:hi], g, state["exp_avg"][lo:hi],
-                            state["exp_avg_sq"][lo:hi],
-                            out=None if self.out is None else self.out[lo:hi], **hyper)
+        n = self.master.numel()
+        for lo in range(0, n, _GRAD_CHUNK):
+            hi = min(lo + _GRAD_CHUNK, n)
+            g = grads[lo:hi].to("cpu", non_blocking=False)
+            if factor != 1.0:
+                if g.dtype == torch.float32 and g.data_ptr() == grads[lo:hi].data_ptr():
+                    g.mul_(factor)
+                else:
+                    g = self._scratch(hi - lo).copy_(g).mul_(factor)
+            adam_update(self.master[lo:hi], g, state["exp_avg"][lo:hi],
+                        state["exp_avg_sq"][lo:hi],
+                        out=None if self.out is None else self.out[lo:hi], **hyper)
         self.steps = step
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
-        values = self.master if self.out is None else self.out
-        for a, b in self.pieces:
-            sink(a, b, values[a:b])
+        sink(0, self.master.numel(), self.master if self.out is None else self.out)
 
     def add_to(self, report: MemoryReport) -> None:
         super().add_to(report)
@@ -279,25 +249,22 @@ class HostAdam(_ResidentAdam):
 
 def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
                  rank: int, param_shards: torch.Tensor | None = None,
-                 host_memory_limit: int | None = None,
-                 frozen: list[tuple[int, int]] | None = None) -> Updater:
+                 host_memory_limit: int | None = None) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: stage 3's rank-flat compute-dtype params when resident; a CPU updater
     writes them in place when they are in host memory. ``host_memory_limit``: this updater's
-    share of the host budget (NVMe pool). ``frozen``: rank-flat ranges of frozen parameters,
-    never stepped (and never handed to the sink)."""
+    share of the host budget (NVMe pool)."""
     where = cfg.offload.optimizer
-    frozen = frozen or []
     if where == "nvme":
         from .nvme_adam import NvmeAdam  # one-way: nvme_adam builds on this module
-        return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit, frozen)
+        return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
     out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
         and param_shards.dtype == dtype else None
     pin = where == "cpu" and torch.cuda.is_available()
     master = torch.empty(numel, dtype=torch.float32,
                          device="cpu" if where == "cpu" else device, pin_memory=pin)
     if where == "cpu":
-        return HostAdam(master, cfg, dtype, frozen, out=out)
+        return HostAdam(master, cfg, dtype, out=out)
     if device.type == "cpu":
-        return HostAdam(master, cfg, dtype, frozen, tier="device", out=out)
-    return DeviceAdam(master, cfg, frozen)
+        return HostAdam(master, cfg, dtype, tier="device", out=out)
+    return DeviceAdam(master, cfg)
