@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {tier:<6} {report.total(tier) / 2**20:>10.2f} MiB  "
                       f"{estimate.resident_bytes(tier) / 2**20:>10.2f} MiB")
         engine.close()
-    return finish(first, last)
+    return finish(engine, first, last)
 
 
 if __name__ == "__main__":

@@ -100,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
               f"offload optimizer={args.offload_optimizer} param={args.offload_param}: "
               f"loss {first:.4f} -> {last:.4f} in {elapsed:.1f} s")
         print(engine.memory_report())
-    return finish(first, last)
+    return finish(engine, first, last)
 
 
-def finish(first: float, last: float) -> int:
-    """Leave the process group and say whether training worked (exit status)."""
+def finish(engine: zo.Engine, first: float, last: float) -> int:
+    """Release the engine, leave the process group and say whether training worked (exit
+    status). Closing first means no collective or worker thread is left when gloo shuts down."""
+    engine.close()
     if dist.is_initialized():
         dist.barrier()  # no rank tears its connections down while another still talks
         dist.destroy_process_group()
