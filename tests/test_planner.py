@@ -1,5 +1,6 @@
-"""The memory planner: ZeRO's arithmetic, agreement with the engine's own ledger, the 13B on
-4 × 24 GB recommendation, and the ``zero-offload plan`` command."""
+"""The memory planner: ZeRO's arithmetic, agreement with the engine's own ledger (also with
+frozen parameters), the 13B on 4 × 24 GB recommendation (full and LoRA-style fine-tunes), and
+the ``zero-offload plan`` command."""
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,10 @@ LEDGER_MODEL = GPTConfig(layers=2, width=128, heads=4, vocab=512, seq=32)
 LEDGER_CASES = [(s, o, "none") for s in (0, 1, 2, 3) for o in ("none", "cpu", "nvme")
                 if not (s == 0 and o != "none")] + [
     (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme")]
+# A partial fine-tune of LEDGER_MODEL (see _ledger_model): every stage with the optimizer on
+# each tier, and stage 3 with the parameters offloaded too.
+FROZEN_CASES = [(s, o, "none") for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + [
+    (3, "cpu", "cpu"), (3, "nvme", "nvme")]
 Measured = namedtuple("Measured", "tiers peak_gathered")
 
 
@@ -62,6 +67,29 @@ def test_meta_model_is_counted_without_allocating():
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_trainable_params_arithmetic():
+    """Only the Ψt trainable params have optimizer state (12 bytes) and gradients (2 bytes);
+    all Ψ keep their bf16 copy."""
+    n, psi, pt = 4, 1_000_000 * 4 * 64, 10_000 * 4 * 64  # divisible: no rounding
+    want = {0: 2 * psi + 14 * pt, 1: 2 * psi + 2 * pt + 12 * pt // n,
+            2: 2 * psi + 14 * pt // n, 3: 2 * psi // n + 14 * pt // n}
+    for stage, nbytes in want.items():
+        e = zo.estimate_memory(psi, num_gpus=n, stage=stage, trainable_params=pt)
+        assert e.model_state_bytes("device") == nbytes
+        assert (e.trainable_params, e.trainable_shard_numel) == (pt, pt if stage == 0 else pt // n)
+        # all of them trainable: the same terms as without the keyword
+        assert zo.estimate_memory(psi, num_gpus=n, stage=stage, trainable_params=psi).terms \
+            == zo.estimate_memory(psi, num_gpus=n, stage=stage).terms
+    e = zo.estimate_memory(psi, num_gpus=n, stage=3, offload_optimizer="nvme",
+                           offload_param="nvme", trainable_params=pt)
+    assert e.model_state_bytes("nvme") == 2 * psi // n + 12 * pt // n
+    assert e.model_state_bytes("host") == 4 * pt // n  # the fp32 gradient shard
+    with pytest.raises(ValueError, match="between 0 and"):
+        zo.estimate_memory(psi, num_gpus=n, stage=3, trainable_params=psi + 1)
+    with pytest.raises(ValueError, match="requires_grad"):  # a model says it itself
+        zo.estimate_memory(_ledger_model(frozen=True), num_gpus=n, stage=3, trainable_params=pt)
+
+
 def test_bad_choices_are_config_errors():
     with pytest.raises(zo.ConfigError, match="needs stage=3"):
         zo.estimate_memory(1e6, num_gpus=2, stage=2, offload_param="cpu")
@@ -72,13 +100,27 @@ def test_bad_choices_are_config_errors():
 
 
 # -- agreement with the engine's ledger -------------------------------------------------------
+def _ledger_model(frozen: bool = False) -> GPT:
+    """LEDGER_MODEL; ``frozen``: a partial fine-tune with the (tied) embeddings and the first
+    block frozen, and in the second block the attention weights frozen but not their biases
+    (modules that hold both kinds), so that about a third of the parameters train."""
+    model = GPT(LEDGER_MODEL)
+    if frozen:
+        for module in (model.wte, model.wpe, model.blocks[0]):
+            module.requires_grad_(False)
+        model.blocks[1].qkv.weight.requires_grad_(False)
+        model.blocks[1].proj.weight.requires_grad_(False)
+    return model
+
+
 def _train_and_measure(rank: int, world: int, nvme_root: str,
-                       cases: list[tuple[int, str, str]], dtypes: tuple[str, ...]) -> dict:
+                       cases: list[tuple[int, str, str]], dtypes: tuple[str, ...],
+                       frozen: bool = False) -> dict:
     out = {}
     for dtype in dtypes:
         for stage, opt, par in cases:
             torch.manual_seed(0)
-            model = GPT(LEDGER_MODEL)
+            model = _ledger_model(frozen)
             try:
                 engine = zo.initialize(model, stage=stage, offload_optimizer=opt,
                                        offload_param=par, dtype=dtype, nvme_path=nvme_root)
@@ -96,21 +138,22 @@ def _train_and_measure(rank: int, world: int, nvme_root: str,
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(world: int) -> dict:
+def _measured(world: int, frozen: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as root:
+        cases = FROZEN_CASES if frozen else LEDGER_CASES
         if world == 1:
-            return _train_and_measure(0, 1, root, LEDGER_CASES, ("bfloat16", "float32"))
-        cases = [c for c in LEDGER_CASES if c[0] > 0]
-        return run_ranks(world, _train_and_measure, root, cases, ("bfloat16",))[1]
+            return _train_and_measure(0, 1, root, cases, ("bfloat16", "float32"), frozen)
+        cases = [c for c in cases if c[0] > 0]
+        return run_ranks(world, _train_and_measure, root, cases, ("bfloat16",), frozen)[1]
 
 
-def _check_against_ledger(world: int, key: tuple) -> None:
-    got = _measured(world).get(key)
+def _check_against_ledger(world: int, key: tuple, frozen: bool = False) -> None:
+    got = _measured(world, frozen).get(key)
     if got is None:
         pytest.skip("offload_param is not implemented in this engine yet")
     dtype, stage, opt, par = key
     with torch.device("meta"):
-        model = GPT(LEDGER_MODEL)
+        model = _ledger_model(frozen)
     e = zo.estimate_memory(model, num_gpus=world, stage=stage, offload_optimizer=opt,
                            offload_param=par, dtype=dtype, device="cpu")
     for tier in TIERS:
@@ -133,6 +176,32 @@ def test_estimate_matches_ledger_one_rank(case, dtype):
                          ids=lambda c: "-".join(map(str, c)))
 def test_estimate_matches_ledger_two_ranks(case):
     _check_against_ledger(2, ("bfloat16", *case))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", FROZEN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_estimate_matches_ledger_with_frozen_params_one_rank(case, dtype):
+    _check_against_ledger(1, (dtype, *case), frozen=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", FROZEN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_estimate_matches_ledger_with_frozen_params_two_ranks(case):
+    _check_against_ledger(2, ("bfloat16", *case), frozen=True)
+
+
+def test_frozen_params_have_units_of_their_own():
+    """The estimate lays out the engine's units: with frozen parameters, optimizer state and
+    gradients cover only the trainable prefix of each rank's shard."""
+    with torch.device("meta"):
+        model = _ledger_model(frozen=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelShape.of(model).trainable_params == trainable < LEDGER_MODEL.num_params / 2
+    for stage in (1, 2, 3):
+        e = zo.estimate_memory(model, num_gpus=2, stage=stage)
+        assert trainable / 2 <= e.trainable_shard_numel < e.shard_numel
+        opt = next(t for t in e.terms if t.name == "optimizer state")
+        assert opt.bytes == 12 * e.trainable_shard_numel and "12Ψt/N" in opt.formula
 
 
 # -- plan ----------------------------------------------------------------------------------
@@ -158,6 +227,34 @@ def test_plan_13b_on_4x24gb(model):
     assert "GPU" in stage2.reasons[0] and params_gb in stage2.reasons[0]
     assert "only stage 3 shards them" in stage2.reasons[0]
     assert any("not checked" in n for n in p.notes)  # NVMe space was not measured
+
+
+def test_plan_13b_lora_on_4x24gb_needs_no_offload():
+    """13B with 50M trainable (LoRA adapters) on 4 × 24 GB, 128 GB host: the full fine-tune
+    needs the optimizer state on NVMe; with only Ψt = 50M trained, stage 3 without any offload
+    fits. Stages 0-2 still do not: their replicated bf16 params are 26 GB whatever trains."""
+    psi, pt, n = 13_000_000_000, 50_000_000, 4
+    full = zo.plan(psi, num_gpus=n, gpu_memory=24e9, host_memory=128e9)
+    lora = zo.plan(psi, num_gpus=n, gpu_memory=24e9, host_memory=128e9, trainable_params=pt)
+    assert full.kwargs["stage"] == 3 and full.kwargs["offload_optimizer"] == "nvme"
+    assert lora.kwargs == {"stage": 3, "offload_optimizer": "none", "offload_param": "none",
+                           "dtype": "bfloat16", "prefetch_depth": 2}
+    assert all(not c.fits and "only stage 3 shards them" in c.reasons[0]
+               for c in lora.candidates if c.stage < 3)
+    # Per GPU: bf16 param shard 2Ψ/N, bf16 grad shard + fp32 master, m, v 14Ψt/N; in
+    # forward/backward 3 gathered modules (Ψ/50 each, no model given) and 3 reductions in
+    # flight of the largest trainable unit (at most Ψt).
+    e = lora.choice.estimate
+    assert e.gpu_bytes == 2 * psi // n + 14 * pt // n + 3 * 2 * (psi // 50) + 3 * 2 * pt
+    assert e.gpu_bytes < 9e9 and e.host_bytes_per_node == 0 and e.nvme_bytes_per_node == 0
+    f = full.choice.estimate
+    assert f.host_bytes_per_node > 60e9 and f.nvme_bytes_per_node == 12 * psi  # 156 GB
+    assert "13.00B params (50.0M trainable)" in lora.explanation
+    assert "trainable_params" in lora.explanation and "trainable" not in full.explanation
+    # Stage 3 with the optimizer on the host: 16Ψ/N -> 18Ψt/N of host memory per rank.
+    host = next(c for c in lora.candidates if (c.stage, c.offload_optimizer,
+                                               c.offload_param) == (3, "cpu", "none"))
+    assert host.fits and host.estimate.host_bytes_per_node == n * (18 * pt // n)
 
 
 def test_plan_prefers_least_offload():
@@ -218,6 +315,18 @@ def test_cli_table(capsys):
     assert rc == 0
     assert "<- recommended" in out and "zo.initialize(model, stage=3" in out
     assert out.count("\n    ") >= 14  # a row per stage × offload choice
+
+
+def test_cli_trainable_params(capsys):
+    args = ["plan", "--params", "13e9", "--gpus", "4", "--gpu-memory", "24GB",
+            "--host-memory", "128GB"]
+    rc = cli_main(args + ["--trainable-params", "50e6"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("13.00B params (50.0M trainable), 4 GPUs")
+    assert "zo.initialize(model, stage=3, offload_optimizer='none', offload_param='none'" in out
+    assert "12Ψt/N" in out
+    rc = cli_main(["plan", "--preset", "13b", *args[3:], "--trainable-params", "50e6"])
+    assert rc == 2 and "goes with --params" in capsys.readouterr().err
 
 
 def test_cli_json_and_nvme(capsys, tmp_path):

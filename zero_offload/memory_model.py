@@ -9,20 +9,24 @@ forward/backward or the step) and whether it is one of ZeRO's *model states* (pa
 optimizer state: the paper's arithmetic) or an engine buffer / activations on top.
 
 Given a model (the meta device is fine: only shapes are read) the units are laid out exactly as
-the engine lays them out; given a parameter count, padding is ignored.
+the engine lays them out (``plan_units``: frozen parameters in units of their own); given a
+parameter count, padding is ignored. Optimizer state and gradients cover only the trainable
+parameters (``requires_grad``, or ``trainable_params`` with a count); frozen ones hold just
+their compute-dtype copy.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from .config import ConfigError
-from .partition import SHARD_ALIGN, bucketize
+from .partition import SHARD_ALIGN
 from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
+from .stages.units import owning_modules, plan_units, trainable_numel
 from .swap.buffers import pool_footprint
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
@@ -58,33 +62,61 @@ class Term:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Only what the estimate needs from a model: sizes of its parameters and units."""
+    """Only what the estimate needs from a model: sizes of its parameters and units, and
+    how many train. With a model, the model itself (only its shapes and ``requires_grad``
+    flags are read), so that the engine's ``plan_units`` lays out the units."""
 
     num_params: int
-    module_sizes: tuple[int, ...] | None = None  # stage-3 units: params each module owns
+    module_sizes: tuple[int, ...] | None = None  # params each module owns
     param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
+    trainable_params: int | None = None  # None: all of them
+    model: nn.Module | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.trainable_params is None:
+            object.__setattr__(self, "trainable_params", self.num_params)
 
     @classmethod
-    def of(cls, model_or_num_params: nn.Module | int | float | "ModelShape") -> "ModelShape":
-        """Read a model's parameter shapes (no memory touched: meta models work) or take a
-        parameter count."""
+    def of(cls, model_or_num_params: nn.Module | int | float | "ModelShape",
+           trainable_params: int | float | None = None) -> "ModelShape":
+        """Read a model's parameter shapes and ``requires_grad`` flags (no memory touched:
+        meta models work) or take a parameter count, of which ``trainable_params`` train
+        (default: all)."""
+        if isinstance(model_or_num_params, (ModelShape, nn.Module)) and \
+                trainable_params is not None:
+            raise ValueError("trainable_params goes with a parameter count; a model says "
+                             "which parameters train by their requires_grad")
         if isinstance(model_or_num_params, ModelShape):
             return model_or_num_params
         if isinstance(model_or_num_params, nn.Module):
-            from .stages.units import owning_modules  # the engine's own grouping
-            groups = [[p.numel() for _, p in own] for _, own in owning_modules(model_or_num_params)]
-            params = tuple(n for g in groups for n in g)
+            groups = [[p for _, p in own] for _, own in owning_modules(model_or_num_params)]
+            params = [p for g in groups for p in g]
             if not params:
                 raise ValueError("the model has no parameters")
-            return cls(sum(params), tuple(sum(g) for g in groups), params)
-        if isinstance(model_or_num_params, bool) or not isinstance(model_or_num_params,
-                                                                   (int, float)):
+            return cls(sum(p.numel() for p in params),
+                       tuple(sum(p.numel() for p in g) for g in groups),
+                       tuple(p.numel() for p in params),
+                       sum(p.numel() for p in params if p.requires_grad), model_or_num_params)
+        if not _is_count(model_or_num_params):
             raise TypeError("expected a torch.nn.Module or a parameter count, got "
                             f"{type(model_or_num_params).__name__}")
         n = int(round(model_or_num_params))
         if n < 1:
             raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
-        return cls(n)
+        if trainable_params is None:
+            return cls(n)
+        if not _is_count(trainable_params):
+            raise TypeError("trainable_params must be a parameter count, got "
+                            f"{type(trainable_params).__name__}")
+        t = int(round(trainable_params))
+        if not 0 <= t <= n:
+            raise ValueError(f"trainable_params must be between 0 and the parameter count "
+                             f"({n}), got {trainable_params!r}")
+        return cls(n, trainable_params=t)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -97,6 +129,7 @@ class MemoryEstimate:
     """
 
     num_params: int
+    trainable_params: int  # Ψt: the parameters with optimizer state and gradients
     num_gpus: int
     gpus_per_node: int
     stage: int
@@ -104,6 +137,7 @@ class MemoryEstimate:
     offload_param: str
     dtype: str
     shard_numel: int  # S: elements of this rank's flat shard (padded)
+    trainable_shard_numel: int  # its trainable prefix: what the optimizer state covers
     device: str  # "cuda" or "cpu" (the engine on a CPU-only machine)
     terms: tuple[Term, ...]
 
@@ -157,10 +191,12 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "num_params": self.num_params, "num_gpus": self.num_gpus,
+            "num_params": self.num_params, "trainable_params": self.trainable_params,
+            "num_gpus": self.num_gpus,
             "gpus_per_node": self.gpus_per_node, "stage": self.stage,
             "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param,
-            "dtype": self.dtype, "shard_numel": self.shard_numel, "device": self.device,
+            "dtype": self.dtype, "shard_numel": self.shard_numel,
+            "trainable_shard_numel": self.trainable_shard_numel, "device": self.device,
             "gpu_bytes": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
             "model_state_gpu_bytes": self.model_state_bytes("device"),
@@ -168,13 +204,25 @@ class MemoryEstimate:
         }
 
     def __str__(self) -> str:
-        head = (f"{self.num_params / 1e9:.2f}B params, stage {self.stage}, optimizer "
+        head = (f"{describe_params(self.num_params, self.trainable_params)}, stage "
+                f"{self.stage}, optimizer "
                 f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
                 f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
                 f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node")
         rows = [f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
                 for t in self.terms]
         return "\n".join([head, *rows])
+
+
+def describe_params(num_params: int, trainable_params: int, always: bool = False) -> str:
+    """'13.00B params', or '13.00B params (50.0M trainable)' when not all train (or
+    ``always``)."""
+    text = f"{num_params / 1e9:.2f}B params"
+    if always or trainable_params != num_params:
+        count = (f"{trainable_params / 1e9:.2f}B" if trainable_params >= 1e9 else
+                 f"{trainable_params / 1e6:.1f}M")
+        text += f" ({count} trainable)"
+    return text
 
 
 def activation_memory(*, seq: int, batch: int, width: int, layers: int,
@@ -230,8 +278,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
                     largest_layer_params: int | None = None,
                     activation_bytes: int | None = None,
                     reduce_bucket_size: int = 25_000_000, sub_group_size: int = 100_000_000,
-                    host_memory_limit: int | None = None, device: str = "cuda"
-                    ) -> MemoryEstimate:
+                    host_memory_limit: int | None = None, device: str = "cuda",
+                    trainable_params: int | float | None = None) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -240,6 +288,9 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
     the model, else Ψ/50). ``gpus_per_node``: default min(num_gpus, 8). ``activation_bytes``:
     per GPU; None leaves activations out. ``device="cpu"`` models the engine on a CPU-only
     machine, where the CPU is the "device" tier (as ``memory_report`` names it).
+    ``trainable_params``: with a parameter count, how many train (default: all; a LoRA run
+    trains a few million of billions); a model says it by ``requires_grad``. Only those have
+    optimizer state and gradients; frozen ones keep their compute-dtype params.
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -248,25 +299,28 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    shape = ModelShape.of(model_or_num_params)
+    shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
-    psi = shape.num_params
+    psi, psi_t = shape.num_params, shape.trainable_params
     shards = 1 if stage == 0 else num_gpus
-    if shape.param_sizes is not None:  # the engine's layout: units, each padded
-        if stage == 3:
-            units = list(shape.module_sizes or ())
-        else:
-            sizes = list(reversed(shape.param_sizes))  # gradient-ready order
-            units = [sum(sizes[i] for i in bk) for bk in bucketize(sizes, reduce_bucket_size)]
-        padded = [_padded(n, shards) for n in units]
+    if shape.model is not None:  # the engine's own layout: units, each padded
+        plans = plan_units(shape.model, stage=stage, world_size=num_gpus,
+                           bucket_size=reduce_bucket_size)
+        padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
         if stage == 3 and largest_layer_params is not None:
             largest = _padded(largest_layer_params, shards)
+        # gradients are reduced, and stepped, for trainable units only
+        largest_t = max((p.layout.padded_numel for p in plans if not p.frozen), default=0)
+        s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
     else:
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
                    if stage == 3 else min(reduce_bucket_size, psi))
-    s = math.ceil(full / shards)
+        largest_t = min(largest, psi_t)
+        s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
+    # Ψt in the formulas: trainable params (written Ψ when all of them train)
+    T = "Ψ" if psi_t == psi else "Ψt"
     on_cpu = device == "cpu"
     terms: list[Term] = []
 
@@ -288,32 +342,35 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
             add("param swap buffers", "host", RESIDENT, BUFFER,
                 _pool(b * math.ceil(largest / shards), prefetch_depth + 2, param_budget),
                 "(prefetch_depth + 2) × largest module's shard, as the pool rounds it")
-    # Gradients. With the optimizer on NVMe and an explicit budget too small for the fp32
-    # shard, they go to files beside the optimizer state.
+    # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
+    # budget too small for the fp32 shard, they go to files beside the optimizer state.
     opt_budget = host_memory_limit
     if host_memory_limit is not None and offload_optimizer == "nvme" and offload_param == "nvme":
         opt_budget = host_memory_limit - host_memory_limit // 2
-    grads_on_disk = offload_optimizer == "nvme" and not grads_fit_in_host(s, opt_budget)
+    grads_on_disk = offload_optimizer == "nvme" and not grads_fit_in_host(s_t, opt_budget)
     g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else ("host", 4)
     if grads_on_disk:
         g_tier = "nvme"
     if stage < 2:
-        add("grads", "device", FORWARD_BACKWARD, MODEL_STATE, b * psi,
-            f"{b}Ψ: autograd's full gradients until the step")
-        add("reduced grad shard", g_tier, RESIDENT, BUFFER, g_bytes * s,
-            f"{g_bytes}Ψ/N" if stage else f"{g_bytes}Ψ")
-        add("grad bucket", "device", STEP, BUFFER, b * largest, "one bucket flattened")
+        add("grads", "device", FORWARD_BACKWARD, MODEL_STATE, b * psi_t,
+            f"{b}{T}: autograd's full gradients until the step")
+        add("reduced grad shard", g_tier, RESIDENT, BUFFER, g_bytes * s_t,
+            f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}")
+        add("grad bucket", "device", STEP, BUFFER, b * largest_t, "one bucket flattened")
     else:
-        add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s, f"{g_bytes}Ψ/N")
+        add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s_t, f"{g_bytes}{T}/N")
         add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
-            _INFLIGHT_REDUCTIONS * largest * b, f"{_INFLIGHT_REDUCTIONS} × largest unit")
+            _INFLIGHT_REDUCTIONS * largest_t * b,
+            f"{_INFLIGHT_REDUCTIONS} × largest {'unit' if T == 'Ψ' else 'trainable unit'}")
     if offload_optimizer == "none" and b != 4 and not on_cpu:
-        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s, "4Ψ/N, for torch's fused AdamW")
-    # Optimizer state: fp32 master + Adam m + v.
+        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t,
+            f"4{T}/N, for torch's fused AdamW")
+    # Optimizer state: fp32 master + Adam m + v, of the trainable params only.
     o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
-    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s, "12Ψ/N: fp32 master, m, v")
+    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s_t,
+        f"12{T}/N: fp32 master, m, v")
     if offload_optimizer == "nvme":
-        group = sub_group_numel(sub_group_size, opt_budget, s, grads_on_disk)
+        group = sub_group_numel(sub_group_size, opt_budget, s_t, grads_on_disk)
         grad_pool = _pool(4 * group, _NVME_BUFFERS, None) if grads_on_disk else 0
         state_budget = None if opt_budget is None else opt_budget - grad_pool
         add("optimizer swap buffers", "host", RESIDENT, BUFFER,
@@ -331,11 +388,13 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
             on_cpu or offload_param == "cpu")
         if not shards_on_host:
             tier = "host" if offload_optimizer == "cpu" else "device"
-            add("param staging", tier, RESIDENT, BUFFER, b * s, f"{b}Ψ/N: CPU Adam's output")
+            add("param staging", tier, RESIDENT, BUFFER, b * s_t,
+                f"{b}{T}/N: CPU Adam's output")
     if activation_bytes:
         add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
     return MemoryEstimate(
-        num_params=psi, num_gpus=num_gpus,
+        num_params=psi, trainable_params=psi_t, num_gpus=num_gpus,
         gpus_per_node=gpus_per_node or min(num_gpus, 8), stage=stage,
         offload_optimizer=offload_optimizer, offload_param=offload_param,
-        dtype=_dtype_name(dtype), shard_numel=s, device=device, terms=tuple(terms))
+        dtype=_dtype_name(dtype), shard_numel=s, trainable_shard_numel=s_t, device=device,
+        terms=tuple(terms))

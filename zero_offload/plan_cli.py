@@ -1,6 +1,7 @@
 """``zero-offload plan``: which stage and offload fit a model on your GPUs, as a table.
 
     zero-offload plan --params 13e9 --gpus 4 --gpu-memory 24GB --host-memory 128GB [--nvme PATH]
+    zero-offload plan --params 13e9 --trainable-params 50e6 ...   # LoRA: 50M params train
 
 Sizes take decimal (KB, MB, GB, TB = 1e3…1e12 bytes) or binary (KiB, MiB, GiB, TiB) units;
 counts take K, M, B (or G), T suffixes or plain numbers such as 13e9.
@@ -15,6 +16,7 @@ import sys
 
 import torch
 
+from .memory_model import describe_params
 from .planner import Plan, plan
 
 __all__ = ["add_arguments", "run", "format_plan", "parse_size", "parse_count"]
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--params", type=parse_count, help="parameter count, e.g. 13e9 or 13B")
     model.add_argument("--preset", help="a GPT preset of zero_offload.bench.gpt (1b, 2.7b, "
                        "13b, ...), laid out exactly on the meta device")
+    parser.add_argument("--trainable-params", type=parse_count, default=None,
+                        help="with --params: how many train, e.g. 50e6 for LoRA adapters "
+                        "(default: all); only they have optimizer state and gradients")
     parser.add_argument("--gpus", type=int, required=True, help="data-parallel GPUs in all")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs sharing one host's memory and disk (default: min(gpus, 8))")
@@ -80,7 +85,8 @@ def format_plan(p: Plan, title: str = "") -> str:
     e0 = p.candidates[0].estimate
     nvme = ("not checked" if p.nvme_bytes is None else
             "none" if p.nvme_bytes == 0 else f"{_gb(p.nvme_bytes * keep)} GB per node")
-    lines = [title or (f"{e0.num_params / 1e9:.2f}B params, {e0.num_gpus} GPUs "
+    lines = [title or (f"{describe_params(e0.num_params, e0.trainable_params)}, "
+                       f"{e0.num_gpus} GPUs "
                        f"({e0.ranks_per_node} per node), {e0.dtype}"),
              f"usable ({keep:.0%}): GPU {_gb(p.gpu_memory * keep)} GB each, host "
              f"{_gb(p.host_memory * keep)} GB per node, NVMe {nvme}", "",
@@ -112,6 +118,10 @@ def format_plan(p: Plan, title: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preset and args.trainable_params is not None:
+        print("error: --trainable-params goes with --params (every parameter of a preset "
+              "trains)", file=sys.stderr)
+        return 2
     if args.preset:
         from .bench.gpt import GPT, GPTConfig
         try:
@@ -136,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                       nvme_bytes=nvme_bytes, nvme_path=args.nvme,
                       activation_bytes=args.activation_memory, dtype=args.dtype,
                       prefetch_depth=args.prefetch_depth,
-                      largest_layer_params=args.largest_layer_params, headroom=args.headroom)
+                      largest_layer_params=args.largest_layer_params, headroom=args.headroom,
+                      trainable_params=args.trainable_params)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .memory_model import (MemoryEstimate, ModelShape, Term, _dtype_name, activation_memory,
-                           estimate_memory)
+                           describe_params, estimate_memory)
 
 __all__ = ["estimate_memory", "activation_memory", "plan", "Plan", "Candidate",
            "MemoryEstimate", "Term", "CHOICES"]
@@ -169,7 +169,8 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
          host_memory: int, nvme_bytes: int | None = None, activation_bytes: int | None = None,
          gpus_per_node: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
          prefetch_depth: int = 2, largest_layer_params: int | None = None,
-         nvme_path: str | os.PathLike | None = None, headroom: float = 0.1) -> Plan:
+         nvme_path: str | os.PathLike | None = None, headroom: float = 0.1,
+         trainable_params: int | float | None = None) -> Plan:
     """The least-offloaded stage × offload choice whose estimate fits, as ``initialize``
     keyword arguments, or an explanation of why none fits and what would.
 
@@ -178,6 +179,9 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
     space is not checked (NVMe choices are assumed to have room and say so); ``0``: no NVMe.
     ``headroom``: the fraction of every tier kept free (CUDA context, allocator
     fragmentation, the OS). ``activation_bytes`` per GPU; None leaves activations out.
+    ``trainable_params``: with a parameter count, how many train (a LoRA fine-tune: the
+    adapters; default all); only they have optimizer state and gradients. A model says it by
+    its parameters' ``requires_grad``.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
@@ -186,7 +190,7 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
     if nvme_bytes is None and nvme_path is not None:
         nvme_bytes = shutil.disk_usage(nvme_path).free
-    shape = ModelShape.of(model_or_num_params)
+    shape = ModelShape.of(model_or_num_params, trainable_params)
     keep = 1 - headroom
     limits: dict[str, float | None] = {
         "device": gpu_memory * keep, "host": host_memory * keep,
@@ -200,6 +204,12 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
         notes.append("activations are not included: pass activation_bytes (rough rule with "
                      "activation checkpointing: 2 × seq × batch × width × layers × 2 bytes)")
     choice = next((c for c in cands if c.fits), None)
+    trains = ""
+    if trainable_params is not None or shape.trainable_params != shape.num_params:
+        source = "trainable_params" if trainable_params is not None else "requires_grad"
+        trains = (f" {describe_params(shape.num_params, shape.trainable_params, always=True)}"
+                  f": only the trainable ones ({source}) have optimizer state and gradients; "
+                  f"the frozen ones hold just their {_dtype_name(dtype)} copy.")
     common = dict(candidates=tuple(cands), gpu_memory=int(gpu_memory),
                   host_memory=int(host_memory),
                   nvme_bytes=None if nvme_bytes is None else int(nvme_bytes), headroom=headroom)
@@ -215,6 +225,8 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
         would = _what_would_fit(cands, limits, headroom, shape, num_gpus, est_kwargs)
         if would:
             lines.append("What would fit: " + "; or ".join(would) + ".")
+        if trains:
+            lines.append(trains.strip())
         return Plan(fits=False, kwargs={}, choice=None, explanation="\n".join(lines),
                     notes=tuple(notes), **common)
     kwargs: dict[str, Any] = {"stage": choice.stage, "offload_optimizer": choice.offload_optimizer,
@@ -242,6 +254,6 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
                    f"{choice.offload_param} fits: GPU {_gb(e.gpu_bytes)} of "
                    f"{_gb(limits['device'])} usable, host {_gb(e.host_bytes_per_node)} of "
                    f"{_gb(limits['host'])} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
-                   f"node.{why}")
+                   f"node.{why}{trains}")
     return Plan(fits=True, kwargs=kwargs, choice=choice, explanation=explanation,
                 notes=tuple(notes), **common)
