@@ -141,8 +141,8 @@ class Engine:
             target: GradTarget = ResidentGrads(self.grads)
         else:  # copied and summed in the background while backward runs on
             self.grad_queue = HostGradQueue(
-                host_target, self.streams, max((p.shard_numel for p in plans), default=0),
-                self.dtype)
+                host_target, self.streams,
+                max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
             target = self.grad_queue
         self.shard_numel = shard_numel
         self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
