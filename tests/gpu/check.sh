@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA-path check, for a machine with a GPU (about 5 minutes at most): the GPU line,
+# The CUDA-path check, for a machine with a GPU (about 7 minutes at most): the GPU line,
 # tests/gpu, then `bench step` for optimizer offload none / cpu / nvme on a ~100M-param model
 # and a stage-3 prefetch-depth sweep with parameters offloaded to host memory.
 # Installs only what is missing. Exit status: 0 when every part passed.
@@ -14,7 +14,7 @@ python -c "import pytest" 2>/dev/null || pip install -q pytest
 
 status=0
 echo "== python -m pytest -q tests/gpu"
-timeout 150 python -m pytest -q -rs tests/gpu || status=1
+timeout 240 python -m pytest -q -rs --durations=5 tests/gpu || status=1
 
 # The swap files must be on a disk: /tmp unless it is a memory filesystem there.
 base=/tmp
