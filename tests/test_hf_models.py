@@ -390,3 +390,42 @@ def test_hf_meta_device_buffers_fail_clearly(results, world):
 def test_hf_frozen_parameters_stay_as_they_were(results, world, case):
     for rank_results in results(world):
         assert rank_results[case].frozen_moved_lr == 0.0
+
+
+# -- a LoRA fine-tune (PEFT): the base model frozen, adapters trained ----------------------------
+@pytest.mark.parametrize("stage,optimizer,param", [(2, "cpu", "none"), (3, "cpu", "cpu"),
+                                                   (3, "nvme", "nvme")])
+def test_peft_lora_trains_like_adamw_with_state_for_the_adapters_only(tmp_path, stage,
+                                                                      optimizer, param):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():  # PEFT starts lora_B at zero: move it off zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    reference = copy.deepcopy(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = zo.initialize(model, stage=stage, lr=LR, weight_decay=WD, dtype=torch.float32,
+                           offload_optimizer=optimizer, offload_param=param,
+                           nvme_path=str(tmp_path))
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WD)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = batch(gen)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        reference(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = engine.memory_report()
+    sd = engine.full_state_dict()
+    engine.close()
+    expected = reference.state_dict()
+    assert set(sd) >= set(expected)
+    worst = max((sd[k] - v).abs().max().item() for k, v in expected.items()) / LR
+    assert worst <= 0.03, f"max |diff| = {worst:.4f} lr"
+    tier = "host" if optimizer == "cpu" else "nvme"
+    # fp32 master + m + v for the adapters only (padding: < 64 elements a unit and rank)
+    assert 12 * trainable <= report.bytes[tier]["optimizer"] <= 12 * (trainable + 64 * 8)
