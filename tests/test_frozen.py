@@ -130,3 +130,20 @@ def _train_more(engine: zo.Engine) -> dict[str, torch.Tensor]:
     engine.backward(engine(x).square().mean())
     assert engine.step()
     return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "cpu"), (2, "nvme"), (3, "nvme")])
+def test_everything_frozen_steps_without_changing_anything(tmp_path, stage, offload):
+    model = _model().requires_grad_(False)
+    initial = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 96, requires_grad=True)  # a gradient still flows to the input
+    engine = zo.initialize(model, stage=stage, offload_optimizer=offload, nvme_path=tmp_path,
+                           lr=LR, weight_decay=WD, dtype=torch.float32)
+    assert engine.trainable_numel == 0
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        assert engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    assert all(torch.equal(sd[k], v) for k, v in initial.items())
+    assert x.grad is not None

@@ -270,6 +270,10 @@ class NvmeAdam:
         timings = StepTimings()
         start = time.perf_counter()
         last = len(self.bounds) - 1
+        if last < 0:  # nothing trains (every parameter frozen)
+            self.last_timings = timings
+            self.optimizer.step()
+            return
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
             self.grad_swapper is None or self.grad_swapper.pool.count >= self.BUFFERS)
         pending = self._read(0, timings)
