@@ -147,3 +147,13 @@ def test_everything_frozen_steps_without_changing_anything(tmp_path, stage, offl
     engine.close()
     assert all(torch.equal(sd[k], v) for k, v in initial.items())
     assert x.grad is not None
+
+
+def test_unfreezing_after_initialize_is_a_clear_error():
+    model = _model()
+    engine = zo.initialize(model, stage=2, lr=LR, dtype=torch.float32)
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError,
+                       match=r"'0\.(weight|bias)'.*set requires_grad before initialize"):
+        engine.backward(engine(torch.randn(2, 96)).square().mean())
+    engine.close()

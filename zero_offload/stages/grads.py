@@ -48,6 +48,17 @@ class ResidentGrads:
         pass  # summed at once
 
 
+def _check_frozen(unit: FlatUnit) -> None:
+    """A parameter frozen at ``initialize`` has no gradient slot: unfreezing it later would
+    silently train nothing, so say so."""
+    for p, name in zip(unit.params, unit.names):
+        if p.grad is not None:
+            raise RuntimeError(
+                f"parameter {name!r} got a gradient but had requires_grad=False when "
+                "zero_offload.initialize ran: which parameters train is fixed then (frozen ones "
+                "get no optimizer state); set requires_grad before initialize")
+
+
 class GradReducer:
     def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, target: GradTarget, *,
                  on_reduced: Callable[[FlatUnit], None] | None = None,
@@ -113,7 +124,9 @@ class GradReducer:
         order so that every rank issues the same collectives, and wait for all of it."""
         if self.stage >= 2:
             for unit in self.units:
-                if not unit.grads_reduced and not unit.frozen:
+                if unit.frozen:
+                    _check_frozen(unit)
+                elif not unit.grads_reduced:
                     self._reduce_unit(unit)
             self._drain(0)
             self.target.flush()
@@ -126,6 +139,7 @@ class GradReducer:
         self.final = True
         for unit in self.units:
             if unit.frozen:
+                _check_frozen(unit)
                 continue
             flat = self._flat_grads(unit)
             if self.stage == 0:

@@ -44,6 +44,7 @@ class FlatUnit:
     pending_grads: int = 0  # grads still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were reduced already
     views: list[torch.Tensor] = field(default_factory=list)
+    frozen: bool = False  # no parameter trained at initialize: no gradients, no update
 
     @property
     def shard_numel(self) -> int:
@@ -57,10 +58,6 @@ class FlatUnit:
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]
 
-    @property
-    def frozen(self) -> bool:
-        """No parameter of the unit trains: no gradients, no update (see plan_units)."""
-        return not any(p.requires_grad for p in self.params)
 
     # -- stage 3: gather / free ------------------------------------------------------------
     def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool,
@@ -154,7 +151,8 @@ def plan_units(model: nn.Module, *, stage: int, world_size: int,
     buckets of ``bucket_size`` elements in reverse registration order, the order in which
     gradients tend to become ready) and lay each out. Frozen parameters
     (``requires_grad=False``) get units of their own, placed after the trainable ones in the
-    rank-flat order: they have no gradients and no optimizer state. Touches no parameter memory, so a model
+    rank-flat order: they have no gradients and no optimizer state. Touches no parameter
+    memory, so a model
     on the meta device is planned too."""
     def split(group: list) -> list[list]:  # trainable first, frozen apart
         trainable = [x for x in group if x[2].requires_grad]
@@ -256,7 +254,7 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
             p.data = view
         params.append(p)
     unit = FlatUnit(plan.index, params, plan.names, layout, full, plan.shard_offset, sharded,
-                    views=views)
+                    views=views, frozen=plan.frozen)
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, master[lo:hi].clone()
 
