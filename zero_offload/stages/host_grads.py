@@ -40,14 +40,14 @@ class HostGradQueue:
         self._staging_bytes = 0
         if streams.cuda:  # page-locked, so that the copy is asynchronous
             for _ in range(depth):
-                buf = torch.empty(largest_piece, dtype=dtype, pin_memory=True)
+                buf = streams.host_empty(largest_piece, dtype)
                 self._staging_bytes += buf.numel() * buf.element_size()
                 self._free.put(buf)
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
         while len(self._pending) >= self.depth:  # back-pressure: oldest piece first
             self._pending.popleft().result()
-        if values.device.type == "cpu":
+        if not self.streams.cuda:  # a CPU device: the piece is a fresh host tensor
             piece, copied, staging = values, None, None
         else:
             staging = self._free.get()

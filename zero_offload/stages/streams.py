@@ -102,14 +102,22 @@ class Streams:
         with torch.cuda.stream(self.gather):
             yield
 
-    def record_gather(self) -> Event | None:
-        """An event at the gather stream's current end (call inside :meth:`on_gather`)."""
+    def finish_gather(self, shard: torch.Tensor, full: torch.Tensor) -> Event | None:
+        """Call inside :meth:`on_gather` once the all-gather of ``shard`` into ``full`` is
+        queued (and the gather stream waits for it): ``shard`` is handed over to the gather
+        stream, and the returned event fires when ``full`` is filled."""
         if not self.cuda:
             return None
         assert self.gather is not None
+        shard.record_stream(self.gather)
         done = Event()
         done.record(self.gather)
         return done
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that copies to and from the device read or write asynchronously
+        (page-locked with CUDA)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
 
     def sync_h2d(self) -> None:
         """Block the host until every host-to-device copy issued so far is done: host

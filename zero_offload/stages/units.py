@@ -41,6 +41,7 @@ class FlatUnit:
     state: GatherState = GatherState.GATHERED
     handle: Handle | None = None
     ready: "torch.cuda.Event | None" = None  # CUDA: the gather stream's event for this gather
+    ready_streams: Streams | None = None  # whose compute stream waits for ``ready``
     pending_grads: int = 0  # grads still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were reduced already
     views: list[torch.Tensor] = field(default_factory=list)
@@ -72,8 +73,8 @@ class FlatUnit:
         if streams is not None and streams.cuda:
             with streams.on_gather(after):
                 comm.all_gather(self.full, shard, async_op=True).wait()  # a stream wait
-                shard.record_stream(torch.cuda.current_stream(self.full.device))
-                self.ready = streams.record_gather()
+                self.ready = streams.finish_gather(shard, self.full)
+                self.ready_streams = streams
         else:
             self.handle = comm.all_gather(self.full, shard, async_op=async_op)
         self.state = GatherState.PENDING
@@ -85,7 +86,8 @@ class FlatUnit:
         """The gathered parameters may be used after this (by work queued after it)."""
         if self.state is GatherState.PENDING:
             if self.ready is not None:
-                torch.cuda.current_stream(self.full.device).wait_event(self.ready)
+                assert self.ready_streams is not None
+                self.ready_streams.wait(self.ready)
                 self.ready = None
             else:
                 assert self.handle is not None

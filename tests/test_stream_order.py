@@ -1,0 +1,111 @@
+"""The side-stream ordering logic, checked on the CPU: ``LateStreams`` plays a GPU whose side
+streams run late. Every copy or gather it is asked for happens only when its event is waited
+for (until then the target holds NaNs or stale values), so an engine that uses a copy, a
+gathered unit or a staged gradient before waiting for its event trains to different numbers.
+The same engine code runs as on CUDA (``streams.cuda`` is True); only the stream layer is
+played. Training must match the plain CPU engine bit for bit."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+import zero_offload as zo
+import zero_offload.engine as engine_module
+from models import TinyGPT, batch, loss_fn
+from zero_offload.stages.streams import Streams
+
+
+class LateEvent:
+    """Does its deferred work once, when first waited for."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work: Callable[[], None] | None = work
+
+    def synchronize(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work()
+
+
+class LateStreams(Streams):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.cuda = True  # take the engine's CUDA branches
+        self.events = 0
+
+    def _late(self, work: Callable[[], None]) -> LateEvent:
+        self.events += 1
+        return LateEvent(work)
+
+    def to_device(self, host, dtype=None, *, own=False):
+        dtype = dtype or host.dtype
+        out = torch.full(host.shape, float("nan"), dtype=dtype)
+        return out, self._late(lambda: out.copy_(host))
+
+    def to_host(self, values, out):
+        return self._late(lambda: out.copy_(values))
+
+    def wait(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def handed_over(self, tensor) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def on_gather(self, after) -> Iterator[None]:
+        self.wait(after)
+        yield
+
+    def finish_gather(self, shard, full):
+        filled = full.clone()
+        full.fill_(float("nan"))  # not there until the event is waited for
+        return self._late(lambda: full.copy_(filled))
+
+    def sync_h2d(self) -> None:
+        pass  # every late copy already ran: each one is waited for before its source changes
+
+    def host_empty(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+
+CASES = [(2, "cpu", "none"), (3, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+         (1, "cpu", "none")]
+
+
+def _train(tmp_path, stage, opt, param, late: bool, monkeypatch) -> tuple[dict, int]:
+    made: list[Streams] = []
+    if late:
+        def factory(device):
+            made.append(LateStreams(device))
+            return made[-1]
+        monkeypatch.setattr(engine_module, "Streams", factory)
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=stage, offload_optimizer=opt, offload_param=param,
+                           nvme_path=tmp_path, dtype=torch.bfloat16, lr=1e-3,
+                           max_grad_norm=1.0, prefetch_depth=2, gradient_accumulation_steps=2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        x, y = batch("gpt", 4, gen)
+        loss = loss_fn("gpt", engine(x), y)
+        assert torch.isfinite(loss), "a NaN: something read a copy or gather before its event"
+        engine.backward(loss)
+        engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    monkeypatch.undo()
+    return sd, made[0].events if made else 0
+
+
+@pytest.mark.parametrize("stage,opt,param", CASES)
+def test_late_side_streams_change_no_bit(tmp_path, monkeypatch, stage, opt, param):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain, _ = _train(tmp_path / "a", stage, opt, param, False, monkeypatch)
+    late, events = _train(tmp_path / "b", stage, opt, param, True, monkeypatch)
+    assert events > 0, "the late streams were not used"
+    for name in plain:
+        assert torch.equal(plain[name], late[name]), name
