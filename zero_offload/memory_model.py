@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .config import ConfigError
 from .partition import SHARD_ALIGN
+from .stages.host_grads import STAGING_BUFFERS
 from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
 from .stages.units import owning_modules, plan_units, trainable_numel
 from .swap.buffers import pool_footprint
@@ -362,6 +363,11 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
             _INFLIGHT_REDUCTIONS * largest_t * b,
             f"{_INFLIGHT_REDUCTIONS} × largest {'unit' if T == 'Ψ' else 'trainable unit'}")
+    if offload_optimizer != "none" and not on_cpu and largest_t:
+        add("grad staging", "host", RESIDENT, BUFFER,
+            STAGING_BUFFERS * b * math.ceil(largest_t / shards),
+            f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
+            "device-to-host copies of reduced gradients")
     if offload_optimizer == "none" and b != 4 and not on_cpu:
         add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t,
             f"4{T}/N, for torch's fused AdamW")

@@ -22,7 +22,9 @@ from ..ledger import MemoryReport
 from .grads import GradTarget
 from .streams import Streams
 
-__all__ = ["HostGradQueue"]
+__all__ = ["HostGradQueue", "STAGING_BUFFERS"]
+
+STAGING_BUFFERS = 3  # pieces in flight, each with a pinned staging buffer (CUDA)
 
 
 class HostGradQueue:
@@ -30,7 +32,7 @@ class HostGradQueue:
     in the background, in order; at most ``depth`` are in flight."""
 
     def __init__(self, target: GradTarget, streams: Streams, largest_piece: int,
-                 dtype: torch.dtype, depth: int = 3) -> None:
+                 dtype: torch.dtype, depth: int = STAGING_BUFFERS) -> None:
         self.target = target
         self.streams = streams
         self.depth = depth
