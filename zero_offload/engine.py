@@ -301,8 +301,9 @@ class Engine:
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
-        ``model.load_state_dict`` takes), on the CPU,
-        gathered from all ranks' fp32 master shards. Collective: every rank must call it."""
+        ``model.load_state_dict`` takes), on the CPU, gathered from all ranks' shards: the fp32
+        masters, and for frozen parameters their compute-dtype values. Collective: every rank
+        must call it."""
         master = self.sharded_optimizer.updater.master_values().to(self.device)
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
