@@ -107,18 +107,27 @@ def test_cpu_streams_copy_only_when_asked():
 def test_disk_failure_while_gradients_go_to_nvme_is_raised_by_backward(tmp_path):
     """Gradients on NVMe (the host budget cannot hold them): a failed write in the
     background summing surfaces from ``backward``, and the next backward works again."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
-    engine = zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                           host_memory_limit=12 * 2**20, reduce_bucket_size=1 << 18)
+    def make() -> zo.Engine:
+        torch.manual_seed(0)
+        # many small units: the failure surfaces in the middle of backward, with reductions
+        # still in flight, not only at its end
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(6)))
+        return zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
+                             host_memory_limit=8 * 2**20, reduce_bucket_size=1 << 16)
+
+    engine, clean = make(), make()
     assert engine.grads is None, "the gradients must go to NVMe for this test"
     updater = engine.sharded_optimizer.updater
-    x = torch.randn(4, 1024)
+    x = torch.randn(4, 512)
     updater.swapper.engine.backend = FaultBackend("write", errno_=errno.EIO)
     with pytest.raises(SwapIOError, match="Input/output error"):
         engine.backward(engine(x).square().mean())
     updater.swapper.engine.backend = FaultBackend("none")
-    engine.zero_grad()
-    engine.backward(engine(x).square().mean())
-    assert engine.step()
+    engine.zero_grad()  # nothing of the failed backward is left behind
+    for e in (engine, clean):
+        e.backward(e(x).square().mean())
+        assert e.step()
+    got, expected = engine.full_state_dict(), clean.full_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
     engine.close()
+    clean.close()

@@ -152,6 +152,10 @@ class GradReducer:
         self.target.flush()
 
     def zero(self) -> None:
+        """Drop every gradient: accumulated ones, and reductions a failed backward left in
+        flight (waited for, so that the ranks' collectives stay paired, then discarded)."""
+        while self._inflight:
+            self._inflight.popleft()[3].wait()
         self.target.zero_grad()
         for unit in self.units:
             for p in unit.params:
