@@ -250,3 +250,34 @@ def test_side_streams_are_ordered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(streams_mod.Streams, "on_gather", late_on_gather)
     for stage, opt, param in [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]:
         _check(_case(0, 1, str(tmp_path), stage, opt, param), opt)
+
+
+@pytest.mark.parametrize("stage,opt,param", [(2, "cpu", "none"), (3, "cpu", "cpu"),
+                                             (3, "nvme", "nvme")])
+def test_frozen_parameters_on_cuda_match_the_cpu_engine(tmp_path: Path, stage: int, opt: str,
+                                                        param: str) -> None:
+    """Frozen units on CUDA: no optimizer state, values exported through the side streams
+    (``Engine.frozen_shard``), the rest trained like the CPU engine."""
+    def run(device: str) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+        model[0].requires_grad_(False)
+        model[2].weight.requires_grad_(False)
+        engine = zo.initialize(model, stage=stage, offload_optimizer=opt, offload_param=param,
+                               nvme_path=tmp_path, dtype=torch.float32, lr=1e-2,
+                               weight_decay=0.1, device=device)
+        for i in range(3):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(device)
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        sd = engine.full_state_dict()
+        engine.close()
+        return sd
+
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4))).state_dict()
+    on_gpu, on_cpu = run("cuda"), run("cpu")
+    for name in ("0.weight", "0.bias", "2.weight"):
+        assert torch.equal(on_gpu[name], initial[name]), name
+    for name, value in on_cpu.items():
+        assert (on_gpu[name] - value).abs().max().item() <= MAX_DIFF_LR * 1e-2, name
