@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
         t2 = time.perf_counter()
         losses.append(loss.item())
-        opt = engine.sharded_optimizer.updater.last_timings
+        opt = engine.last_step_timings
         param_wait = store.wait_s - wait0
         print(f"step {step}/{args.steps}  loss {losses[-1]:.4f}  total {t2 - t0:.1f} s = "
               f"forward/backward {t1 - t0:.1f} s (of which param I/O wait {param_wait:.1f} s) + "

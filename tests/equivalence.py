@@ -92,8 +92,8 @@ def run_case(rank: int, world: int, name: str, dtype: torch.dtype, stage: int,
     res.largest_unit_bytes = max(u.full_bytes for u in engine.units)
     res.units = len(engine.units)
     res.report = engine.memory_report()
-    res.clipped = engine.sharded_optimizer.last_grad_norm is not None and \
-        engine.sharded_optimizer.last_grad_norm > CLIP
+    res.clipped = engine.last_grad_norm is not None and \
+        engine.last_grad_norm > CLIP
     if rank == 0:
         ref = reference(initial, name, dtype, STEPS, gas=gas)
         res.max_diff_lr, res.mean_diff = compare(sd, ref)

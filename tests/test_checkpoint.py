@@ -40,10 +40,10 @@ def _steps(engine, rank, world, start, end):
 
 def _optimizer_state(engine) -> dict[str, torch.Tensor]:
     """This rank's flat [master | m | v] and the step count, as plain tensors."""
-    parts = [torch.cat([c[k].clone() for c in [dict(zip("lmxav", chunk)) for chunk in
-                        engine.sharded_optimizer.updater.iter_state()]]) for k in "xav"]
+    chunks = [arrays for _lo, arrays in engine.state_chunks() if arrays[1] is not None]
+    parts = [torch.cat([c[k].clone() for c in chunks]) for k in range(3)]
     return {"master": parts[0], "exp_avg": parts[1], "exp_avg_sq": parts[2],
-            "steps": torch.tensor(engine.sharded_optimizer.updater.steps)}
+            "steps": torch.tensor(engine.optimizer_steps)}
 
 
 def _train(rank, world, ckpt, nvme, phase):
@@ -97,7 +97,7 @@ def _load_then_report(rank, world, ckpt, nvme, stage, offload):
     engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
     engine.load_checkpoint(ckpt)
     sd = engine.full_state_dict()
-    steps = engine.sharded_optimizer.updater.steps
+    steps = engine.optimizer_steps
     _steps(engine, rank, world, 2, 3)  # and it keeps training
     engine.close()
     return sd, steps
@@ -204,7 +204,8 @@ def test_lr_scheduler_and_loss_scale_come_back(tmp_path):
     for i in range(3):
         _steps(engine, 0, 1, i, i + 1)
         sched.step()
-    engine.sharded_optimizer.scaler.scale = 123.0
+    state = engine.training_state()
+    engine.load_training_state({**state, "loss_scaler": {**state["loss_scaler"], "scale": 123.0}})
     engine.save_checkpoint(tmp_path, lr_scheduler=sched)
     other = zo.initialize(TinyGPT(), stage=2, lr=1.0, dtype=torch.float16)
     sched2 = torch.optim.lr_scheduler.StepLR(other.optimizer, step_size=1, gamma=0.5)

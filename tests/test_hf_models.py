@@ -170,7 +170,7 @@ def _train(rank: int, world: int, root: Path, case: tuple, res: Result) -> zo.En
         engine.backward(engine(input_ids=x, labels=x).loss)
         assert engine.step()
     res.probe_calls = len(calls)
-    norm = engine.sharded_optimizer.last_grad_norm
+    norm = engine.last_grad_norm
     res.clipped = norm is not None and float(norm) > CLIP
     return engine
 

@@ -117,12 +117,12 @@ def test_disk_failure_while_gradients_go_to_nvme_is_raised_by_backward(tmp_path)
 
     engine, clean = make(), make()
     assert engine.grads is None, "the gradients must go to NVMe for this test"
-    updater = engine.sharded_optimizer.updater
+    swapper = engine.swappers[0]
     x = torch.randn(4, 512)
-    updater.swapper.engine.backend = FaultBackend("write", errno_=errno.EIO)
+    swapper.engine.backend = FaultBackend("write", errno_=errno.EIO)
     with pytest.raises(SwapIOError, match="Input/output error"):
         engine.backward(engine(x).square().mean())
-    updater.swapper.engine.backend = FaultBackend("none")
+    swapper.engine.backend = FaultBackend("none")
     engine.zero_grad()  # nothing of the failed backward is left behind
     for e in (engine, clean):
         e.backward(e(x).square().mean())

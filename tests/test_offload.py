@@ -129,13 +129,13 @@ def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path
                            sub_group_size=1024)
     _run(engine, steps=1)
     before = engine.full_state_dict()
-    engine.sharded_optimizer.updater.swapper.engine.backend = FaultBackend(
+    engine.swappers[0].engine.backend = FaultBackend(
         "read", errno_=errno.EIO)
     x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("mlp", engine(x), y))
     with pytest.raises(SwapIOError, match="Input/output error"):
         engine.step()
-    engine.sharded_optimizer.updater.swapper.engine.backend = FaultBackend("none")
+    engine.swappers[0].engine.backend = FaultBackend("none")
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     engine.close()
@@ -143,7 +143,7 @@ def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path
 
 def test_missing_swap_file_is_a_clear_error(tmp_path):
     engine = zo.initialize(MLP(), stage=1, offload_optimizer="nvme", nvme_path=tmp_path)
-    for f in Path(engine.sharded_optimizer.updater.swapper.rank_dir).iterdir():
+    for f in Path(engine.swappers[0].rank_dir).iterdir():
         f.unlink()
     x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("mlp", engine(x), y))

@@ -84,8 +84,7 @@ def test_host_memory_limit_bounds_both_pools(tmp_path):
         x, y = batch("gpt", 4, gen)
         engine.backward(loss_fn("gpt", engine(x), y))
         engine.step()
-    pools = (engine.param_store.swapper.host_buffer_nbytes
-             + engine.sharded_optimizer.updater.swapper.host_buffer_nbytes)
+    pools = sum(s.host_buffer_nbytes for s in engine.swappers)
     assert pools <= limit
     engine.close()
 

@@ -2,7 +2,7 @@
 
 ``initialize(model, **kwargs)`` validates the configuration, flattens the model's parameters
 into units (``stages.units``), and wires three parts together: the gradient reducer
-(``stages.grads``), the sharded optimizer (``stages.optimizer``) and, in stage 3, the parameter
+(``stages.grads``), the sharded optimizer (``stages.stepper``) and, in stage 3, the parameter
 gatherer (``stages.gather``). The model's own parameters become views into the units' flat
 buffers, so the user's module runs unchanged.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -21,16 +21,18 @@ from .config import ZeroConfig, build_config
 from .ledger import MemoryReport
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
-from .stages.optimizer import ShardedOptimizer
+from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
 from .stages.streams import Streams
 from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
-                           plan_units, trainable_numel)
-from .stages.updaters import Updater, make_updater
+                           persistent_buffers, plan_units, trainable_numel)
+from .stages.update_api import StepTimings, Updater
+from .stages.updaters import make_updater
+from .swap.swapper import Swapper
 from .weights import PretrainedWeights
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "initialize", "persistent_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +76,6 @@ def _move_to_device(model: nn.Module, device: torch.device) -> None:
                         "(accelerate.init_empty_weights() does so by default), or create its "
                         "buffers on a real device")
                 module._buffers[name] = b.to(device)
-
-
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers that belong in a state dict (``register_buffer(..., persistent=False)``
-    ones, e.g. rotary frequencies recomputed in ``__init__``, do not), by name."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                out[f"{mod_name}.{name}" if mod_name else name] = b
-    return out
 
 
 def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
@@ -152,7 +143,7 @@ class Engine:
         self.reducer = GradReducer(
             self.units, self.comm, self.stage, target,
             on_reduced=self.gatherer.release if self.gatherer else None)
-        self.sharded_optimizer = ShardedOptimizer(self.units, config, self.comm, self.grads,
+        self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
         self.micro_steps = 0
@@ -208,7 +199,7 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
-        return self.sharded_optimizer.optimizer
+        return self.stepper.optimizer
 
     @property
     def param_groups(self) -> list[dict]:
@@ -216,7 +207,7 @@ class Engine:
 
     @property
     def loss_scale(self) -> float:
-        return self.sharded_optimizer.loss_scale
+        return self.stepper.loss_scale
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -256,7 +247,7 @@ class Engine:
         if not boundary:
             return False
         self.reducer.reduce_accumulated()
-        applied = self.sharded_optimizer.step()
+        applied = self.stepper.step()
         if self.param_store is not None:
             self.param_store.flush()
         self.reducer.zero()
@@ -296,7 +287,76 @@ class Engine:
             if self.grad_queue is not None:
                 self.grad_queue.close()
         finally:
-            self.sharded_optimizer.close()
+            self.stepper.close()
+
+    # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
+    def state_chunks(self) -> Iterator[tuple[int, list[torch.Tensor | None]]]:
+        """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
+        offset order: the optimizer's state streamed from its tier, then each frozen unit's
+        values with moments that are zero (None)."""
+        for lo, _hi, *arrays in self.stepper.updater.iter_state():
+            yield lo, list(arrays)
+        for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
+            yield unit.shard_offset, [self.frozen_shard(unit), None, None]
+
+    def load_unit_state(self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor) -> None:
+        """Restore one unit's shard: optimizer state (trainable units) and parameters."""
+        if not unit.frozen:
+            self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
+        self.stepper.write_params(unit, master)
+
+    def finish_load(self) -> None:
+        """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""
+        if self.param_store is not None:
+            self.param_store.flush()
+        self.zero_grad()
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters and optimizer hyperparameters a resume needs (plain data)."""
+        opt = self.stepper
+        return {"micro_steps": self.micro_steps, "global_steps": self.global_steps,
+                "optimizer_steps": self.optimizer_steps,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.optimizer.param_groups],
+                "loss_scaler": opt.scaler.state_dict() if opt.scaler else None}
+
+    def load_training_state(self, state: Mapping[str, Any]) -> None:
+        self.micro_steps = state["micro_steps"]
+        self.global_steps = state["global_steps"]
+        self.optimizer_steps = state["optimizer_steps"]
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+        scaler = self.stepper.scaler
+        if scaler is not None and state["loss_scaler"] is not None:
+            scaler.load_state_dict(state["loss_scaler"])
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Updates applied to the optimizer state (Adam's bias-correction step)."""
+        return self.stepper.updater.steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.stepper.updater.steps = value
+
+    # -- read-only views for users, benchmarks and tests -------------------------------------
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (None without ``max_grad_norm``)."""
+        return self.stepper.last_grad_norm
+
+    @property
+    def last_step_timings(self) -> StepTimings:
+        """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
+        return self.stepper.updater.last_timings
+
+    @property
+    def swappers(self) -> list[Swapper]:
+        """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
+        found = [getattr(self.stepper.updater, "swapper", None),
+                 getattr(self.param_store, "swapper", None)]
+        return [s for s in found if s is not None]
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -304,7 +364,7 @@ class Engine:
         ``model.load_state_dict`` takes), on the CPU, gathered from all ranks' shards: the fp32
         masters, and for frozen parameters their compute-dtype values. Collective: every rank
         must call it."""
-        master = self.sharded_optimizer.updater.master_values().to(self.device)
+        master = self.stepper.updater.master_values().to(self.device)
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
@@ -351,7 +411,7 @@ class Engine:
         if self.grads is not None:
             grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
             rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
-        self.sharded_optimizer.add_to(rep)
+        self.stepper.add_to(rep)
         if self.grad_queue is not None:
             self.grad_queue.add_to(rep)
         if self.gatherer:

@@ -168,7 +168,7 @@ def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, dept
             if not math.isfinite(value):
                 raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
             if i >= args.warmup:
-                t = engine.sharded_optimizer.updater.last_timings
+                t = engine.last_step_timings
                 res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.io_busy_s, t.compute_s,
                                           t.wall_s, t.bytes_read, t.bytes_written, t.overlap))
     finally:

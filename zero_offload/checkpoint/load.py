@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..engine import persistent_buffers
+from ..stages.units import persistent_buffers
 from ..partition import mismatch_message
 from .format import (CheckpointError, Manifest, pieces, read_manifest, resolve_tag,
                      section_offset, verify_rank_file)
@@ -86,14 +86,7 @@ def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
         extra = torch.load(path, weights_only=False)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
-    opt = engine.sharded_optimizer
-    engine.micro_steps = extra["micro_steps"]
-    engine.global_steps = extra["global_steps"]
-    opt.updater.steps = extra["optimizer_steps"]
-    for group, saved in zip(opt.optimizer.param_groups, extra["param_groups"]):
-        group.update(saved)
-    if opt.scaler is not None and extra["loss_scaler"] is not None:
-        opt.scaler.load_state_dict(extra["loss_scaler"])
+    engine.load_training_state(extra)
     if path == own:  # RNG streams belong to a rank; a new rank keeps its own
         rng = extra["rng"]
         torch.set_rng_state(rng["torch"])
@@ -123,7 +116,6 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
                            zip(u.names, u.layout.slots)}, folder / "manifest.json")
     _verify(engine, folder, manifest)
     stored = manifest.slots_by_name()
-    opt = engine.sharded_optimizer
     rank = engine.comm.rank
     reader = _Reader(folder, manifest)
     try:
@@ -137,13 +129,9 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
                     dst = o.shard_start + at
                     for section, array in enumerate(arrays):
                         reader.read(src_rank, section, element, array[dst:dst + count])
-            if not unit.frozen:
-                opt.updater.load_state(unit.shard_offset, *arrays)
-            opt.write_params(unit, arrays[0])
-        if engine.param_store is not None:
-            engine.param_store.flush()
+            engine.load_unit_state(unit, *arrays)
+        engine.finish_load()
     finally:
         reader.close()
-    engine.zero_grad()
     _restore_extra(engine, folder, lr_scheduler)
     return tag

@@ -12,12 +12,12 @@ import random
 import shutil
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..engine import persistent_buffers
+from ..stages.units import persistent_buffers
 from .format import (LATEST, MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
                      section_offset, write_atomically)
 
@@ -25,15 +25,6 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 __all__ = ["save_checkpoint"]
-
-
-def _state_chunks(engine: "Engine") -> Iterator[tuple[int, list[torch.Tensor | None]]]:
-    """(rank-flat offset, [master, exp_avg, exp_avg_sq]) in increasing offset order: the
-    optimizer's state, then each frozen unit's values with moments that are zero (None)."""
-    for lo, _hi, *arrays in engine.sharded_optimizer.updater.iter_state():
-        yield lo, arrays
-    for unit in sorted((u for u in engine.units if u.frozen), key=lambda u: u.shard_offset):
-        yield unit.shard_offset, [engine.frozen_shard(unit), None, None]
 
 
 def _crc_zeros(nbytes: int, crc: int) -> int:
@@ -52,7 +43,7 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for lo, arrays in _state_chunks(engine):
+        for lo, arrays in engine.state_chunks():
             length = arrays[0].numel()  # type: ignore[union-attr]
             for section, values in enumerate(arrays):
                 if values is None:
@@ -73,14 +64,8 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
 
 
 def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
-    opt = engine.sharded_optimizer
     extra: dict[str, Any] = {
-        "micro_steps": engine.micro_steps,
-        "global_steps": engine.global_steps,
-        "optimizer_steps": opt.updater.steps,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                         for g in opt.optimizer.param_groups],
-        "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+        **engine.training_state(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "numpy": np.random.get_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -101,7 +86,7 @@ def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
                for name, p in engine.module.named_parameters(remove_duplicate=False)
                if stored[id(p)] != name}
     return Manifest(engine.comm.world_size, engine.stage, str(engine.dtype).removeprefix("torch."),
-                    engine.sharded_optimizer.updater.steps, units, ranks, aliases)
+                    engine.optimizer_steps, units, ranks, aliases)
 
 
 def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | None = None,

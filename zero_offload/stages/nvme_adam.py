@@ -27,7 +27,7 @@ from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
-from .updaters import Sink, StateChunk, StepTimings, _adam_kwargs, adam_hyperparameters
+from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
 __all__ = ["NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
 
@@ -90,7 +90,7 @@ class NvmeAdam:
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        self.optimizer = CPUAdam([self.placeholder], adamw=True, **_adam_kwargs(cfg))
+        self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
         self.out = torch.empty(self.group, dtype=dtype,  # a sub-group's new params
                                pin_memory=torch.cuda.is_available())
         self.steps = 0

@@ -20,7 +20,7 @@ from ..partition import FlatLayout, bucketize, build_layout
 from .streams import Streams
 
 __all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
-           "owning_modules", "parameter_references", "trainable_numel"]
+           "owning_modules", "parameter_references", "persistent_buffers", "trainable_numel"]
 
 
 class GatherState(enum.Enum):
@@ -260,3 +260,13 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, master[lo:hi].clone()
 
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong in a state dict (``register_buffer(..., persistent=False)``
+    ones, e.g. rotary frequencies recomputed in ``__init__``, do not), by name."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = b
+    return out

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -26,73 +25,16 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from .nvme_adam import NvmeAdam
+from .update_api import (Sink, StateChunk, StepTimings, Updater, adam_hyperparameters,
+                         adam_kwargs)
 
 __all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
-           "adam_hyperparameters"]
+           "make_updater"]
 
 log = logging.getLogger(__name__)
 
 _GRAD_CHUNK = 1 << 22  # elements upcast and scaled at a time (16 MiB of fp32)
-
-
-Sink = Callable[[int, int, torch.Tensor], None]
-"""Receives the new parameter values of rank-flat elements [lo, hi) (fp32 or compute dtype),
-in increasing order; it must be done with the tensor when it returns."""
-
-
-@dataclass
-class StepTimings:
-    """Seconds of the last update. ``read_s`` / ``write_s``: per-request durations summed
-    (submit to completion; concurrent requests both count). ``io_busy_s``: time with at least
-    one request in flight — the disk's share of the wall time. ``overlap`` =
-    max(io_busy, compute) / wall: 1.0 when the slower of I/O and compute hides the other."""
-
-    read_s: float = 0.0
-    write_s: float = 0.0
-    io_busy_s: float = 0.0
-    compute_s: float = 0.0
-    wall_s: float = 0.0
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-    @property
-    def overlap(self) -> float:
-        busy = max(self.io_busy_s, self.compute_s)
-        return busy / self.wall_s if self.wall_s > 0 else 1.0
-
-
-StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
-"""(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
-
-
-class Updater(Protocol):
-    optimizer: torch.optim.Optimizer
-    steps: int
-    last_timings: StepTimings
-
-    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
-                   exp_avg_sq: torch.Tensor | None = None) -> None: ...
-    def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink) -> None: ...
-    def master_values(self) -> torch.Tensor: ...
-    def add_to(self, report: MemoryReport) -> None: ...
-    def close(self) -> None: ...
-
-
-def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
-    """Keyword arguments of :func:`~zero_offload.optim.adam_update` from the optimizer's
-    first param group (read at every step: lr schedulers change it)."""
-    group = optimizer.param_groups[0]
-    beta1, beta2 = group["betas"]
-    return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
-                num_threads=getattr(optimizer, "num_threads", None))
-
-
-def _adam_kwargs(cfg: ZeroConfig) -> dict:
-    o = cfg.optimizer
-    return dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -170,9 +112,9 @@ class DeviceAdam(_ResidentAdam):
     def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
         param = nn.Parameter(master, requires_grad=False)
         try:
-            optimizer = torch.optim.AdamW([param], fused=True, **_adam_kwargs(cfg))
+            optimizer = torch.optim.AdamW([param], fused=True, **adam_kwargs(cfg))
         except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
-            optimizer = torch.optim.AdamW([param], **_adam_kwargs(cfg))
+            optimizer = torch.optim.AdamW([param], **adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
@@ -198,7 +140,7 @@ class HostAdam(_ResidentAdam):
     def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
                  tier: str = "host", out: torch.Tensor | None = None) -> None:
         param = nn.Parameter(master, requires_grad=False)
-        super().__init__(master, CPUAdam([param], adamw=True, **_adam_kwargs(cfg)), param)
+        super().__init__(master, CPUAdam([param], adamw=True, **adam_kwargs(cfg)), param)
         self.tier = tier
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
@@ -256,7 +198,6 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
     share of the host budget (NVMe pool)."""
     where = cfg.offload.optimizer
     if where == "nvme":
-        from .nvme_adam import NvmeAdam  # one-way: nvme_adam builds on this module
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
     out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
         and param_shards.dtype == dtype else None

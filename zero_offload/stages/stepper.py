@@ -24,10 +24,10 @@ from .streams import Streams
 from .units import FlatUnit
 from .updaters import Updater
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardStepper"]
 
 
-class ShardedOptimizer:
+class ShardStepper:
     def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm,
                  grads: torch.Tensor | None,
                  device: torch.device, dtype: torch.dtype, updater: Updater,

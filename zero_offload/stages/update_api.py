@@ -1,0 +1,75 @@
+"""What an updater is, apart from where its state lives: the face the engine, the
+checkpoint code and the three updaters (``updaters``, ``nvme_adam``) share, in a module of its
+own so that none of them imports another to get it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from ..config import ZeroConfig
+from ..ledger import MemoryReport
+
+__all__ = ["Sink", "StateChunk", "StepTimings", "Updater", "adam_hyperparameters",
+           "adam_kwargs"]
+
+
+Sink = Callable[[int, int, torch.Tensor], None]
+"""Receives the new parameter values of rank-flat elements [lo, hi) (fp32 or compute dtype),
+in increasing order; it must be done with the tensor when it returns."""
+
+
+@dataclass
+class StepTimings:
+    """Seconds of the last update. ``read_s`` / ``write_s``: per-request durations summed
+    (submit to completion; concurrent requests both count). ``io_busy_s``: time with at least
+    one request in flight — the disk's share of the wall time. ``overlap`` =
+    max(io_busy, compute) / wall: 1.0 when the slower of I/O and compute hides the other."""
+
+    read_s: float = 0.0
+    write_s: float = 0.0
+    io_busy_s: float = 0.0
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    @property
+    def overlap(self) -> float:
+        busy = max(self.io_busy_s, self.compute_s)
+        return busy / self.wall_s if self.wall_s > 0 else 1.0
+
+
+StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
+
+
+class Updater(Protocol):
+    optimizer: torch.optim.Optimizer
+    steps: int
+    last_timings: StepTimings
+
+    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                   exp_avg_sq: torch.Tensor | None = None) -> None: ...
+    def iter_state(self) -> Iterator[StateChunk]: ...
+    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
+               sink: Sink) -> None: ...
+    def master_values(self) -> torch.Tensor: ...
+    def add_to(self, report: MemoryReport) -> None: ...
+    def close(self) -> None: ...
+
+
+def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
+    """Keyword arguments of :func:`~zero_offload.optim.adam_update` from the optimizer's
+    first param group (read at every step: lr schedulers change it)."""
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
+                num_threads=getattr(optimizer, "num_threads", None))
+
+
+def adam_kwargs(cfg: ZeroConfig) -> dict:
+    o = cfg.optimizer
+    return dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
