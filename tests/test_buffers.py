@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -126,3 +130,60 @@ def test_borrow_and_close_wake_waiters() -> None:
     assert not th.is_alive() and isinstance(errors[0], RuntimeError)
     with pytest.raises(RuntimeError):
         pool.acquire(timeout=0)
+
+
+def _run_child(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter: a segfault must fail the test, not kill pytest."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_views_keep_their_mapping_alive_after_close() -> None:
+    res = _run_child("""
+        import gc, torch
+        from zero_offload.swap.buffers import BufferPool, HostBuffer
+        pool = BufferPool(4 << 20, needed=2, host_memory_limit=1 << 30)
+        out = pool.acquire()
+        view = out.view(torch.float32, (1 << 20,))
+        view.fill_(2.0)
+        raw = pool.acquire().tensor[:4096]  # a slice of the flat tensor, buffer then dropped
+        raw.fill_(7)
+        pool.close()
+        del out
+        gc.collect()
+        lone = HostBuffer(8192)
+        lone_view = lone.view(torch.int64, (1024,))
+        lone_view.fill_(5)
+        lone.close()
+        del lone
+        gc.collect()
+        print(float(view.sum()), int(raw.sum()), int(lone_view.sum()), flush=True)
+        view.add_(1.0)  # still writable memory
+        print(float(view[0]), flush=True)
+    """)
+    assert res.returncode == 0, f"child died with {res.returncode}: {res.stderr[-2000:]}"
+    assert res.stdout.split() == [str(2.0 * (1 << 20)), str(7 * 4096), str(5 * 1024), "3.0"]
+
+
+def test_closed_buffer_says_so() -> None:
+    buf = HostBuffer(4096)
+    buf.close()
+    with pytest.raises(RuntimeError, match="HostBuffer is closed"):
+        buf.tensor
+    with pytest.raises(RuntimeError, match="HostBuffer is closed"):
+        buf.view(torch.uint8, (10,))
+
+
+def test_release_after_close_is_a_no_op() -> None:
+    pool = BufferPool(4096, needed=2, host_memory_limit=1 << 30)
+    other = BufferPool(4096, needed=1, host_memory_limit=1 << 30)
+    out = pool.acquire()
+    pool.close()
+    pool.release(out)  # a late holder giving back: nothing to do, and no buffer comes back
+    pool.release(out)
+    assert pool.available == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(timeout=0)
+    with pytest.raises(ValueError, match="does not belong"):
+        pool.release(other.acquire())  # still a programming error
+    other.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.errors import SwapIOError
 from swap_faults import FaultBackend
-from zero_offload.swap.io import FileIOEngine
+from zero_offload.swap.io import FileIOEngine, OsBackend
 
 BLOCK = 16 * 1024
 T = 10  # seconds: no test may hang
@@ -165,7 +167,7 @@ def test_close_finishes_in_flight_then_refuses(tmp_path: Path) -> None:
     futs = [eng.write(tmp_path / f"{i}.swp", src.tensor) for i in range(8)]
     eng.close()
     assert all(f.done() and f.exception() is None for f in futs)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(SwapIOError, match="closed"):
         eng.write(tmp_path / "late.swp", src.tensor)
 
 
@@ -174,3 +176,82 @@ def test_real_full_disk_is_enospc(tiny_tmpfs: Path, engine: FileIOEngine) -> Non
     with pytest.raises(SwapIOError) as info:
         engine.write(tiny_tmpfs / "full.swp", src.tensor).result(T)
     assert info.value.errno == errno.ENOSPC and "ENOSPC" in str(info.value)
+
+
+class _CountingBackend(OsBackend):
+    """Counts open and close; ``gate`` (if set) holds an open, after the fd exists, until set."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate, self.opened, self.closed = gate, [], []
+        self.in_open = threading.Event()
+        self.lock = threading.Lock()
+
+    def open(self, path: str, flags: int) -> int:
+        fd = super().open(path, flags)
+        with self.lock:
+            self.opened.append(fd)
+        self.in_open.set()
+        if self.gate is not None:
+            assert self.gate.wait(T)
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self.lock:
+            self.closed.append(fd)
+        super().close(fd)
+
+
+def test_close_racing_a_write_refuses_it_without_leaking_the_fd(tmp_path: Path) -> None:
+    src = _filled(BLOCK, 11)
+    backend = _CountingBackend(gate=threading.Event())
+    eng = FileIOEngine(BLOCK, 2, backend=backend)
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            eng.write(tmp_path / "racing.swp", src.tensor).result(T)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    assert backend.in_open.wait(T)  # the file is open, the request not yet queued
+    eng.close()
+    backend.gate.set()
+    th.join(T)
+    assert len(errors) == 1 and isinstance(errors[0], SwapIOError), errors
+    assert "closed" in str(errors[0]) and "racing.swp" in str(errors[0])
+    assert sorted(backend.opened) == sorted(backend.closed)  # no descriptor left open
+
+
+def test_close_under_concurrent_writers(tmp_path: Path) -> None:
+    """Every request racing close() either completes or fails with SwapIOError; no fd leaks."""
+    src = _filled(BLOCK, 12)
+    backend = _CountingBackend()
+    eng = FileIOEngine(BLOCK, 2, backend=backend)
+    outcomes: list[str] = []
+    started = threading.Barrier(4)
+
+    def writer(w: int) -> None:
+        started.wait(T)
+        for i in range(40):
+            try:
+                eng.write(tmp_path / f"{w}-{i}.swp", src.tensor).result(T)
+                outcomes.append("ok")
+            except SwapIOError:
+                outcomes.append("refused")
+            except BaseException as exc:  # noqa: BLE001
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    for th in threads:
+        th.start()
+    started.wait(T)
+    while not backend.opened:
+        time.sleep(0.001)
+    eng.close()
+    for th in threads:
+        th.join(T)
+    assert set(outcomes) <= {"ok", "refused"} and len(outcomes) == 120, set(outcomes)
+    assert "refused" in outcomes
+    assert sorted(backend.opened) == sorted(backend.closed)
