@@ -9,6 +9,10 @@ Why this shape:
   creation (``MADV_POPULATE_WRITE`` when the kernel has it) and reused: the pool is fixed.
 - With CUDA the buffers are page-locked with ``cudaHostRegister`` so host<->device copies are
   asynchronous DMA.
+- Closing never unmaps memory a tensor still points to: ``torch.frombuffer`` holds a reference
+  to the mmap object (not a buffer export, so ``mmap.close()`` would succeed and leave views
+  dangling). Close drops the buffer's own references instead; the mapping goes when the last
+  view does.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class HostBuffer:
         self.huge_pages = huge_pages and self._advise(mmap.MADV_HUGEPAGE, offset, self.footprint)
         if not self.huge_pages and huge_pages:
             self.footprint = _footprint(self.nbytes, False)
-        self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes, offset=offset)
+        self._tensor: torch.Tensor | None = torch.frombuffer(
+            self._mmap, dtype=torch.uint8, count=self.nbytes, offset=offset)
         if not self._advise(_MADV_POPULATE_WRITE, offset, self.nbytes):
             self.tensor[::ALIGNMENT].zero_()  # one write per 4 KiB page faults it in
         self.pinned = False
@@ -102,6 +107,18 @@ class HostBuffer:
             self.pinned = True
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer as a flat ``uint8`` tensor; ``RuntimeError`` once closed."""
+        if self._tensor is None:
+            raise RuntimeError("HostBuffer is closed; views taken before close() stay valid, new ones "
+                               "need a buffer from an open pool")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    @property
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
@@ -116,17 +133,14 @@ class HostBuffer:
         return self.tensor[:nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
-        """Unpin and unmap. Views still held elsewhere keep the mapping alive until freed."""
-        if self._mmap is None:
+        """Unpin and drop this buffer's references to its memory. The mapping is unmapped when
+        the last tensor viewing it is freed (at once if there is none), never under a view."""
+        if self._tensor is None:
             return
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             self.pinned = False
-        del self.tensor
-        try:
-            self._mmap.close()
-        except BufferError:
-            logger.debug("HostBuffer still viewed elsewhere; unmapped when the views are freed")
+        self._tensor = None
         self._mmap = None  # type: ignore[assignment]
 
 
@@ -200,10 +214,14 @@ class BufferPool:
             return self._free.popleft()
 
     def release(self, buf: HostBuffer) -> None:
-        """Give a buffer back and wake one waiter."""
+        """Give a buffer back and wake one waiter. After :meth:`close` this does nothing (by
+        design: a holder finishing late, e.g. in a ``finally``, must not fail or revive the
+        buffer); a buffer of another pool is still a ``ValueError``."""
         with self._cond:
             if id(buf) not in self._ids:
                 raise ValueError("release() of a buffer that does not belong to this pool")
+            if self._closed:
+                return
             if any(b is buf for b in self._free):
                 raise ValueError("release() of a buffer that is already free")
             self._free.append(buf)
@@ -219,7 +237,8 @@ class BufferPool:
             self.release(buf)
 
     def close(self) -> None:
-        """Unmap every buffer; waiters get ``RuntimeError``."""
+        """Close every buffer (see :meth:`HostBuffer.close`: memory still viewed stays mapped
+        until its views go); waiters and later ``acquire`` calls get ``RuntimeError``."""
         with self._cond:
             if self._closed:
                 return

@@ -171,7 +171,8 @@ class FileIOEngine:
         await asyncio.wrap_future(self.read(path, buf, offset))
 
     def close(self) -> None:
-        """Finish every submitted request, then stop the threads."""
+        """Finish every submitted request, then stop the threads. Requests made from now on,
+        or racing this call, fail with :class:`SwapIOError` (their files are closed)."""
         with self._state_lock:
             self._closed = True
         self._pool.shutdown(wait=True)
@@ -193,9 +194,8 @@ class FileIOEngine:
                 f"(address {addr:#x}, size {nbytes}, offset {offset}); pad the size with "
                 "buffers.round_up and use a HostBuffer or an aligned tensor"
             )
-        with self._state_lock:
-            if self._closed:
-                raise RuntimeError("FileIOEngine is closed")
+        if self._closed:  # refused before opening anything; checked again under the lock below
+            raise self._closed_error(op, path, offset, nbytes)
         fut: Future[None] = Future()
         fut.set_running_or_notify_cancel()
         if nbytes == 0:
@@ -208,9 +208,18 @@ class FileIOEngine:
             return fut
         nblocks = -(-nbytes // self.block_size)
         req = _Request(op, path, fd, offset, nbytes, view, buf, buffered, nblocks, fut)
-        for start in range(0, nbytes, self.block_size):
-            self._pool.submit(self._run_block, req, start, min(start + self.block_size, nbytes))
+        with self._state_lock:  # close() cannot slip between the check and the submits
+            if self._closed:
+                self.backend.close(fd)
+                raise self._closed_error(op, path, offset, nbytes)
+            for start in range(0, nbytes, self.block_size):
+                self._pool.submit(self._run_block, req, start, min(start + self.block_size, nbytes))
         return fut
+
+    @staticmethod
+    def _closed_error(op: str, path: str, offset: int, nbytes: int) -> SwapIOError:
+        return SwapIOError(path, f"{op} refused: the FileIOEngine is closed (use a new engine)",
+                           offset=offset, nbytes=nbytes)
 
     def _open(self, path: str, op: str) -> tuple[int, bool]:
         flags = os.O_RDONLY if op == "read" else os.O_WRONLY | os.O_CREAT
