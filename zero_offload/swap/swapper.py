@@ -16,7 +16,9 @@ the same key are ordered: a new one first waits for the previous one on that key
 handed to ``swap_out`` must not change until its future is done. A failed write leaves the
 key without a valid disk copy (``swap_in`` raises) instead of serving partial data; the
 caller still holds the data and may retry. Files live in ``nvme_path/<run id>/rank<r>/``,
-fresh per run, so a run never reads another run's files.
+fresh per run, so a run never reads another run's files; the folder records its owner and goes
+on close, garbage collection, normal exit and SIGTERM, or else at the next run (``runs``,
+``signals``).
 """
 
 from __future__ import annotations
@@ -25,10 +27,7 @@ import enum
 import logging
 import os
 import re
-import secrets
-import shutil
 import threading
-import time
 import weakref
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -38,7 +37,9 @@ import torch
 
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .errors import SwapIOError, SwapSpaceError
+from . import signals
 from .io import FileIOEngine
+from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 
 __all__ = ["Tier", "Swapper"]
 
@@ -78,21 +79,18 @@ def _direct_ok(t: torch.Tensor) -> bool:
             and (t.numel() * t.element_size()) % ALIGNMENT == 0)
 
 
-def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, run_dir: Path) -> None:
+def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, pid: int,
+             token: int | None) -> None:
     """Finalizer: stop owned I/O, free owned buffers, remove this rank's files."""
+    if os.getpid() != pid:
+        return  # a forked child: the folder, threads and buffers are its parent's
     if engine is not None:
         engine.close()
     if pool is not None:
         pool.close()
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    try:
-        run_dir.rmdir()  # other ranks may still use it
-    except OSError:
-        pass
-
-
-def _new_run_id() -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_rank_dir(rank_dir)  # the run folder too once no other rank uses it
+    if token is not None:
+        signals.forget(token)
 
 
 class Swapper:
@@ -122,10 +120,11 @@ class Swapper:
         acquire_timeout: float | None = 300.0,
     ) -> None:
         self.nvme_path = Path(nvme_path)
-        self.run_id = run_id or _new_run_id()
+        self.run_id = run_id or new_run_id()
         self.rank_dir = self.nvme_path / self.run_id / f"rank{rank}"
+        remove_dead_runs(self.nvme_path)  # folders of runs that were killed before cleaning up
         try:
-            self.rank_dir.mkdir(parents=True, exist_ok=False)
+            make_rank_dir(self.rank_dir)
         except FileExistsError as exc:
             raise SwapIOError(self.rank_dir, "swap directory already exists; a run never reuses another run's files (use a new run_id)") from exc
         except OSError as exc:
@@ -139,14 +138,17 @@ class Swapper:
                 buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit)
             self._finalizer = weakref.finalize(
                 self, _cleanup, self.engine if owned_engine else None, self.pool if owned_pool else None,
-                self.rank_dir, self.rank_dir.parent)
+                self.rank_dir, os.getpid(), signals.watch(self.rank_dir))
             self._probe_writable()
         except BaseException:
-            if owned_engine and hasattr(self, "engine"):
-                self.engine.close()
-            if owned_pool and hasattr(self, "pool"):
-                self.pool.close()
-            _cleanup(None, None, self.rank_dir, self.rank_dir.parent)
+            if hasattr(self, "_finalizer"):
+                self._finalizer()
+            else:
+                if owned_engine and hasattr(self, "engine"):
+                    self.engine.close()
+                if owned_pool and hasattr(self, "pool"):
+                    self.pool.close()
+                remove_rank_dir(self.rank_dir)
             raise
         self.acquire_timeout = acquire_timeout
         self._entries: dict[str, _Entry] = {}
