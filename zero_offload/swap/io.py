@@ -35,7 +35,8 @@ Every mechanism reaches the disk's ceiling with huge-page buffers; block sizes 4
 8-64 MiB raw requests, queue depths 4-8 all landed within 5% of each other. The thread pool
 is kept: ~98-100% of the raw baseline (and of fio libaio with hugetlb buffers, see
 docs/swap_io.md), futures without an event loop, no C extension. aiofiles is itself a thread
-pool behind an event loop and adds nothing here; a C AIO/io_uring kernel is not needed.
+pool behind an event loop, without positioned reads/writes, and adds nothing here (measured
+again in docs/swap_io.md; not a dependency); a C AIO/io_uring kernel is not needed.
 """
 
 from __future__ import annotations
