@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
+from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .errors import SwapIOError, SwapSpaceError
-from . import signals
 from .io import FileIOEngine
 from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 
@@ -80,7 +80,7 @@ def _direct_ok(t: torch.Tensor) -> bool:
 
 
 def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, pid: int,
-             token: int | None) -> None:
+             token: int) -> None:
     """Finalizer: stop owned I/O, free owned buffers, remove this rank's files."""
     if os.getpid() != pid:
         return  # a forked child: the folder, threads and buffers are its parent's
@@ -89,8 +89,7 @@ def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Pat
     if pool is not None:
         pool.close()
     remove_rank_dir(rank_dir)  # the run folder too once no other rank uses it
-    if token is not None:
-        signals.forget(token)
+    signals.forget(token)
 
 
 class Swapper:
