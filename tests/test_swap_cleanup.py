@@ -114,6 +114,31 @@ def test_users_sigterm_handler_runs_and_the_run_keeps_its_files(tmp_path: Path) 
     assert not rank_dir.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_handler_installed_later_that_chains_to_ours_keeps_its_behaviour(tmp_path: Path) -> None:
+    """Frameworks install their SIGTERM handler after the engine and call the previous one when
+    it is callable (they skip SIG_DFL). Ours, standing in for SIG_DFL, must then not kill."""
+    proc = _start(f"""
+        s = Swapper({str(tmp_path)!r}, 1 << 20, host_memory_limit=1 << 30)
+        s.swap_out("m", torch.full((1 << 18,), 4.0)).result()
+        previous, stop = signal.getsignal(signal.SIGTERM), []
+        def graceful(signum, frame):
+            stop.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+        signal.signal(signal.SIGTERM, graceful)
+        ready(s.rank_dir)
+        while not stop:
+            time.sleep(0.01)
+        ready("saving", float(s.swap_in("m").result().sum()))
+    """)
+    rank_dir = Path(_line(proc))
+    proc.send_signal(signal.SIGTERM)
+    assert _line(proc).split() == ["saving", str(4.0 * (1 << 18))]
+    rc, _, err = _finish(proc)
+    assert rc == 0, err
+    assert not rank_dir.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_keyboard_interrupt_still_works_and_files_go_at_exit(tmp_path: Path) -> None:
     proc = _start(f"""
         s = Swapper({str(tmp_path)!r}, 1 << 20, host_memory_limit=1 << 30)
@@ -230,6 +255,9 @@ def test_folders_of_dead_owners_go_others_stay(tmp_path: Path) -> None:
     unowned = _fake_rank_dir(tmp_path, "users-own-data", None)  # not ours: never touched
     garbled = _fake_rank_dir(tmp_path, "garbled", None)
     (garbled / OWNER_FILE).write_text("{not json")
+    not_a_rank_dir = tmp_path / "users-project" / "cache"  # a record we did not write: never looked at
+    not_a_rank_dir.mkdir(parents=True)
+    (not_a_rank_dir / OWNER_FILE).write_text(json.dumps({"host": host, "pid": _dead_pid(), "start_time": 1.0}))
     child = _start(f"""
         s = Swapper({str(tmp_path)!r}, 1 << 20, host_memory_limit=1 << 30)
         ready(s.rank_dir)
@@ -242,6 +270,7 @@ def test_folders_of_dead_owners_go_others_stay(tmp_path: Path) -> None:
             for kept in (live, other_host, unowned, garbled, child_dir):
                 assert kept.exists(), kept
                 assert kept == child_dir or (kept / "000000-state.swp").stat().st_size == 1 << 20
+            assert (not_a_rank_dir / OWNER_FILE).exists()
             assert sw.rank_dir.exists()
     finally:
         child.send_signal(signal.SIGTERM)

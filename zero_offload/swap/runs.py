@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -31,6 +32,8 @@ OWNER_FILE = "owner.json"
 CLAIM_PREFIX = ".stale-"
 """A dead run's folder is renamed ``.stale-<pid>-<random>`` by the process removing it, so two
 runs starting together never remove (and report) the same folder twice."""
+RANK_DIR = re.compile(r"rank\d+")
+"""Names of the rank folders a Swapper makes; nothing else under nvme_path is looked into."""
 START_TIME_TOLERANCE = 1.0
 """Seconds two readings of one process's start time may differ (the boot time they are
 derived from is re-read and whole-second rounded); a reused pid starts much later."""
@@ -132,6 +135,8 @@ def _dead_rank_dirs(nvme_path: Path) -> list[tuple[Path, str]]:
         except OSError:
             continue
         for rank_dir in ranks:
+            if not (RANK_DIR.fullmatch(rank_dir.name) or rank_dir.name.startswith(CLAIM_PREFIX)):
+                continue  # not a folder this library makes
             if rank_dir.name.startswith(CLAIM_PREFIX):  # its owner was dead; its remover died too
                 if not _claimer_alive(rank_dir):
                     found.append((rank_dir, "interrupted removal"))

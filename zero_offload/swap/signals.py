@@ -13,7 +13,9 @@ A signal that already has a Python handler keeps it, untouched: Python's own SIG
 swappers' finalizers remove the folders at exit, and when it does not (``KeyboardInterrupt``
 caught in a notebook; a handler that asks the loop to save a checkpoint, then stop) the run goes
 on and still needs its files. Removing them first would break exactly those runs. An ignored
-signal stays ignored. Handlers are installed from the main thread only (Python's rule).
+signal stays ignored. Handlers are installed from the main thread only (Python's rule). A
+handler installed after ours that calls ours as its predecessor gets what it got from the
+default disposition before (nothing: SIG_DFL cannot be called), so it keeps its behaviour.
 
 What this cannot cover (SIGKILL, a handler that calls ``os._exit``, a process stuck inside a
 C call until the scheduler's SIGKILL, a crash) is removed by the next run on the same
@@ -50,6 +52,11 @@ class _Cleanup:
         self.lock = threading.Lock()  # never taken in the handler: it may interrupt a holder
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
+        if signal.getsignal(signum) != self.handle:
+            # Called as the "previous handler" by one installed after us (frameworks chain to
+            # callable predecessors and skip SIG_DFL, which we stand in for): do what they
+            # expected of SIG_DFL, nothing. Their run goes on; the files go at exit.
+            return
         for pid, folder in list(self.folders.values()):
             if pid == os.getpid():  # a forked child must not remove its parent's files
                 remove_rank_dir(folder)
