@@ -66,6 +66,9 @@ class _Cleanup:
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
+            if not self.replaced:
+                logger.debug("swap folders made off the main thread: no SIGTERM handler (Python "
+                             "installs them from the main thread only); the next run removes them")
             return
         for sig in SIGNALS:
             if sig not in self.replaced and signal.getsignal(sig) == signal.SIG_DFL:
