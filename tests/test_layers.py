@@ -80,7 +80,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles() -> None:
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     modules = set(paths)
-    graph = {m: _runtime_imports(p, modules) - {m, "zero_offload"} for m, p in paths.items()}
+    # a module's own parent packages are imported before it whatever it says: not an edge
+    graph = {m: {t for t in _runtime_imports(p, modules) - {m}
+                 if not m.startswith(t + ".")} for m, p in paths.items()}
     assert _cycles(graph) == []
 
 
