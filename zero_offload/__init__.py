@@ -10,9 +10,11 @@ from .engine import Engine, initialize
 from .ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
 from .planner import estimate_memory, plan
+from .stages.external import register_external_parameter
 from .swap import SwapIOError
 
 __all__ = ["ConfigError", "ZeroConfig", "build_config", "config_keys", "Engine", "initialize",
            "MemoryReport", "estimate_memory", "plan", "consolidate_checkpoint",
-           "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError"]
+           "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError",
+           "register_external_parameter"]
 __version__ = "0.1.0"

@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from .external import ReleasedAccess, declared_external
+from .order import MODULE, UNIT, OrderCheck
 from .param_store import ParamStore
 from .units import FlatUnit, GatherState
 
@@ -88,6 +90,31 @@ def _release_after_backward(gatherer: "ParamGatherer", units: list[FlatUnit], ar
     return tuple(new_args), new_kwargs
 
 
+class _Frame:
+    """A stage-3 module whose forward is running: the units gathered for it, those gathered
+    on demand while it ran (released with it), and whether it turned the access check on."""
+
+    __slots__ = ("module", "units", "borrowed", "entered")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.units: list[FlatUnit] = []
+        self.borrowed: list[FlatUnit] = []
+        self.entered = False
+
+
+def _check_not_capturing() -> None:
+    """Stage 3 resizes storages, waits on side streams and runs collectives inside hooks: none
+    of it can be recorded into a CUDA graph. (No capture without an initialized CUDA: then
+    this is one flag read.)"""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "stage 3 cannot run under CUDA graph capture (torch.cuda.graph, "
+            "make_graphed_callables, torch.compile mode='reduce-overhead'): its hooks gather and "
+            "free parameters, which a graph cannot record. Capture a model trained at stage 0-2, "
+            "or run stage 3 eagerly")
+
+
 class ParamGatherer:
     def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, store: ParamStore, *,
                  prefetch_depth: int, prefetch_bytes: int | None) -> None:
@@ -98,29 +125,65 @@ class ParamGatherer:
         self.prefetch_bytes = prefetch_bytes
         self.units = units
         by_param = {id(p): u for u in units for p in u.params}
+        # sharded parameters: where a released one is found when a torch call takes it
+        self._param_unit = {id(p): u for u in units if u.sharded_params for p in u.params}
+        self._param_name = {id(p): n for u in units for p, n in zip(u.params, u.names)}
+        self._module_name = {m: n or type(model).__name__ for n, m in model.named_modules()}
         self.module_units: dict[nn.Module, list[FlatUnit]] = {}
+        self.declared: dict[nn.Module, list[FlatUnit]] = {}  # gathered with the module
+        self.learned: dict[nn.Module, list[FlatUnit]] = {}  # found used while it ran
         for module in model.modules():
-            owned: list[FlatUnit] = []
-            for p in module.parameters(recurse=False):
-                u = by_param[id(p)]
-                if u.sharded_params and u not in owned:
-                    owned.append(u)
-            if owned:
-                self.module_units[module] = owned
+            for table, params in ((self.module_units, module.parameters(recurse=False)),
+                                  (self.declared, declared_external(module))):
+                found: list[FlatUnit] = []
+                for p in params:
+                    u = by_param.get(id(p))
+                    if u is None:
+                        raise ValueError(
+                            f"a parameter declared external for "
+                            f"{self._module_name.get(module, type(module).__name__)} is not "
+                            "a parameter of the model")
+                    if u.sharded_params and u not in found:
+                        found.append(u)
+                if found:
+                    table[module] = found
+        for module, found in self.declared.items():  # a module's own units come first
+            self.declared[module] = [u for u in found
+                                     if u not in self.module_units.get(module, [])]
         self._by_ptr: dict[int, FlatUnit] = {}
         self.recorded: list[int] = []  # unit indices in the order the last forward used them
         self._current: list[int] = []
         self._order_matches = True
         self.order_changes = 0
+        self.on_demand = 0  # gathers a torch call on a released parameter asked for
+        self._warned = False
         self.in_backward = False
         self._in_forward = False
+        self._frames: list[_Frame] = []
+        self._access = ReleasedAccess(self._is_released, self._on_access)
+        self._access_on = False
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        # Every module that holds parameters, directly or below: a use found at run time is
+        # charged to the innermost running one, and released when it returns.
+        hooked = [m for m in model.modules() if m is model or m in self.declared
+                  or next(m.parameters(), None) is not None]
+        self._module_id = {m: i for i, m in enumerate(model.modules())}
+        self._modules = list(model.modules())
+        self.order = OrderCheck(comm, self.streams.device, self._describe)
         self._hooks = []
-        for module in self.module_units:
+        for module in hooked:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward,
                                                                 with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(self._post_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward,
+                                                            always_call=True))
+
+    def _describe(self, kind: int, ident: int) -> str:
+        if kind == MODULE:
+            return f"runs module {self._module_name[self._modules[ident]]!r}"
+        if kind == UNIT:
+            return f"gathers parameter {self.units[ident].names[0]!r} on use"
+        return "ended its forward"
 
     # -- gather / free bookkeeping ---------------------------------------------------------
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
@@ -168,23 +231,37 @@ class ParamGatherer:
                 self.store.prefetch(unit)
 
     # -- forward hooks ---------------------------------------------------------------------
+    def _note_use(self, indices: list[int]) -> None:
+        """Record units used by the engine's forward in order, and prefetch what followed
+        them last time."""
+        start = len(self._current)
+        self._current.extend(indices)
+        expected = self.recorded[start:start + len(indices)]
+        if self._order_matches and self.recorded and expected != indices:
+            self._order_matches = False
+            self.order_changes += 1
+            log.warning("stage 3: the modules ran in a different order than in the last "
+                        "forward; prefetching is off for this step and the new order is "
+                        "recorded (data-dependent control flow costs speed, not results)")
+        if self._order_matches and self.recorded:
+            self._prefetch(self.recorded[start + len(indices):])
+
     def _pre_forward(self, module: nn.Module, args: tuple,
                      kwargs: dict) -> tuple[tuple, dict] | None:
-        units = self.module_units[module]
-        if not self.in_backward and self._in_forward:  # not e.g. generate() outside the engine
-            start = len(self._current)
-            indices = [u.index for u in units]
-            self._current.extend(indices)
-            expected = self.recorded[start:start + len(indices)]
-            if self._order_matches and self.recorded and expected != indices:
-                self._order_matches = False
-                self.order_changes += 1
-                log.warning("stage 3: the modules ran in a different order than in the last "
-                            "forward; prefetching is off for this step and the new order is "
-                            "recorded (data-dependent control flow costs speed, not results)")
-            if self._order_matches and self.recorded:
-                end = start + len(indices)
-                self._prefetch(self.recorded[end:])
+        frame = _Frame(module)
+        if not self._frames:
+            _check_not_capturing()
+        self._frames.append(frame)
+        if not self._access_on:
+            self._access.__enter__()
+            self._access_on = frame.entered = True
+        units = self.module_units.get(module, []) + self.declared.get(module, [])
+        if self.in_backward:  # recomputation: what the module used in forward, at once
+            units += [u for u in self.learned.get(module, []) if u not in units]
+        frame.units = units
+        if units and not self.in_backward and self._in_forward:  # not e.g. generate()
+            self.order.check(MODULE, self._module_id[module])
+            self._note_use([u.index for u in units])
         for unit in units:
             self._fetch(unit, wait=True)
         frozen = [u for u in units if u.frozen]
@@ -193,9 +270,57 @@ class ParamGatherer:
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs when the forward raised (``always_call``), so the frames stay balanced.
+        if not self._frames or self._frames[-1].module is not module:
+            return  # the pre-hook raised before its frame was pushed
+        frame = self._frames.pop()
         if not self.in_backward:
-            for unit in self.module_units[module]:
-                self.release(unit)
+            held = {id(u) for f in self._frames for u in f.units}
+            for unit in frame.units + frame.borrowed:
+                if id(unit) not in held:
+                    self.release(unit)
+        if frame.entered:
+            self._access.__exit__(None, None, None)
+            self._access_on = False
+
+    # -- parameters used outside their module ------------------------------------------------
+    def _is_released(self, key: int) -> bool:
+        unit = self._param_unit.get(key)
+        return unit is not None and unit.state is not GatherState.GATHERED
+
+    def _on_access(self, param: nn.Parameter) -> None:
+        """A torch call is about to read ``param`` while its unit is not gathered: gather it
+        for the running module (released with it), and remember that the module uses it."""
+        unit = self._param_unit[id(param)]
+        frame = self._frames[-1] if self._frames else None
+        if frame is not None:
+            module = frame.module
+            known = (unit in frame.units or unit in self.learned.get(module, [])
+                     or unit in self.declared.get(module, []))
+            if not known:
+                self.learned.setdefault(module, []).append(unit)
+                self._warn_external(module, param)
+        if not self.in_backward and self._in_forward:
+            self.order.check(UNIT, unit.index)
+            self._note_use([unit.index])
+        if unit.state is GatherState.FREE:
+            self.on_demand += 1
+        self._fetch(unit, wait=True)
+        if frame is not None and not self.in_backward:
+            frame.borrowed.append(unit)
+
+    def _warn_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        user, name = self._module_name[module], self._param_name[id(param)]
+        if self._warned:
+            log.info("stage 3: %s also uses parameter %r of another module", user, name)
+            return
+        self._warned = True
+        log.warning(
+            "stage 3: the forward of %s uses parameter %r, which another module owns; it was "
+            "gathered on demand, and from the next step on it is gathered ahead of that use. "
+            "zero_offload.register_external_parameter(module, param) before initialize "
+            "declares such uses and silences this warning (further ones are logged at INFO)",
+            user, name)
 
     # -- saved tensors (backward) -------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -218,18 +343,23 @@ class ParamGatherer:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """The context one forward pass runs in."""
+        """The context one forward pass of the engine runs in."""
+        _check_not_capturing()
         self._current = []
         self._order_matches = True
         self._in_forward = True
+        ok = False
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
+            ok = True
         finally:
             self._in_forward = False
             if not self._order_matches or not self.recorded:
                 self.recorded = list(self._current)
             self.release_all()  # prefetched units the forward did not use after all
+        if ok:  # a rank that raised leaves at once: its peers' collectives then fail too
+            self.order.end()
 
     def prefetch_first(self) -> None:
         """After a step: start the next forward's first reads (params on NVMe) so that its
@@ -238,10 +368,17 @@ class ParamGatherer:
             self._prefetch(self.recorded, reads_only=True)
 
     def begin_backward(self) -> None:
+        _check_not_capturing()
         self.in_backward = True
+        if not self._access_on:  # recomputation and custom backward functions may read params
+            self._access.__enter__()
+            self._access_on = True
 
     def end_backward(self) -> None:
         self.in_backward = False
+        if self._access_on and not self._frames:
+            self._access.__exit__(None, None, None)
+            self._access_on = False
         self.release_all()
         self.store.drop_prefetched()
 
