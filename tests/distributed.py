@@ -5,6 +5,7 @@ import os
 import pickle
 import sys
 import tempfile
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -13,10 +14,11 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable,
-           args: tuple) -> None:
+           args: tuple, timeout: float | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
+                            world_size=world_size,
+                            timeout=None if timeout is None else timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
         path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -27,8 +29,10 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any,
+              timeout: float | None = None) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank return values.
+    ``timeout``: seconds a collective may wait before it fails (for a test that could hang).
 
     A rank that dies by a signal after every rank has written its complete result is
     reported on stderr and tolerated: gloo can abort at process teardown ("terminate called
@@ -36,7 +40,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.start_processes(_entry, args=(world_size, init_file, tmp, fn, args),
+            mp.start_processes(_entry, args=(world_size, init_file, tmp, fn, args, timeout),
                                nprocs=world_size, join=True, start_method="spawn")
         except mp.ProcessExitedException as exc:
             done = all(os.path.exists(os.path.join(tmp, f"rank{r}.pkl"))
