@@ -25,6 +25,22 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["register_external_parameter", "declared_external", "ReleasedAccess"]
 
 _ATTR = "_zero_offload_external_parameters"
+# Calls that read a parameter's metadata, not its memory: no gather for them (``p.grad`` in the
+# gradient reducer, ``p.shape`` in a model's checks).
+_METADATA_METHODS = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__"})
+# Attributes whose getter makes a view of the parameter's memory: those do gather.
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+
+
+def _reads_memory(func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__" or name == "__set__":  # an attribute of a tensor
+        return (name == "__get__" and
+                getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_ATTRIBUTES)
+    return name not in _METADATA_METHODS
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -54,9 +70,9 @@ def declared_external(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ReleasedAccess(TorchFunctionMode):
-    """While active, calls ``on_access(param)`` before any torch call whose arguments (or the
-    lists and tuples among them) hold a parameter in ``watched`` (id -> whether it is released
-    now), so that the parameter is gathered before the call reads it."""
+    """While active, calls ``on_access(param)`` before any torch call that may read memory
+    and whose arguments (or the lists and tuples among them) hold a parameter that
+    ``released(id(param))`` says is released now, so that it is gathered before the read."""
 
     def __init__(self, released: Callable[[int], bool], on_access: Callable[[Any], None]) -> None:
         super().__init__()
@@ -73,11 +89,10 @@ class ReleasedAccess(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        for a in args:
-            self._check(a)
-        if kwargs:
+        kwargs = kwargs or {}
+        if _reads_memory(func):
+            for a in args:
+                self._check(a)
             for v in kwargs.values():
                 self._check(v)
-        else:
-            kwargs = {}
         return func(*args, **kwargs)
