@@ -226,3 +226,34 @@ def test_register_external_parameter_rejects_what_is_not_a_parameter():
         zo.register_external_parameter(model, model.embed.weight.detach())
     with pytest.raises(TypeError, match="nn.Module"):
         zo.register_external_parameter(model.embed.weight, model.embed.weight)
+
+
+class CheckpointedMHA(MHANet):
+    """The attention block recomputed in backward (``torch.utils.checkpoint``)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        a = torch.utils.checkpoint.checkpoint(lambda t: self.attn(t, t, t)[0], h,
+                                              use_reentrant=self.reentrant)
+        return self.out(a + h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_attention_gathers_out_proj_again(reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedMHA(reentrant)
+    ref = _reference(copy.deepcopy(model), "mha")
+    engine = zo.initialize(model, stage=3, lr=LR, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x, y = _batch("mha", gen)
+        engine.backward(_loss("mha", engine(x), y))
+        engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    worst = max((sd[k] - v).abs().max().item() for k, v in ref.items())
+    assert worst <= 0.03 * LR, f"max |diff| = {worst / LR:.4f} lr"
