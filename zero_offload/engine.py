@@ -241,13 +241,15 @@ class Engine:
 
     def step(self) -> bool:
         """Count a micro-step; at the accumulation boundary reduce, clip and apply the update.
-        Returns True when an update was applied (False between boundaries or on overflow)."""
+        Returns True when an update was applied (False between boundaries, on overflow, or
+        when no parameter had a gradient since the last update: nothing is stepped then,
+        like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None)."""
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
             return False
-        self.reducer.reduce_accumulated()
-        applied = self.stepper.step()
+        had_grad = self.reducer.reduce_accumulated()
+        applied = self.stepper.step(had_grad)
         if self.param_store is not None:
             self.param_store.flush()
         self.reducer.zero()
@@ -319,7 +321,8 @@ class Engine:
                 "optimizer_steps": self.optimizer_steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.optimizer.param_groups],
-                "loss_scaler": opt.scaler.state_dict() if opt.scaler else None}
+                "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+                "skipped_steps": opt.skipped_steps()}
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
@@ -327,6 +330,7 @@ class Engine:
         self.optimizer_steps = state["optimizer_steps"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
+        self.stepper.load_skipped_steps(state.get("skipped_steps", {}))  # absent: older files
         scaler = self.stepper.scaler
         if scaler is not None and state["loss_scaler"] is not None:
             scaler.load_state_dict(state["loss_scaler"])

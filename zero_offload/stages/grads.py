@@ -7,9 +7,23 @@ rank's flat gradient buffer (``grads``: compute dtype on the device, or fp32 in 
 when the optimizer is offloaded), accumulated across micro-steps.
 Stages 2–3 keep no full gradient past its unit's reduction; a few reductions stay in flight
 (``max_inflight``) so that communication overlaps the rest of the backward.
+
+Every rank issues the same collectives in the same order whatever its control flow did: at
+stages 2–3 units are reduced in one canonical order (:attr:`GradReducer.order`, the usual order
+in which gradients arrive: reverse registration), each as soon as it and every unit before it
+are complete on this rank, the rest (units this rank did not touch: zeros) at the end of the
+backward. A gradient that arrives for a unit already reduced (a weight used in two reentrant
+checkpoint segments: each segment runs a backward of its own) stays in ``param.grad``; the
+step reduces such leftovers, and from then on those units are reduced at the end of the
+backward, after their last contribution.
+
+Which parameters had a gradient in the accumulation window is tracked too (``had_grad``, one
+flag per trainable parameter in :func:`trainable_slots` order): the step updates only those,
+like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Callable, Protocol
 
@@ -18,7 +32,9 @@ import torch
 from ..comm import Comm, Handle
 from .units import FlatUnit
 
-__all__ = ["GradReducer", "GradTarget", "ResidentGrads"]
+__all__ = ["GradReducer", "GradTarget", "ResidentGrads", "trainable_slots"]
+
+log = logging.getLogger(__name__)
 
 
 class GradTarget(Protocol):
@@ -48,6 +64,13 @@ class ResidentGrads:
         pass  # summed at once
 
 
+def trainable_slots(units: list[FlatUnit]) -> list[tuple[FlatUnit, int]]:
+    """Every parameter of the trainable units as (unit, position in the unit), in rank-flat
+    order: the index of the gradient flags and of per-parameter step counts."""
+    ordered = sorted((u for u in units if not u.frozen), key=lambda u: u.shard_offset)
+    return [(u, i) for u in ordered for i in range(len(u.params))]
+
+
 def _check_frozen(unit: FlatUnit) -> None:
     """A parameter frozen at ``initialize`` has no gradient slot: unfreezing it later would
     silently train nothing, so say so."""
@@ -68,15 +91,32 @@ class GradReducer:
         self.stage = stage
         self.target = target
         self.final = True  # this backward ends an accumulation window
-        self.on_reduced = on_reduced
+        self.on_reduced = on_reduced  # a unit's backward is done on this rank (stage 3: free)
         self.max_inflight = max_inflight
+        self.device = units[0].full.device if units else torch.device("cpu")
+        self.slots = trainable_slots(units)
+        first: dict[int, int] = {}
+        for k, (u, _) in enumerate(self.slots):
+            first.setdefault(id(u), k)
+        self.had_grad = bytearray(len(self.slots))  # per trainable parameter, this window
+        self.backwards = 0  # backwards since the gradients were last dropped
+        # Canonical reduction order: reverse registration (stage 3's units are in
+        # registration order, the buckets of stages 0-2 reversed already); units whose
+        # gradient arrives in pieces after their hooks completed go last ("deferred").
+        trainable = [u for u in units if not u.frozen]
+        self.order = trainable if stage < 3 else trainable[::-1]
+        self._deferred: set[int] = set()
+        self._next = 0  # position in ``order`` of the next unit to reduce this backward
+        self._complete: set[int] = set()  # ids of units complete and not deferred
+        self._reduced: set[int] = set()  # ids of units reduced this backward
         self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
         self._hooks = []
         if stage >= 2:
-            for unit in units:
-                for p in unit.trainable:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, unit=unit: self._on_grad(unit)))
+            for unit in trainable:
+                for i, p in enumerate(unit.params):
+                    if p.requires_grad:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda _p, unit=unit, k=first[id(unit)] + i: self._on_grad(unit, k)))
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -91,24 +131,40 @@ class GradReducer:
     # -- stages 2-3 ------------------------------------------------------------------------
     def begin_backward(self, final: bool) -> None:
         self.final = final
+        self.backwards += 1
+        self._next = 0
+        self._complete.clear()
+        self._reduced.clear()
         for unit in self.units:
             unit.pending_grads = len(unit.trainable)
             unit.grads_reduced = False
 
-    def _on_grad(self, unit: FlatUnit) -> None:
+    def _on_grad(self, unit: FlatUnit, k: int) -> None:
+        self.had_grad[k] = 1
+        if id(unit) in self._reduced:
+            return  # a late piece (reentrant backward): it waits in .grad for the step
         unit.pending_grads -= 1
         if unit.pending_grads == 0 and not unit.grads_reduced:
-            self._reduce_unit(unit)
+            unit.grads_reduced = True  # its backward is done on this rank
+            if self.on_reduced is not None:
+                self.on_reduced(unit)
+            if id(unit) not in self._deferred:
+                self._complete.add(id(unit))
+                self._advance()
+
+    def _advance(self) -> None:
+        """Reduce the complete units at the head of the canonical order."""
+        while self._next < len(self.order) and id(self.order[self._next]) in self._complete:
+            self._reduce_unit(self.order[self._next])
+            self._next += 1
 
     def _reduce_unit(self, unit: FlatUnit) -> None:
         flat = self._flat_grads(unit)
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
         handle = self.comm.reduce_scatter(out, flat, async_op=True)
-        unit.grads_reduced = True
+        self._reduced.add(id(unit))
         self._inflight.append((unit, flat, out, handle))
         self._drain(self.max_inflight)
-        if self.on_reduced is not None:
-            self.on_reduced(unit)
 
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
@@ -120,23 +176,57 @@ class GradReducer:
         self.target.accumulate_grad(unit.shard_offset, reduced, self.final)
 
     def end_backward(self) -> None:
-        """Reduce what no hook reduced (unused parameters count as zero gradients), in unit
-        order so that every rank issues the same collectives, and wait for all of it."""
+        """Reduce the rest of the canonical order (a unit this rank did not use counts as
+        zeros), so that every rank issues the same collectives, and wait for all of it."""
         if self.stage >= 2:
             for unit in self.units:
                 if unit.frozen:
                     _check_frozen(unit)
                 elif not unit.grads_reduced:
-                    self._reduce_unit(unit)
+                    unit.grads_reduced = True
+                    if self.on_reduced is not None:
+                        self.on_reduced(unit)
+            for unit in self.order[self._next:]:
+                self._reduce_unit(unit)
+            self._next = len(self.order)
             self._drain(0)
             self.target.flush()
 
-    # -- stages 0-1 ------------------------------------------------------------------------
-    def reduce_accumulated(self) -> None:
-        """At the step: reduce the gradients autograd accumulated in ``param.grad``."""
-        if self.stage >= 2:
-            return
+    # -- the step --------------------------------------------------------------------------
+    def reduce_accumulated(self) -> list[bool]:
+        """At the step: reduce what is still unreduced (stages 0-1: everything autograd
+        accumulated in ``param.grad``; stages 2-3: late pieces), and return, per trainable
+        parameter (:func:`trainable_slots` order), whether any rank had a gradient for it in
+        this window. One small all-reduce agrees on the flags, in the same order everywhere."""
         self.final = True
+        if self.stage < 2:
+            for k, (unit, i) in enumerate(self.slots):
+                if unit.params[i].grad is not None:
+                    self.had_grad[k] = 1
+        leftovers = [any(p.grad is not None for p in u.params) for u in self.order] \
+            if self.stage >= 2 else []
+        flags = torch.tensor(list(self.had_grad) + leftovers, dtype=torch.float32,
+                             device=self.device)
+        self.comm.all_reduce(flags, op="max")
+        agreed = [bool(f) for f in flags.tolist()]
+        had, leftovers = agreed[:len(self.slots)], agreed[len(self.slots):]
+        if self.stage < 2:
+            self._reduce_all()
+        elif any(leftovers):
+            late = [u for u, f in zip(self.order, leftovers) if f]
+            log.info("gradients of %d units arrived after their reduction (a parameter used "
+                     "in several reentrant backwards): reducing them at the step, and from now "
+                     "on at the end of the backward", len(late))
+            for unit in late:
+                self._reduce_unit(unit)
+            self._drain(0)
+            self._deferred.update(id(u) for u in late)
+            self.order = [u for u in self.order if id(u) not in self._deferred] + \
+                [u for u in self.order if id(u) in self._deferred]
+            self.target.flush()
+        return had
+
+    def _reduce_all(self) -> None:
         for unit in self.units:
             if unit.frozen:
                 _check_frozen(unit)
@@ -160,6 +250,8 @@ class GradReducer:
         for unit in self.units:
             for p in unit.params:
                 p.grad = None
+        self.had_grad = bytearray(len(self.slots))
+        self.backwards = 0
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

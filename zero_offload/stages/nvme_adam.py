@@ -263,10 +263,13 @@ class NvmeAdam:
         if self.grad_swapper is not None:
             self.grad_swapper.release(self._grad_key(i))
 
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
-        """``grads``: the host fp32 shard, or None when the gradients are in files."""
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
+               ranges: list[tuple[int, int, int]] | None = None) -> None:
+        """``grads``: the host fp32 shard, or None when the gradients are in files.
+        ``ranges``: what to step, with which step count (None: everything)."""
         self.steps += 1
         hyper = adam_hyperparameters(self.optimizer, self.steps)
+        ranges = [(0, self.numel, self.steps)] if ranges is None else ranges
         timings = StepTimings()
         start = time.perf_counter()
         last = len(self.bounds) - 1
@@ -283,10 +286,24 @@ class NvmeAdam:
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             t0 = time.perf_counter()
-            if factor != 1.0:
-                grad.mul_(factor)  # in place: a host buffer or the host shard, both done after
             out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
-            adam_update(state[0], grad, state[1], state[2], out=out, **hyper)
+            done = lo
+            for a, b, count in ranges:
+                a, b = max(a, lo), min(b, hi)
+                if a >= b:
+                    continue
+                if out is not None and done < a:  # not stepped: the master as it is
+                    out[done - lo:a - lo].copy_(state[0, done - lo:a - lo])
+                g = grad[a - lo:b - lo]
+                if factor != 1.0:
+                    g.mul_(factor)  # in place: a host buffer or the host shard, both done after
+                hyper["step"] = count
+                adam_update(state[0, a - lo:b - lo], g, state[1, a - lo:b - lo],
+                            state[2, a - lo:b - lo],
+                            out=None if out is None else out[a - lo:b - lo], **hyper)
+                done = b
+            if out is not None and done < hi:
+                out[done - lo:].copy_(state[0, done - lo:])
             timings.compute_s += time.perf_counter() - t0
             sink(lo, hi, state[0] if out is None else out)
             timings.bytes_written += 12 * (hi - lo)

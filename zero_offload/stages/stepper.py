@@ -7,17 +7,25 @@ updater's business (``stages.updaters``); this class prepares the gradients (uns
 check, global-norm clipping) and writes the new values back to the compute-dtype parameters:
 into the rank's shard (stage 3) or all-gathered into the full flat buffers (stages 0–2 and
 persistent stage-3 units).
+
+Like ``torch.optim.AdamW``, a parameter that had no gradient in the accumulation window (on any
+rank) is not stepped: no moment update, no weight decay, and its own step count (Adam's bias
+correction) does not advance. The updater gets the rank-flat ranges to step, each with its
+step count; in the common case (every parameter had a gradient every time) that is one range.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 import math
+from typing import Mapping
 
 import torch
 
 from ..comm import Comm
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
+from .grads import trainable_slots
 from .loss_scale import LossScaler
 from .param_store import ParamStore
 from .streams import Streams
@@ -25,6 +33,8 @@ from .units import FlatUnit
 from .updaters import Updater
 
 __all__ = ["ShardStepper"]
+
+log = logging.getLogger(__name__)
 
 
 class ShardStepper:
@@ -54,6 +64,50 @@ class ShardStepper:
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
                        if p.dtype == torch.float16 else None)
         self._grad_norm: float | torch.Tensor | None = None
+        # per trainable parameter (grads.trainable_slots order): its name, this rank's
+        # rank-flat elements of it, and the updates it missed (no gradient on any rank)
+        slots = trainable_slots(units)
+        self._names = [u.names[i] for u, i in slots]
+        self._ranges = [self._rank_flat_range(u, i) for u, i in slots]
+        self._skipped = [0] * len(slots)
+
+    def _rank_flat_range(self, unit: FlatUnit, i: int) -> tuple[int, int]:
+        """This rank's rank-flat [lo, hi) of parameter ``i`` of ``unit`` (the padding after
+        a parameter goes with it, so that neighbours stay contiguous); empty if none."""
+        slots = unit.layout.slots
+        start = 0 if i == 0 else slots[i].offset
+        end = slots[i + 1].offset if i + 1 < len(slots) else unit.layout.padded_numel
+        lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else self.comm.rank)
+        a, b = max(start, lo), min(end, hi)
+        return (unit.shard_offset + a - lo, unit.shard_offset + b - lo) if a < b else (0, 0)
+
+    def _update_ranges(self, had_grad: list[bool] | None) -> list[tuple[int, int, int]] | None:
+        """(lo, hi, step) runs of rank-flat elements to step, with equal step counts merged;
+        counts the update as missed by every parameter without a gradient. None: all."""
+        if had_grad is None:
+            return None
+        step = self.updater.steps + 1
+        ranges: list[tuple[int, int, int]] = []
+        for k, ((lo, hi), had) in enumerate(zip(self._ranges, had_grad)):
+            if not had:
+                self._skipped[k] += 1
+                continue
+            s = step - self._skipped[k]
+            if lo == hi:
+                continue
+            if ranges and ranges[-1][1] == lo and ranges[-1][2] == s:
+                ranges[-1] = (ranges[-1][0], hi, s)
+            else:
+                ranges.append((lo, hi, s))
+        return ranges
+
+    def skipped_steps(self) -> dict[str, int]:
+        """Parameter name -> updates it was not stepped in (no gradient); nonzero ones only.
+        Its own Adam step count is ``updater.steps`` minus this."""
+        return {n: k for n, k in zip(self._names, self._skipped) if k}
+
+    def load_skipped_steps(self, by_name: Mapping[str, int]) -> None:
+        self._skipped = [int(by_name.get(n, 0)) for n in self._names]
 
     @property
     def loss_scale(self) -> float:
@@ -77,14 +131,21 @@ class ShardStepper:
         finite = self.scaler is None or bool(torch.isfinite(self.grads).all())
         return sumsq, finite
 
-    def step(self) -> bool:
-        """Check overflow, clip, update, write the params back. False: skipped (overflow).
+    def step(self, had_grad: list[bool] | None = None) -> bool:
+        """Check overflow, clip, update, write the params back. False: nothing applied (no
+        parameter had a gradient on any rank, or an overflow). ``had_grad``: per trainable
+        parameter, whether any rank had a gradient for it (None: all did).
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
+        if had_grad is not None and not any(had_grad):
+            log.info("step: no parameter had a gradient since the last step; nothing applied")
+            self.optimizer.step()  # no .grad anywhere: a no-op that lr schedulers expect
+            return False
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
         if self.scaler is None and self.grads is not None and self.grads.device.type == "cuda":
-            self.updater.update(self.grads, self._device_factor(), self._sink)
+            factor = self._device_factor()
+            self.updater.update(self.grads, factor, self._sink, self._update_ranges(had_grad))
             return True
         sumsq, finite = self._grad_stats()
         scale = self.loss_scale
@@ -105,7 +166,7 @@ class ShardStepper:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        self.updater.update(self.grads, factor, self._sink)
+        self.updater.update(self.grads, factor, self._sink, self._update_ranges(had_grad))
         return True
 
     def _device_factor(self) -> float | torch.Tensor:

@@ -118,19 +118,40 @@ class DeviceAdam(_ResidentAdam):
         super().__init__(master, optimizer, param)
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink) -> None:
+               sink: Sink, ranges: list[tuple[int, int, int]] | None = None) -> None:
         """``factor`` may be a device tensor (the clip factor, never brought to the host)."""
         start = time.perf_counter()
         assert grads is not None
         grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
         if isinstance(factor, torch.Tensor) or factor != 1.0:
             grads32.mul_(factor)
-        self.param.grad = grads32
-        self.optimizer.step()
-        self.param.grad = None
+        step = self.steps + 1
+        if ranges is None or ranges == [(0, self.master.numel(), step)]:
+            self.param.grad = grads32
+            self.optimizer.step()
+            self.param.grad = None
+        else:
+            self._step_ranges(grads32, ranges)
+            self.steps = step
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master)
+
+    def _step_ranges(self, grads32: torch.Tensor, ranges: list[tuple[int, int, int]]) -> None:
+        """Some parameters had no gradient, or missed updates: torch's functional AdamW on
+        each range with that range's own step count."""
+        state = self._moments()
+        group = self.optimizer.param_groups[0]
+        fused = bool(self.optimizer.defaults.get("fused"))
+        for lo, hi, s in ranges:
+            count = torch.tensor(float(s - 1), dtype=torch.float32,  # incremented by adamw
+                                 device=state["step"].device)
+            torch.optim.adamw.adamw(
+                [self.master[lo:hi]], [grads32[lo:hi]], [state["exp_avg"][lo:hi]],
+                [state["exp_avg_sq"][lo:hi]], [], [count], foreach=False, fused=fused or None,
+                amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=False)
 
 
 class HostAdam(_ResidentAdam):
@@ -156,32 +177,45 @@ class HostAdam(_ResidentAdam):
             self._scratch_buf = torch.empty(min(_GRAD_CHUNK, self.master.numel()))
         return self._scratch_buf[:n]
 
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink) -> None:
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
+               ranges: list[tuple[int, int, int]] | None = None) -> None:
         """One pass of the CPU kernel, chunk by chunk: a chunk of gradients is upcast and
         scaled into a small fp32 buffer only when it is not fp32 already or ``factor`` != 1
-        (fp32 host gradients are scaled in place)."""
+        (fp32 host gradients are scaled in place). Elements outside ``ranges`` are left as
+        they are (their compute-dtype copy is refreshed from the master)."""
         assert grads is not None
         start = time.perf_counter()
         state = self._moments()
+        n = self.master.numel()
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
-        n = self.master.numel()
-        for lo in range(0, n, _GRAD_CHUNK):
-            hi = min(lo + _GRAD_CHUNK, n)
-            g = grads[lo:hi].to("cpu", non_blocking=False)
-            if factor != 1.0:
-                if g.dtype == torch.float32 and g.data_ptr() == grads[lo:hi].data_ptr():
-                    g.mul_(factor)
-                else:
-                    g = self._scratch(hi - lo).copy_(g).mul_(factor)
-            adam_update(self.master[lo:hi], g, state["exp_avg"][lo:hi],
-                        state["exp_avg_sq"][lo:hi],
-                        out=None if self.out is None else self.out[lo:hi], **hyper)
+        done = 0
+        for lo, hi, count in [(0, n, step)] if ranges is None else ranges:
+            self._copy_out(done, lo)
+            hyper["step"] = count
+            for a in range(lo, hi, _GRAD_CHUNK):
+                b = min(a + _GRAD_CHUNK, hi)
+                g = grads[a:b].to("cpu", non_blocking=False)
+                if factor != 1.0:
+                    if g.dtype == torch.float32 and g.data_ptr() == grads[a:b].data_ptr():
+                        g.mul_(factor)
+                    else:
+                        g = self._scratch(b - a).copy_(g).mul_(factor)
+                adam_update(self.master[a:b], g, state["exp_avg"][a:b],
+                            state["exp_avg_sq"][a:b],
+                            out=None if self.out is None else self.out[a:b], **hyper)
+            done = hi
+        self._copy_out(done, n)
         self.steps = step
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master if self.out is None else self.out)
+
+    def _copy_out(self, lo: int, hi: int) -> None:
+        """Elements not stepped: their compute-dtype output is the master, as it is."""
+        if self.out is not None and lo < hi:
+            self.out[lo:hi].copy_(self.master[lo:hi])
 
     def add_to(self, report: MemoryReport) -> None:
         super().add_to(report)
