@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.optim.adamw import adamw as _functional_adamw
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
@@ -146,7 +147,7 @@ class DeviceAdam(_ResidentAdam):
         for lo, hi, s in ranges:
             count = torch.tensor(float(s - 1), dtype=torch.float32,  # incremented by adamw
                                  device=state["step"].device)
-            torch.optim.adamw.adamw(
+            _functional_adamw(
                 [self.master[lo:hi]], [grads32[lo:hi]], [state["exp_avg"][lo:hi]],
                 [state["exp_avg_sq"][lo:hi]], [], [count], foreach=False, fused=fused or None,
                 amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
