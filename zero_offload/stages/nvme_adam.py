@@ -101,8 +101,10 @@ class NvmeAdam:
         self._filling: dict[int, HostBuffer] = {}
         self._covered: dict[int, int] = {}
         self._written: set[int] = set()
-        self._sumsq = 0.0
-        self._finite = True
+        # per sub-group written: (sum of squares, all finite) of its sum so far; each write
+        # replaces its entry, so the step sees the norm of the summed gradient however many
+        # backwards (and flushes) the window had
+        self._stats: dict[int, tuple[float, bool]] = {}
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
@@ -149,8 +151,9 @@ class NvmeAdam:
 
     # -- gradients on disk ----------------------------------------------------------------
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
-        """Add a reduced gradient piece for rank-flat [offset, offset + n). ``final``: this
-        is the last micro-step before the update (note norm and finiteness)."""
+        """Add a reduced gradient piece for rank-flat [offset, offset + n); a sub-group is
+        written out (its norm and finiteness noted) once every element of it came in this
+        backward. ``final`` is not needed: a backward is not always followed by a step."""
         values = values.to("cpu")
         pos = 0
         while pos < values.numel():
@@ -163,7 +166,7 @@ class NvmeAdam:
             pos += take
             self._covered[i] = self._covered.get(i, 0) + take
             if self._covered[i] == hi - lo:
-                self._flush_grad(i, final)
+                self._flush_grad(i)
 
     def _grad_buffer(self, i: int) -> torch.Tensor:
         """Sub-group i's gradient sum in a host buffer: zeros, or what an earlier micro-step
@@ -201,22 +204,23 @@ class NvmeAdam:
         finally:
             self.grad_swapper.pool.release(buf)
 
-    def _flush_grad(self, i: int, final: bool) -> None:
+    def _flush_grad(self, i: int) -> None:
         assert self.grad_swapper is not None
         lo, hi = self.bounds[i]
-        grad = self._filling[i].view(torch.float32, (hi - lo,))
-        if final:
-            self._sumsq += float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
-            self._finite = self._finite and bool(torch.isfinite(grad).all())
+        grad = self._grad_buffer(i)
+        self._stats[i] = (float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
+                          bool(torch.isfinite(grad).all()))
         del self._covered[i]
         self._evict(i)
 
     def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, all finite) of the gradients written at the last final flush."""
-        if self._covered:
-            raise RuntimeError(f"gradient sub-groups {sorted(self._covered)} were only partly "
-                               "reduced: every rank-flat element must be reduced each backward")
-        return self._sumsq, self._finite
+        """(sum of squares, all finite) of the summed gradients. Sub-groups that got only
+        some pieces since their last write (late pieces reduced at the step) are written
+        first."""
+        for i in list(self._covered):
+            self._flush_grad(i)
+        sumsq = sum(sq for sq, _ in self._stats.values())
+        return sumsq, all(finite for _, finite in self._stats.values())
 
     def zero_grad(self) -> None:
         """Start a new accumulation window (the files are overwritten, not read)."""
@@ -226,7 +230,7 @@ class NvmeAdam:
         self._filling.clear()
         self._covered.clear()
         self._written.clear()
-        self._sumsq, self._finite = 0.0, True
+        self._stats.clear()
 
     # -- the step -------------------------------------------------------------------------
     def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:

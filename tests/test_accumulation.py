@@ -1,0 +1,67 @@
+"""Gradient accumulation is exact on every tier: the clipping norm is the norm of the summed
+gradient (gradients on NVMe included), and a checkpoint is never taken from the middle of an
+accumulation window (it would lose the gradients accumulated so far)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_offload as zo
+
+LR, WD, CLIP, GAS = 1e-2, 0.1, 0.05, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(),
+                         nn.Linear(96, 96))
+
+
+def _x(i: int) -> torch.Tensor:
+    return torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
+
+
+def _train(model: nn.Module, steps: int, loop: str, **kwargs) -> tuple[zo.Engine, list[float]]:
+    """``loop`` "gas": gradient_accumulation_steps=2, step() after each backward; "plain":
+    two backwards, then one step() (torch style, gradient_accumulation_steps=1)."""
+    engine = zo.initialize(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
+                           gradient_accumulation_steps=GAS if loop == "gas" else 1,
+                           dtype=torch.float32, sub_group_size=4096, **kwargs)
+    norms = []
+    for i in range(steps * GAS):
+        loss = engine(_x(i)).square().mean()
+        engine.backward(loss if loop == "gas" else loss / GAS)
+        if (loop == "gas" or i % GAS == GAS - 1) and engine.step():
+            norms.append(engine.last_grad_norm)
+    return engine, norms
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("loop", ["gas", "plain"])
+def test_clipping_norm_with_gradients_on_nvme_is_the_summed_gradients(tmp_path, stage, loop):
+    """Offloading changes no bit: the NVMe tier with gradients in files gives the norms and
+    parameters of the CPU tier, and the norm is torch's norm of the accumulated gradient."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    for i in range(GAS):
+        (ref(_x(i)).square().mean() / GAS).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+
+    cpu, cpu_norms = _train(copy.deepcopy(model), 3, loop, stage=stage,
+                            offload_optimizer="cpu")
+    disk, disk_norms = _train(copy.deepcopy(model), 3, loop, stage=stage,
+                              offload_optimizer="nvme", nvme_path=tmp_path,
+                              host_memory_limit=128 << 10)
+    assert disk.grads is None, "this case is meant to keep the gradients on NVMe"
+    assert disk_norms[0] == pytest.approx(expected, rel=1e-5)
+    # fp64 sums of squares per sub-group or over the shard: equal to far below fp32's
+    # resolution, so the clip factors (and parameters) are the same
+    assert disk_norms == pytest.approx(cpu_norms, rel=1e-12)
+    a, b = cpu.full_state_dict(), disk.full_state_dict()
+    cpu.close()
+    disk.close()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
