@@ -65,3 +65,21 @@ def test_clipping_norm_with_gradients_on_nvme_is_the_summed_gradients(tmp_path, 
     disk.close()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_checkpoint_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
+    """A checkpoint does not carry accumulated gradients: saving mid-window would resume with
+    half the batch. It is refused with the fix, writes nothing, and works at the boundary."""
+    engine = zo.initialize(_model(), lr=LR, gradient_accumulation_steps=GAS,
+                           dtype=torch.float32, stage=2)
+    engine.backward(engine(_x(0)).square().mean())
+    engine.step()  # the first of two micro-steps: gradients accumulated, no update yet
+    assert engine.is_accumulation_boundary
+    with pytest.raises(RuntimeError, match="is_accumulation_boundary"):
+        engine.save_checkpoint(tmp_path, tag="mid")
+    assert not (tmp_path / "mid").exists()
+    engine.backward(engine(_x(1)).square().mean())
+    assert engine.step()
+    engine.save_checkpoint(tmp_path, tag="boundary")
+    assert (tmp_path / "boundary").exists()
+    engine.close()

@@ -271,7 +271,16 @@ class Engine:
     def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
                         lr_scheduler: Any = None) -> "os.PathLike":
         """Save this rank's shards (and, rank 0, the manifest) under ``directory/tag``
-        (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective."""
+        (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective.
+        Refused with gradients accumulated and not yet stepped (a checkpoint does not carry
+        them): save at an accumulation boundary, after ``step()``."""
+        if self.reducer.backwards:
+            raise RuntimeError(
+                f"save_checkpoint: {self.reducer.backwards} backward(s) accumulated gradients "
+                "that no step() has applied yet, and a checkpoint does not carry gradients: "
+                "save at an accumulation boundary, after the step() that applies them "
+                "(engine.is_accumulation_boundary is True before the backward whose step() "
+                "updates), or call engine.zero_grad() first to drop them")
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, directory, tag, lr_scheduler)
 
