@@ -102,8 +102,9 @@ def test_communication_volume(world, stage):
     comm = r.report.comm
     padded = r.flat_shard * (world if stage else 1)
     ring = padded * (world - 1) / world
-    if stage == 0:
-        assert comm["all_reduce"].elements == pytest.approx(2 * ring, abs=2)
+    if stage == 0:  # and the step's flags: which parameters had a gradient, one per tensor
+        flags = len(list(models.make("gpt").parameters()))
+        assert comm["all_reduce"].elements == pytest.approx(2 * ring, abs=2 + 2 * flags)
     elif stage in (1, 2):
         moved = comm["reduce_scatter"].elements + comm["all_gather"].elements
         assert moved == pytest.approx(2 * ring, abs=1)
