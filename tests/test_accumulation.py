@@ -83,3 +83,28 @@ def test_checkpoint_in_the_middle_of_an_accumulation_window_is_refused(tmp_path)
     engine.save_checkpoint(tmp_path, tag="boundary")
     assert (tmp_path / "boundary").exists()
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_step_agrees_in_one_fp64_exchange(stage):
+    """float16 with clipping: the gradient flags, the overflow check and the norm travel in
+    one all-reduce of fp64 values (the same dtype on every device, so the clip factor is the
+    same bit for bit everywhere) - one host read per step, not one per question."""
+    engine = zo.initialize(_model(), lr=LR, max_grad_norm=CLIP, dtype=torch.float16,
+                           stage=stage, offload_optimizer="cpu" if stage else "none")
+    calls = []
+    all_reduce = engine.comm.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.dtype)
+        return all_reduce(tensor, *args, **kwargs)
+
+    engine.comm.all_reduce = counting  # this engine's own communicator, not torch
+    for i in range(3):
+        engine.backward(engine(_x(i)).square().mean())
+        calls.clear()
+        engine.step()
+        grads = [torch.float16] * len(engine.units) if stage == 0 else []  # stage 0's reduction
+        assert calls == grads + [torch.float64], f"step {i}: all-reduces {calls}"
+    assert engine.last_grad_norm is not None
+    engine.close()

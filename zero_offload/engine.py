@@ -248,8 +248,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return False
-        had_grad = self.reducer.reduce_accumulated()
-        applied = self.stepper.step(had_grad)
+        flags = self.reducer.reduce_accumulated()
+        applied = self.stepper.step(flags, self.reducer.reduce_late)
         if self.param_store is not None:
             self.param_store.flush()
         self.reducer.zero()

@@ -93,7 +93,6 @@ class GradReducer:
         self.final = True  # this backward ends an accumulation window
         self.on_reduced = on_reduced  # a unit's backward is done on this rank (stage 3: free)
         self.max_inflight = max_inflight
-        self.device = units[0].full.device if units else torch.device("cpu")
         self.slots = trainable_slots(units)
         first: dict[int, int] = {}
         for k, (u, _) in enumerate(self.slots):
@@ -193,38 +192,37 @@ class GradReducer:
             self.target.flush()
 
     # -- the step --------------------------------------------------------------------------
-    def reduce_accumulated(self) -> list[bool]:
-        """At the step: reduce what is still unreduced (stages 0-1: everything autograd
-        accumulated in ``param.grad``; stages 2-3: late pieces), and return, per trainable
-        parameter (:func:`trainable_slots` order), whether any rank had a gradient for it in
-        this window. One small all-reduce agrees on the flags, in the same order everywhere."""
+    def reduce_accumulated(self) -> torch.Tensor:
+        """At the step: reduce what autograd accumulated in ``param.grad`` (stages 0-1), and
+        return this rank's flags for the ranks to agree on (summed over ranks, nonzero means
+        some rank had it): per trainable parameter (:func:`trainable_slots` order) whether it
+        had a gradient in this window, then (stages 2-3) per unit of :attr:`order` whether
+        late pieces wait in ``param.grad`` (give the agreed ones to :meth:`reduce_late`)."""
         self.final = True
         if self.stage < 2:
             for k, (unit, i) in enumerate(self.slots):
                 if unit.params[i].grad is not None:
                     self.had_grad[k] = 1
-        leftovers = [any(p.grad is not None for p in u.params) for u in self.order] \
-            if self.stage >= 2 else []
-        flags = torch.tensor(list(self.had_grad) + leftovers, dtype=torch.float32,
-                             device=self.device)
-        self.comm.all_reduce(flags, op="max")
-        agreed = [bool(f) for f in flags.tolist()]
-        had, leftovers = agreed[:len(self.slots)], agreed[len(self.slots):]
-        if self.stage < 2:
             self._reduce_all()
-        elif any(leftovers):
-            late = [u for u, f in zip(self.order, leftovers) if f]
-            log.info("gradients of %d units arrived after their reduction (a parameter used "
-                     "in several reentrant backwards): reducing them at the step, and from now "
-                     "on at the end of the backward", len(late))
-            for unit in late:
-                self._reduce_unit(unit)
-            self._drain(0)
-            self._deferred.update(id(u) for u in late)
-            self.order = [u for u in self.order if id(u) not in self._deferred] + \
-                [u for u in self.order if id(u) in self._deferred]
-            self.target.flush()
-        return had
+            late: list[bool] = []
+        else:
+            late = [any(p.grad is not None for p in u.params) for u in self.order]
+        return torch.tensor(list(self.had_grad) + late, dtype=torch.float64)
+
+    def reduce_late(self, late: list[bool]) -> None:
+        """Reduce the units some rank holds late pieces of (per unit of :attr:`order`, as
+        agreed), in that order; from now on they are reduced at the end of the backward."""
+        units = [u for u, f in zip(self.order, late) if f]
+        log.info("gradients of %d units arrived after their reduction (a parameter used in "
+                 "several reentrant backwards): reducing them at the step, and from now on at "
+                 "the end of the backward", len(units))
+        for unit in units:
+            self._reduce_unit(unit)
+        self._drain(0)
+        self._deferred.update(id(u) for u in units)
+        self.order = [u for u in self.order if id(u) not in self._deferred] + \
+            [u for u in self.order if id(u) in self._deferred]
+        self.target.flush()
 
     def _reduce_all(self) -> None:
         for unit in self.units:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -63,7 +63,8 @@ class ShardStepper:
         p = cfg.precision
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
                        if p.dtype == torch.float16 else None)
-        self._grad_norm: float | torch.Tensor | None = None
+        self._grad_norm: float | None = None
+        self._host_vec: torch.Tensor | None = None  # what the step's exchange sends
         # per trainable parameter (grads.trainable_slots order): its name, this rank's
         # rank-flat elements of it, and the updates it missed (no gradient on any rank)
         slots = trainable_slots(units)
@@ -113,83 +114,81 @@ class ShardStepper:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
 
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        if self.stage > 0:
-            self.comm.all_reduce(t, op="max")
-        return bool(t.item())
-
-    def _grad_stats(self) -> tuple[float, bool]:
-        """This rank's (sum of squares, all finite) of its reduced gradient shard, summed in
-        fp64 — so that the per-sub-group sums of gradients in files agree to the last bit of
-        the fp32 clip factor — without a copy of the shard."""
+    def _local_sumsq(self) -> torch.Tensor:
+        """This rank's sum of squares of its reduced gradient shard, in fp64 on every device
+        (so that the per-sub-group sums of gradients in files and the sum over a resident
+        shard agree far below the fp32 clip factor's last bit), without a copy of the shard
+        and without a wait; infinite or NaN when a gradient is (the overflow check)."""
         if self.grads is None:
-            return self.updater.grad_stats()  # type: ignore[attr-defined]
-        sumsq = 0.0
-        if self.cfg.optimizer.max_grad_norm is not None:
-            sumsq = float(torch.linalg.vector_norm(self.grads, dtype=torch.float64).item()) ** 2
-        finite = self.scaler is None or bool(torch.isfinite(self.grads).all())
-        return sumsq, finite
+            sumsq, finite = self.updater.grad_stats()  # type: ignore[attr-defined]
+            return torch.tensor(sumsq if finite else math.inf, dtype=torch.float64)
+        return torch.linalg.vector_norm(self.grads, dtype=torch.float64).square()
 
-    def step(self, had_grad: list[bool] | None = None) -> bool:
-        """Check overflow, clip, update, write the params back. False: nothing applied (no
-        parameter had a gradient on any rank, or an overflow). ``had_grad``: per trainable
-        parameter, whether any rank had a gradient for it (None: all did).
+    def _exchange(self, flags: torch.Tensor | None) -> list[float]:
+        """One all-reduce (sum) and one host read per step: the ranks' gradient flags and,
+        with clipping or float16, the sum of squares as the last element."""
+        n = 0 if flags is None else flags.numel()
+        if self._host_vec is None or self._host_vec.numel() != n + 1:
+            # page-locked with CUDA: its copy to the device waits for no kernel
+            self._host_vec = self.streams.host_empty(n + 1, torch.float64)
+        self._host_vec.zero_()
+        if flags is not None:
+            self._host_vec[:n].copy_(flags)
+        vec = self._host_vec.to(self.device, non_blocking=True)
+        stats = self.scaler is not None or self.cfg.optimizer.max_grad_norm is not None
+        if stats and (self.stage > 0 or self.comm.rank == 0):  # stage 0: every rank holds
+            vec[n] = self._local_sumsq().to(self.device)   # the whole gradient; rank 0's
+        if self.stage > 0 or n:
+            self.comm.all_reduce(vec)
+        return vec.tolist()
+
+    def step(self, flags: torch.Tensor | None = None,
+             reduce_late: Callable[[list[bool]], None] | None = None) -> bool:
+        """Agree on the gradient flags, check overflow, clip, update, write the params back.
+        False: nothing applied (no parameter had a gradient on any rank, or an overflow).
+        ``flags``: this rank's :meth:`GradReducer.local_flags` (None: every parameter had a
+        gradient); ``reduce_late`` reduces the units whose late pieces some rank holds.
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
-        if had_grad is not None and not any(had_grad):
-            log.info("step: no parameter had a gradient since the last step; nothing applied")
-            self.optimizer.step()  # no .grad anywhere: a no-op that lr schedulers expect
-            return False
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
-        if self.scaler is None and self.grads is not None and self.grads.device.type == "cuda":
-            factor = self._device_factor()
-            self.updater.update(self.grads, factor, self._sink, self._update_ranges(had_grad))
-            return True
-        sumsq, finite = self._grad_stats()
+        values = self._exchange(flags)
+        sumsq = values[-1]
+        had: list[bool] | None = None
+        if flags is not None:
+            p = len(self._names)
+            had = [v > 0 for v in values[:p]]
+            late = [v > 0 for v in values[p:-1]]
+            if any(late):
+                assert reduce_late is not None
+                reduce_late(late)  # rare (reentrant backward): the sums change, read again
+                sumsq = self._exchange(None)[-1]
+            if not any(had):
+                log.info("step: no parameter had a gradient since the last update; "
+                         "nothing applied")
+                self.optimizer.step()  # no .grad anywhere: a no-op that lr schedulers expect
+                return False
         scale = self.loss_scale
         if self.scaler is not None:
-            overflow = self._any_rank(not finite)
+            overflow = not math.isfinite(sumsq)
             self.scaler.update(overflow)
             if overflow:
                 return False
         factor = 1.0 / scale
         max_norm = self.cfg.optimizer.max_grad_norm
         if max_norm is not None:
-            sq = torch.tensor([sumsq], dtype=torch.float64 if self.device.type == "cpu"
-                              else torch.float32, device=self.device)
-            if self.stage > 0:  # stage 0: every rank holds the whole (reduced) gradient
-                self.comm.all_reduce(sq)
-            norm = math.sqrt(float(sq.item())) / scale
+            norm = math.sqrt(sumsq) / scale
             self._grad_norm = norm
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        self.updater.update(self.grads, factor, self._sink, self._update_ranges(had_grad))
+        self.updater.update(self.grads, factor, self._sink, self._update_ranges(had))
         return True
-
-    def _device_factor(self) -> float | torch.Tensor:
-        """The clip factor of gradients on an accelerator, as a device tensor: the norm is
-        never brought to the host, so the step queues its kernels without waiting for the
-        backward's. (float16 needs the overflow flag on the host and takes the other path.)"""
-        max_norm = self.cfg.optimizer.max_grad_norm
-        if max_norm is None:
-            return 1.0
-        assert self.grads is not None
-        sq = torch.linalg.vector_norm(self.grads, dtype=torch.float32).square().reshape(1)
-        if self.stage > 0:
-            self.comm.all_reduce(sq)
-        norm = sq.sqrt()
-        self._grad_norm = norm
-        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
     @property
     def last_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (with clipping on). Reading it after a
-        step on an accelerator waits for that step's norm."""
-        norm = self._grad_norm
-        return float(norm.item()) if isinstance(norm, torch.Tensor) else norm
+        """The global gradient norm of the last step (with clipping on)."""
+        return self._grad_norm
 
     def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """New values for rank-flat [lo, hi): hand every unit completed by them to

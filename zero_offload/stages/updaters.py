@@ -120,7 +120,7 @@ class DeviceAdam(_ResidentAdam):
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
                sink: Sink, ranges: list[tuple[int, int, int]] | None = None) -> None:
-        """``factor`` may be a device tensor (the clip factor, never brought to the host)."""
+        """``factor`` may also be a device tensor."""
         start = time.perf_counter()
         assert grads is not None
         grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
