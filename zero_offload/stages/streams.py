@@ -58,7 +58,7 @@ class Streams:
         with torch.cuda.stream(self.h2d):
             out = torch.empty(host.shape, dtype=dtype, device=self.device)
             out.copy_(host, non_blocking=True)
-            copied = Event()
+            copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
             copied.record(self.h2d)
         self._last_h2d = copied
         return out, copied
@@ -73,7 +73,7 @@ class Streams:
         self.d2h.wait_stream(self._current())
         with torch.cuda.stream(self.d2h):
             out.copy_(values, non_blocking=True)
-            copied = Event()
+            copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
             copied.record(self.d2h)
         values.record_stream(self.d2h)
         return copied
