@@ -68,7 +68,7 @@ class HostGradQueue:
             if staging is not None:
                 self._free.put(staging)
 
-    def flush(self) -> None:
+    def _wait(self) -> None:
         """Wait until every piece is in the target; raise the first failure."""
         error: BaseException | None = None
         while self._pending:
@@ -79,8 +79,13 @@ class HostGradQueue:
         if error is not None:
             raise error
 
+    def flush(self) -> None:
+        """Every piece is in the target, and the target flushed; raise the first failure."""
+        self._wait()
+        self.target.flush()
+
     def zero_grad(self) -> None:
-        self.flush()
+        self._wait()
         self.target.zero_grad()
 
     def add_to(self, report: MemoryReport) -> None:
@@ -89,6 +94,6 @@ class HostGradQueue:
 
     def close(self) -> None:
         try:
-            self.flush()
+            self._wait()
         finally:
             self._worker.shutdown(wait=True)

@@ -213,12 +213,15 @@ class NvmeAdam:
         del self._covered[i]
         self._evict(i)
 
-    def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, all finite) of the summed gradients. Sub-groups that got only
-        some pieces since their last write (late pieces reduced at the step) are written
-        first."""
+    def flush(self) -> None:
+        """Write out the sub-groups that got only some pieces since their last write (late
+        pieces reduced at the step; after a whole backward every sub-group is complete)."""
         for i in list(self._covered):
             self._flush_grad(i)
+
+    def grad_stats(self) -> tuple[float, bool]:
+        """(sum of squares, all finite) of the summed gradients."""
+        self.flush()
         sumsq = sum(sq for sq, _ in self._stats.values())
         return sumsq, all(finite for _, finite in self._stats.values())
 
