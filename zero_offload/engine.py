@@ -19,6 +19,7 @@ import torch.nn as nn
 from .comm import Comm
 from .config import ZeroConfig, build_config
 from .ledger import MemoryReport
+from .optimizer_state import attach_state_dict
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.stepper import ShardStepper
@@ -146,6 +147,7 @@ class Engine:
         self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
+        attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
