@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,3 +274,65 @@ def test_consolidation_memory_is_one_copy_of_the_params(tmp_path):
     grown = int(proc.stdout.split()[-1])
     largest = 2048 * 2048 * 4
     assert grown <= params * 4 + 1.5 * largest, f"grew {grown / 2**20:.0f} MiB"
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def test_checkpoint_files_are_plain_data_and_the_rng_streams_come_back(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1e-2)
+    _steps(engine, 0, 1, 0, 1)
+    random.seed(3)
+    np.random.seed(4)
+    folder = engine.save_checkpoint(tmp_path)
+    want = _draws()
+    for extra in folder.glob("*.pt"):  # no allowlist needed: tensors and plain data only
+        torch.load(extra, weights_only=True)
+    _draws()
+    engine.load_checkpoint(tmp_path)
+    got = _draws()
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+def test_extra_file_of_the_previous_version_still_loads(tmp_path):
+    """Before, the numpy RNG state was stored as numpy's own tuple with an array in it."""
+    engine = zo.initialize(TinyGPT(), stage=1)
+    np.random.seed(4)
+    folder = engine.save_checkpoint(tmp_path)
+    want = np.random.rand()
+    path = folder / "rank0.extra.pt"
+    extra = torch.load(path, weights_only=True)
+    np.random.seed(4)
+    extra["rng"]["numpy"] = np.random.get_state()
+    torch.save(extra, path)
+    np.random.seed(0)
+    engine.load_checkpoint(tmp_path)
+    assert np.random.rand() == want
+
+
+class _Payload:
+    """What a malicious checkpoint carries: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.mark.parametrize("reader", ["load_checkpoint", "consolidate"])
+def test_poisoned_checkpoint_file_is_refused_and_runs_nothing(tmp_path, reader):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    folder = engine.save_checkpoint(tmp_path / "ck")
+    marker = tmp_path / "payload-ran"
+    extra = torch.load(folder / "rank0.extra.pt", weights_only=True)
+    extra["lr_scheduler"] = _Payload(marker)
+    torch.save(extra, folder / "rank0.extra.pt")
+    with pytest.raises(CheckpointError, match=r"rank0\.extra\.pt: refused"):
+        if reader == "load_checkpoint":
+            engine.load_checkpoint(tmp_path / "ck")
+        else:
+            zo.consolidate_checkpoint(tmp_path / "ck")
+    assert not marker.exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .format import CheckpointError, pieces, read_manifest, resolve_tag, verify_rank_file
+from .format import CheckpointError, load_plain, pieces, read_manifest, resolve_tag, verify_rank_file
 from .load import _Reader
 
 __all__ = ["consolidate_checkpoint"]
@@ -52,10 +52,7 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
                 state[slot.name] = tensor.view(slot.shape)
     finally:
         reader.close()
-    extra_path = folder / "rank0.extra.pt"
-    if not extra_path.exists():
-        raise CheckpointError(f"{extra_path}: missing")
-    buffers = torch.load(extra_path, weights_only=False).get("buffers", {})
+    buffers = load_plain(folder / "rank0.extra.pt").get("buffers", {})
     state.update(buffers)
     if out is not None:
         _save(state, manifest.aliases, Path(out))

@@ -63,11 +63,18 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     return RankRecord(path.name, numel, crcs)
 
 
+def _numpy_rng() -> tuple:
+    """numpy's RNG state with its uint32 key array as an int64 tensor: plain data that
+    ``torch.load(weights_only=True)`` reads back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached
+
+
 def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
     extra: dict[str, Any] = {
         **engine.training_state(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                "numpy": _numpy_rng(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }
     if engine.comm.rank == 0:
