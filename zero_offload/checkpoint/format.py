@@ -1,6 +1,7 @@
 """The checkpoint format: one folder per tag, a state file per rank, a manifest written last.
 
-    DIR/latest                 the tag of the last complete checkpoint (replaced atomically)
+    DIR/latest                 the tag of the last complete checkpoint (replaced atomically;
+                               ``tags`` says how a tag is taken over)
     DIR/<tag>/manifest.json    format version, world size, stage, dtypes, the unit layouts
                                (original parameter names, shapes, offsets), per-rank checksums
     DIR/<tag>/rank<r>.state    rank r's flat fp32 shards: [master | exp_avg | exp_avg_sq],
@@ -27,12 +28,11 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "SlotRecord", "UnitRecord", "RankRecord",
-           "Manifest", "read_manifest", "resolve_tag", "pieces", "verify_rank_file",
+           "Manifest", "read_manifest", "pieces", "verify_rank_file",
            "write_atomically", "fsync_dir", "SECTIONS", "load_plain"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-LATEST = "latest"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
 
@@ -103,19 +103,6 @@ class Manifest:
 
     def slots_by_name(self) -> dict[str, tuple[UnitRecord, SlotRecord]]:
         return {s.name: (u, s) for u in self.units for s in u.slots}
-
-
-def resolve_tag(directory: Path, tag: str | None) -> str:
-    """``tag``, or the one ``DIR/latest`` names."""
-    if tag is not None:
-        return tag
-    latest = directory / LATEST
-    try:
-        return latest.read_text().strip()
-    except FileNotFoundError as exc:
-        raise CheckpointError(
-            f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
-            "to pick one") from exc
 
 
 def read_manifest(folder: Path) -> Manifest:

@@ -19,7 +19,8 @@ import torch
 from ..stages.units import persistent_buffers
 from ..partition import mismatch_message
 from .format import (CheckpointError, Manifest, load_plain, pieces, read_manifest,
-                     resolve_tag, section_offset, verify_rank_file)
+                     section_offset, verify_rank_file)
+from .tags import resolve_tag, tag_folder
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -112,7 +113,7 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     Collective: every rank must call it."""
     root = Path(directory)
     tag = resolve_tag(root, tag)
-    folder = root / tag
+    folder = tag_folder(root, tag)
     manifest = read_manifest(folder)
     check_names(manifest, {n: tuple(s.shape) for u in engine.units for n, s in
                            zip(u.names, u.layout.slots)}, folder / "manifest.json")

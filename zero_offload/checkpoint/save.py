@@ -1,15 +1,14 @@
 """Save: every rank streams its optimizer tier into its own file; rank 0 commits.
 
 Atomic at every step: ranks write into ``DIR/.<tag>.partial`` under temporary names, fsync and
-rename; rank 0 writes the manifest last, renames the folder to ``DIR/<tag>`` and only then
-moves ``latest``. A process killed at any point leaves the previous checkpoint and ``latest``
-as they were. State held on NVMe is streamed sub-group by sub-group, never whole in memory.
+rename; rank 0 writes the manifest last, makes the folder the tag's checkpoint (``tags``) and
+only then moves ``latest``. A process killed at any point leaves a complete checkpoint under
+every tag that had one, and ``latest`` naming one. State held on NVMe is streamed sub-group by sub-group, never whole in memory.
 """
 from __future__ import annotations
 
 import os
 import random
-import shutil
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +17,9 @@ import numpy as np
 import torch
 
 from ..stages.units import persistent_buffers
-from .format import (LATEST, MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
+from .format import (MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
                      section_offset, write_atomically)
+from .tags import LATEST, check_tag, commit_tag, recover_tag
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -102,13 +102,11 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     Collective: every rank must call it."""
     comm = engine.comm
     root = Path(directory)
-    tag = tag or f"step{engine.global_steps}"
-    if "/" in tag or tag in ("", ".", "..", LATEST) or tag.startswith("."):
-        raise ValueError(f"tag={tag!r} is not a valid checkpoint name")
-    partial, final = root / f".{tag}.partial", root / tag
+    tag = check_tag(f"step{engine.global_steps}" if tag is None else tag)
+    partial = root / f".{tag}.partial"
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left behind
+        recover_tag(root, tag)  # what a stopped save left behind
         partial.mkdir()
     comm.barrier()
     rank = comm.rank
@@ -120,16 +118,8 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
         manifest = _manifest(engine, records)
         write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
         fsync_dir(partial)
-        if final.exists():
-            old = root / f".{tag}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        fsync_dir(root)
+        commit_tag(root, tag)
         write_atomically(root / LATEST, lambda f: f.write(tag.encode()))
         fsync_dir(root)
     comm.barrier()
-    return final
+    return root / tag

@@ -36,7 +36,7 @@ from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
-__all__ = ["NvmeAdam", "IncompleteStepError", "grads_fit_in_host", "sub_group_numel"]
+__all__ = ["IncompleteStepError", "NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
 
 log = logging.getLogger(__name__)
 
