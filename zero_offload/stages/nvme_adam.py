@@ -303,21 +303,25 @@ class NvmeAdam:
         """After a failed step: wait for the requests still in flight and give the buffers
         back. Nothing changed: the state is as before. Otherwise its files are dropped and
         the optimizer refuses to run until the state is loaded again."""
+        if changed:
+            self._stale = set(range(len(self.bounds)))
+            self._stale_cause = f"{type(exc).__name__}: {exc}"
         with self._busy_lock:
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for i in range(len(self.bounds)):
-            if changed:
-                self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
-            else:
-                self.swapper.release(self._key(i))
-            if self.grad_swapper is not None:
-                self.grad_swapper.release(self._grad_key(i))
+            try:
+                if changed:
+                    self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
+                else:
+                    self.swapper.release(self._key(i))
+                if self.grad_swapper is not None:
+                    self.grad_swapper.release(self._grad_key(i))
+            except OSError as err:  # the disk may be gone; the state is marked already
+                log.warning("cleaning up after the failed step: %s", err)
         if not changed:
             log.warning("optimizer step failed before any state changed (%s); the state is "
                         "as before the step", exc)
             return
-        self._stale = set(range(len(self.bounds)))
-        self._stale_cause = f"{type(exc).__name__}: {exc}"
         log.error("optimizer step failed after updating %d of %d sub-groups (%s); the state "
                   "must be loaded again", len(changed), len(self.bounds), self._stale_cause)
         raise IncompleteStepError(
