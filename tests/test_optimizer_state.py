@@ -139,3 +139,37 @@ def test_a_state_dict_of_another_layout_or_optimizer_is_refused(tmp_path):
     assert three.optimizer_steps == 0
     one.close()
     three.close()
+
+
+@pytest.mark.parametrize("stage,limit", [(1, None), (3, 128 << 10)])  # 128 KiB: grads on NVMe
+def test_round_trip_with_frozen_parameters(tmp_path, stage, limit):
+    """Frozen parameters have no optimizer state (as with torch): the state dict covers the
+    trainable ones, and the engine it is loaded into keeps its own frozen values."""
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*(torch.nn.Linear(96, 96) for _ in range(4)))
+        m[0].requires_grad_(False)
+        m[2].weight.requires_grad_(False)
+        return m
+
+    def run(engine, start, end):
+        for i in range(start, end):
+            x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x).square().mean())
+            assert engine.step()
+
+    kw = dict(stage=stage, lr=1e-2, offload_optimizer="nvme", nvme_path=tmp_path,
+              host_memory_limit=limit, sub_group_size=4096)
+    a = zo.initialize(model(), **kw)
+    run(a, 0, 2)
+    saved = a.optimizer.state_dict()
+    run(a, 2, 4)
+    straight = a.full_state_dict()
+    a.close()
+    b = zo.initialize(model(), **kw)
+    b.optimizer.load_state_dict(saved)
+    run(b, 2, 4)
+    resumed = b.full_state_dict()
+    b.close()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
