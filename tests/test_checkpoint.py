@@ -440,3 +440,33 @@ def test_killed_between_the_renames_of_a_tag_still_loads(tmp_path):
         other = zo.initialize(TinyGPT(), stage=2)
         assert other.load_checkpoint(root, tag=tag) == "best"
     assert zo.consolidate_checkpoint(root)  # and consolidation finds it too
+
+
+class _NumpyStepLR(torch.optim.lr_scheduler.StepLR):
+    """Scheduler state with numpy numbers in it, as user code often produces."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "best": np.float64(0.25), "history": np.arange(3)}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("best", "history")})
+
+
+class _Opaque:
+    pass
+
+
+def test_scheduler_state_is_stored_as_plain_data_or_refused_before_writing(tmp_path):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    sched = _NumpyStepLR(engine.optimizer, step_size=1)
+    engine.save_checkpoint(tmp_path / "ok", lr_scheduler=sched)
+    other = zo.initialize(TinyGPT(), stage=1)
+    sched2 = _NumpyStepLR(other.optimizer, step_size=1)
+    other.load_checkpoint(tmp_path / "ok", lr_scheduler=sched2)
+    assert sched2.loaded["best"] == 0.25 and torch.equal(sched2.loaded["history"],
+                                                         torch.arange(3))
+    sched.opaque = _Opaque()  # StepLR.state_dict() carries every attribute
+    with pytest.raises(CheckpointError, match="lr_scheduler state holds objects other than"):
+        engine.save_checkpoint(tmp_path / "bad", lr_scheduler=sched)
+    assert not (tmp_path / "bad").exists()

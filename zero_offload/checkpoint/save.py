@@ -7,6 +7,7 @@ every tag that had one, and ``latest`` naming one. State held on NVMe is streame
 """
 from __future__ import annotations
 
+import io
 import os
 import random
 import zlib
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 
 from ..stages.units import persistent_buffers
-from .format import (MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
-                     section_offset, write_atomically)
+from .format import (MANIFEST, CheckpointError, Manifest, RankRecord, SlotRecord, UnitRecord,
+                     fsync_dir, section_offset, write_atomically)
 from .tags import LATEST, check_tag, commit_tag, recover_tag
 
 if TYPE_CHECKING:
@@ -79,9 +80,45 @@ def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
     }
     if engine.comm.rank == 0:
         extra["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
+    extra = _plain(extra)
+    _check_plain(extra)
+    if engine.comm.rank == 0:
         extra["buffers"] = {k: v.detach().cpu()
                             for k, v in persistent_buffers(engine.module).items()}
     return extra
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (common in lr scheduler states) as Python numbers and
+    tensors, which ``torch.load(weights_only=True)`` reads."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_plain, value)) if type(value) in (list, tuple) \
+            else [_plain(v) for v in value]
+    return value
+
+
+def _check_plain(extra: dict) -> None:
+    """Refuse now what loading would refuse: state that is not tensors and plain data."""
+    for key, value in extra.items():
+        if key == "buffers":  # tensors by construction
+            continue
+        data = io.BytesIO()
+        torch.save(value, data)
+        data.seek(0)
+        try:
+            torch.load(data, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - whatever weights_only refuses
+            raise CheckpointError(
+                f"save_checkpoint: the {key} state holds objects other than tensors and plain "
+                f"data, which a checkpoint does not store (loading them could run code); "
+                f"keep such state out of state_dict(): {str(exc).strip().splitlines()[-1]}"
+            ) from exc
 
 
 def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
@@ -103,6 +140,7 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     comm = engine.comm
     root = Path(directory)
     tag = check_tag(f"step{engine.global_steps}" if tag is None else tag)
+    extra = _extra_state(engine, lr_scheduler)  # checked before anything is written
     partial = root / f".{tag}.partial"
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -111,7 +149,6 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     comm.barrier()
     rank = comm.rank
     record = _write_state(engine, partial / f"rank{rank}.state")
-    extra = _extra_state(engine, lr_scheduler)
     write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
     records = comm.all_gather_object(record)
     if rank == 0:
