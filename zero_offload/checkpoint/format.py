@@ -161,8 +161,10 @@ def verify_rank_file(path: Path, record: RankRecord, chunk: int = 1 << 26) -> No
 def _numpy_rng_types() -> list[Any]:
     """What the numpy RNG state (an uint32 array) of older extra files needs unpickled: array
     reconstruction and dtypes, under numpy 1's and numpy 2's module names. None runs code."""
-    core = getattr(np, "_core", None) or np.core
-    rebuild = core.multiarray._reconstruct
+    try:
+        from numpy._core.multiarray import _reconstruct as rebuild  # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct as rebuild
     return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"),
             (rebuild, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype,
             type(np.dtype(np.uint32))]

@@ -3,7 +3,8 @@
 Atomic at every step: ranks write into ``DIR/.<tag>.partial`` under temporary names, fsync and
 rename; rank 0 writes the manifest last, makes the folder the tag's checkpoint (``tags``) and
 only then moves ``latest``. A process killed at any point leaves a complete checkpoint under
-every tag that had one, and ``latest`` naming one. State held on NVMe is streamed sub-group by sub-group, never whole in memory.
+every tag that had one, and ``latest`` naming one. State held on NVMe is streamed sub-group by
+sub-group, never whole in memory.
 """
 from __future__ import annotations
 
