@@ -1,4 +1,4 @@
-"""ctypes binding of ``kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
+"""ctypes binding of ``zero_offload/kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
 
 Why a functional API: the engine updates flat fp32 master shards whose m and v may live in
 NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on
@@ -99,7 +99,8 @@ def _load_cached(cc: str, cache: str) -> NativeKernel | str:
         if lib.zo_abi_version() != ABI_VERSION or lib.zo_num_hp() != NUM_HP:
             raise KernelBuildError(
                 f"kernel ABI {lib.zo_abi_version()} does not match the binding's "
-                f"{ABI_VERSION}: kernels/ and zero_offload/ come from different versions"
+                f"{ABI_VERSION}: zero_offload/kernels/ and the binding come from different "
+                "versions (reinstall zero_offload)"
             )
         native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
         logger.info("CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path,
