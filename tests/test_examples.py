@@ -37,6 +37,25 @@ def test_train_gpt_under_torchrun():
     assert "stage 2" in out and "tokens/s" in out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.large
+def test_train_gpt_small_preset_everything_on_nvme_under_torchrun(tmp_path):
+    """4 ranks, the small preset, stage 3, bf16, optimizer and params on NVMe: at the old
+    default lr (3e-3 for every preset) the loss spiked at step 4 and the script exited 1."""
+    out = _ok(_run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                   "examples/train_gpt.py", "--preset", "small", "--stage", "3",
+                   "--dtype", "bfloat16", "--offload-optimizer", "nvme",
+                   "--offload-param", "nvme", "--nvme-path", str(tmp_path), "--steps", "4",
+                   timeout=600))
+    assert "step 4/4  loss" in out and "offload optimizer=nvme param=nvme" in out
+
+
+def test_train_gpt_nvme_without_a_path_uses_a_temporary_folder():
+    out = _ok(_run("examples/train_gpt.py", "--stage", "2", "--steps", "2",
+                   "--offload-optimizer", "nvme"))
+    assert "offload optimizer=nvme" in out
+
+
 def test_finetune_13b_shrunk_with_cpu_optimizer():
     out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3",
                    "--offload-optimizer", "cpu"))
