@@ -265,7 +265,11 @@ def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
         if kwargs:
             raise ConfigError("pass either a ZeroConfig or keyword arguments, not both")
         return config
-    values = {**_load(config), **kwargs}
+    loaded = _load(config)
+    from .ds_config import is_deepspeed, translate  # above this module: imported on use
+    if is_deepspeed(loaded):
+        loaded = translate(loaded)
+    values = {**loaded, **kwargs}
     keys = _flat_keys()
     unknown = [k for k in values if k not in keys]
     if unknown:
