@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # this checkout
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -82,3 +82,22 @@ def test_finetune_13b_stops_when_nothing_fits():
                "--gpu-memory", "8GB", "--host-memory", "16GB")
     assert res.returncode == 1
     assert "nothing fits" in res.stdout and "nothing fits" in res.stderr
+
+
+def test_hf_trainer_stage3_nvme_logs_to_tensorboard(tmp_path):
+    """Trainer + zero_offload (stage 3, NVMe) in one command; the loss falls and the step stats
+    land in TensorBoard event files next to Trainer's own scalars."""
+    pytest.importorskip("transformers")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator")
+    out = _ok(_run("examples/hf_trainer.py", "--steps", "10", "--output-dir",
+                   str(tmp_path / "run"), "--nvme-path", str(tmp_path)))
+    first, last = (float(x) for x in out.split("loss ")[-1].split(";")[0].split(" -> "))
+    assert "10 steps" in out and last < first
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    events = list((tmp_path / "run" / "runs").rglob("events.out.tfevents.*"))
+    acc = event_accumulator.EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/zero_offload/step_s",
+            "train/zero_offload/nvme_read_s", "train/zero_offload/adam_s"} <= tags, tags
