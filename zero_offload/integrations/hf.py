@@ -43,7 +43,8 @@ from ..ds_config import is_deepspeed, translate
 from ..engine import Engine, initialize
 from .stats import step_stats
 
-__all__ = ["ZeroOffloadTrainer", "EngineModule", "EngineOptimizer"]
+__all__ = ["ZeroOffloadTrainer", "ZeroOffloadMixin", "zero_offload_trainer", "EngineModule",
+           "EngineOptimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,9 @@ def engine_keywords(args: Any, model: nn.Module,
     return kw
 
 
-class ZeroOffloadTrainer(Trainer):
-    """``transformers.Trainer`` training through a zero_offload engine; ``zero_offload``:
-    ``initialize`` keywords, a JSON file of them, or a DeepSpeed config (dict or file)."""
+class ZeroOffloadMixin:
+    """The overrides that put a zero_offload engine under a ``Trainer`` (sub)class; mixed in
+    before it (:class:`ZeroOffloadTrainer`, :func:`zero_offload_trainer`)."""
 
     def __init__(self, *args: Any,
                  zero_offload: Mapping[str, Any] | str | os.PathLike | None = None,
@@ -266,3 +267,16 @@ class ZeroOffloadTrainer(Trainer):
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self.engine is None:
             super()._load_scaler(checkpoint)
+
+
+class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
+    """``transformers.Trainer`` training through a zero_offload engine; ``zero_offload``:
+    ``initialize`` keywords, a JSON file of them, or a DeepSpeed config (dict or file)."""
+
+
+def zero_offload_trainer(trainer_class: type) -> type:
+    """The same for a Trainer subclass, e.g. TRL's:
+    ``zero_offload_trainer(SFTTrainer)(model=..., args=..., zero_offload=dict(stage=3))``."""
+    if not issubclass(trainer_class, Trainer):
+        raise TypeError(f"{trainer_class.__name__} is not a transformers.Trainer subclass")
+    return type(f"ZeroOffload{trainer_class.__name__}", (ZeroOffloadMixin, trainer_class), {})
