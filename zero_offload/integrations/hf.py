@@ -41,6 +41,7 @@ from transformers import Trainer
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..engine import Engine, initialize
+from .common import EngineOptimizer
 from .stats import step_stats
 
 __all__ = ["ZeroOffloadTrainer", "ZeroOffloadMixin", "zero_offload_trainer", "EngineModule",
@@ -64,46 +65,6 @@ class EngineModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine(*args, **kwargs)
-
-
-class EngineOptimizer(torch.optim.Optimizer):
-    """Trainer's optimizer: the engine's ``param_groups`` and ``step``. Its state is in the
-    engine's checkpoints, not in ``state_dict()`` (with NVMe it is not in memory at all)."""
-
-    def __init__(self, engine: Engine) -> None:  # no super().__init__: the engine owns params
-        self.engine = engine
-        self.applied = True  # the last step updated the parameters (False: fp16 overflow)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.engine.optimizer.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.engine.optimizer.defaults
-
-    @property
-    def state(self) -> dict:
-        return {}
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            raise ValueError("zero_offload's optimizer step takes no closure")
-        self.applied = self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the engine's step drops the gradients it applied."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict:
-            raise ValueError("zero_offload's optimizer state is restored with the engine "
-                             "checkpoint (resume_from_checkpoint), not load_state_dict")
-
-    def __repr__(self) -> str:
-        return f"EngineOptimizer(stage={self.engine.stage})"
 
 
 def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
