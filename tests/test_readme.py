@@ -44,3 +44,11 @@ def test_use_with_hugging_face_trainer(tmp_path):
     final = tmp_path / "out" / "final"
     assert (final / "model.safetensors").exists() and (final / "config.json").exists()
     assert (tmp_path / "out" / "checkpoint-2" / "zero_offload" / "latest").exists()
+
+
+def test_use_with_lightning(tmp_path):
+    pytest.importorskip("lightning")
+    (code,) = blocks("Use with Lightning", "python")
+    out = run([sys.executable, "-c", code], tmp_path)
+    ckpt = tmp_path / "regressor.ckpt"
+    assert (ckpt / "lightning.pt").exists() and (ckpt / "latest").exists()

@@ -94,11 +94,11 @@ class ZeroOffloadStrategy(DDPStrategy):
                                   " zero_offload clips by the global norm; use 'norm'")
             kw["max_grad_norm"] = float(trainer.gradient_clip_val)
         precision = str(trainer.precision)
-        if precision.startswith("bf16"):
+        if precision == "bf16-mixed":  # autocast runs the bf16 parameters on fp32 inputs
             kw["dtype"] = torch.bfloat16
         elif precision not in ("32-true", "32"):
-            raise ConfigError(f"precision={precision!r}: use '32-true' or 'bf16-mixed' / "
-                              "'bf16-true' (float16 goes through the engine: dtype=torch.float16)")
+            raise ConfigError(f"precision={precision!r}: use '32-true' or 'bf16-mixed' with "
+                              "ZeroOffloadStrategy")
         user = _load(self.zero_offload_config)
         if is_deepspeed(user):
             user = translate(user, allow=("scheduler",))
