@@ -30,6 +30,7 @@ import numpy as np
 import psutil
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from zero_offload.native import KernelBuildError, cache_dir, compiler, load_library
 
@@ -293,6 +294,7 @@ def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
         out.view(-1).copy_(param.view(-1))
 
 
+@record_function("zero_offload.cpu_adam")
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                 step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adamw: bool = True, out: Tensor | None = None,

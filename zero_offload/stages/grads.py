@@ -14,6 +14,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 import torch
+from torch.profiler import record_function
 
 from ..comm import Comm, Handle
 from .units import FlatUnit
@@ -100,6 +101,7 @@ class GradReducer:
         if unit.pending_grads == 0 and not unit.grads_reduced:
             self._reduce_unit(unit)
 
+    @record_function("zero_offload.reduce_scatter")
     def _reduce_unit(self, unit: FlatUnit) -> None:
         flat = self._flat_grads(unit)
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
@@ -132,6 +134,7 @@ class GradReducer:
             self.target.flush()
 
     # -- stages 0-1 ------------------------------------------------------------------------
+    @record_function("zero_offload.reduce")
     def reduce_accumulated(self) -> None:
         """At the step: reduce the gradients autograd accumulated in ``param.grad``."""
         if self.stage >= 2:
