@@ -71,6 +71,7 @@ def run_case(root: str, index: int, name: str, config, rank: int) -> dict:
 
     plain = Trainer(model=make(name), args=arguments(f"{tag}/plain"), train_dataset=dataset())
     plain.train()
+    res["plain_eval_loss"] = plain.evaluate(dataset()[:8])["eval_loss"]
     ref = params(plain.model)
     start = params(make(name))
     res["moved_lr"] = diff_lr(ref, start)
@@ -79,6 +80,7 @@ def run_case(root: str, index: int, name: str, config, rank: int) -> dict:
                                                              save_steps=STEPS // 2),
                             train_dataset=dataset(), zero_offload=config)
     zo.train()
+    res["eval_loss"] = zo.evaluate(dataset()[:8])["eval_loss"]  # forward through the engine
     full = zo.engine.full_state_dict()
     zo.save_model(f"{tag}/final")
     logged = [h for h in zo.state.log_history if "loss" in h]

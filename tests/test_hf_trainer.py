@@ -6,7 +6,8 @@ hf_trainer_worker.py) and shows:
 - the trained weights match plain Trainer with torch AdamW (DDP across ranks), with Trainer's
   linear lr schedule with warmup, gradient accumulation and max_grad_norm clipping, within the
   equivalence criterion (0.03 lr in fp32);
-- the lr Trainer logs is the one its scheduler set, and the losses match;
+- the lr Trainer logs is the one its scheduler set, and the losses match, in training and in
+  ``evaluate`` (which runs the model through the engine too);
 - a run resumed from the checkpoint saved halfway ends exactly where the uninterrupted one did;
 - save_model writes consolidated safetensors that from_pretrained loads to the engine's weights;
 - every logged step carries the engine's step stats and the gradient norm.
@@ -88,6 +89,7 @@ def test_trainer_matches_plain_trainer_and_resumes(results, case):
     assert r["max_diff_lr"] <= 0.03, f"max |diff| = {r['max_diff_lr']:.4f} lr"
     assert r["lrs"] == r["plain_lrs"] and len(r["lrs"]) == 4
     assert r["losses"] == pytest.approx(r["plain_losses"], rel=1e-4)
+    assert r["eval_loss"] == pytest.approx(r["plain_eval_loss"], rel=1e-4)
     assert r["resume_diff_lr"] == 0.0, "resumed run must end where the uninterrupted one did"
     assert r["saved_diff_lr"] == 0.0
     assert "model.safetensors" in r["saved_files"]
