@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -80,7 +81,6 @@ def strategy_for(case):
 
 def run_case(root: str, index: int, case, rank: int) -> dict:
     tag = f"{root}/case{index}"
-    world = int(os.environ.get("WORLD_SIZE", 1))
     res: dict = {}
     plain = weights(*fit("ddp", 2))  # the same distributed sampler (data order) as ours
     start = LitGPT().state_dict()
@@ -96,7 +96,7 @@ def run_case(root: str, index: int, case, rank: int) -> dict:
         res["max_diff_lr"] = max((full[k] - plain[k]).abs().max().item() for k in plain) / LR
         res["resume_diff_lr"] = max((resumed[k] - full[k]).abs().max().item() for k in full) / LR
         res["checkpoint_files"] = sorted(os.listdir(f"{tag}/half.ckpt"))
-        metrics = next(iter(__import__("pathlib").Path(f"{tag}/logs").rglob("metrics.csv")))
+        metrics = next(Path(f"{tag}/logs").rglob("metrics.csv"))
         with open(metrics) as f:
             res["logged"] = sorted(next(csv.reader(f)))
     return res

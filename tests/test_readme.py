@@ -49,6 +49,6 @@ def test_use_with_hugging_face_trainer(tmp_path):
 def test_use_with_lightning(tmp_path):
     pytest.importorskip("lightning")
     (code,) = blocks("Use with Lightning", "python")
-    out = run([sys.executable, "-c", code], tmp_path)
+    run([sys.executable, "-c", code], tmp_path)
     ckpt = tmp_path / "regressor.ckpt"
     assert (ckpt / "lightning.pt").exists() and (ckpt / "latest").exists()
