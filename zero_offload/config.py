@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 import torch
 
+from .ds_config import is_deepspeed, translate
+from .errors import ConfigError
+
 __all__ = [
     "ConfigError",
     "OptimizerConfig",
@@ -38,10 +41,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 _OFFLOAD_TARGETS = ("none", "cpu", "nvme")
-
-
-class ConfigError(ValueError):
-    """A configuration value a user can fix; the message names the key and the fix."""
 
 
 def _bad(key: str, value: Any, allowed: str) -> ConfigError:
@@ -266,7 +265,6 @@ def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
             raise ConfigError("pass either a ZeroConfig or keyword arguments, not both")
         return config
     loaded = _load(config)
-    from .ds_config import is_deepspeed, translate  # above this module: imported on use
     if is_deepspeed(loaded):
         loaded = translate(loaded)
     values = {**loaded, **kwargs}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from .config import ConfigError
+from .errors import ConfigError
 
 __all__ = ["is_deepspeed", "translate", "AUTO"]
 

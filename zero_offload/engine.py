@@ -359,6 +359,12 @@ class Engine:
         return self.stepper.last_grad_norm
 
     @property
+    def skipped_steps(self) -> int:
+        """float16 steps skipped on overflow so far."""
+        scaler = self.stepper.scaler
+        return scaler.skipped_steps if scaler else 0
+
+    @property
     def last_step_timings(self) -> StepTimings:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
         return self.stepper.updater.last_timings

@@ -42,7 +42,6 @@ def summarize(engine: Any, applied: bool) -> dict[str, float]:
     """The flat, loggable stats of the step that just ended (numbers only)."""
     clock: StepClock = engine.clock
     t = engine.last_step_timings
-    scaler = engine.stepper.scaler
     out: dict[str, float] = {
         "forward_s": clock.seconds.get("forward", 0.0),
         "backward_s": clock.seconds.get("backward", 0.0),
@@ -51,7 +50,7 @@ def summarize(engine: Any, applied: bool) -> dict[str, float]:
         "optimizer_wall_s": t.wall_s,
         "applied": float(applied),
         "loss_scale": float(engine.loss_scale),
-        "skipped_steps": float(scaler.skipped_steps if scaler else 0),
+        "skipped_steps": float(engine.skipped_steps),
     }
     if t.bytes_read or t.bytes_written:  # the optimizer state is on NVMe
         out["nvme_read_s"] = t.read_s
