@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,3 +275,198 @@ def test_consolidation_memory_is_one_copy_of_the_params(tmp_path):
     grown = int(proc.stdout.split()[-1])
     largest = 2048 * 2048 * 4
     assert grown <= params * 4 + 1.5 * largest, f"grew {grown / 2**20:.0f} MiB"
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def test_checkpoint_files_are_plain_data_and_the_rng_streams_come_back(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1e-2)
+    _steps(engine, 0, 1, 0, 1)
+    random.seed(3)
+    np.random.seed(4)
+    folder = engine.save_checkpoint(tmp_path)
+    want = _draws()
+    for extra in folder.glob("*.pt"):  # no allowlist needed: tensors and plain data only
+        torch.load(extra, weights_only=True)
+    _draws()
+    engine.load_checkpoint(tmp_path)
+    got = _draws()
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+def test_extra_file_of_the_previous_version_still_loads(tmp_path):
+    """Before, the numpy RNG state was stored as numpy's own tuple with an array in it."""
+    engine = zo.initialize(TinyGPT(), stage=1)
+    np.random.seed(4)
+    folder = engine.save_checkpoint(tmp_path)
+    want = np.random.rand()
+    path = folder / "rank0.extra.pt"
+    extra = torch.load(path, weights_only=True)
+    np.random.seed(4)
+    extra["rng"]["numpy"] = np.random.get_state()
+    torch.save(extra, path)
+    np.random.seed(0)
+    engine.load_checkpoint(tmp_path)
+    assert np.random.rand() == want
+
+
+class _Payload:
+    """What a malicious checkpoint carries: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.mark.parametrize("reader", ["load_checkpoint", "consolidate"])
+def test_poisoned_checkpoint_file_is_refused_and_runs_nothing(tmp_path, reader):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    folder = engine.save_checkpoint(tmp_path / "ck")
+    marker = tmp_path / "payload-ran"
+    extra = torch.load(folder / "rank0.extra.pt", weights_only=True)
+    extra["lr_scheduler"] = _Payload(marker)
+    torch.save(extra, folder / "rank0.extra.pt")
+    with pytest.raises(CheckpointError, match=r"rank0\.extra\.pt: refused"):
+        if reader == "load_checkpoint":
+            engine.load_checkpoint(tmp_path / "ck")
+        else:
+            zo.consolidate_checkpoint(tmp_path / "ck")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("tag", ["latest", "latest.tmp", " best", "best ", "a/b", "..", ".best",
+                                 "", "best.partial", "best.replaced", "a\\b", "tab\there",
+                                 "x" * 201, 7])
+def test_bad_tags_are_refused_before_anything_is_written(tmp_path, tag):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    with pytest.raises(ValueError, match="cannot name a checkpoint"):
+        engine.save_checkpoint(tmp_path / "ck", tag=tag)
+    assert not (tmp_path / "ck").exists()
+    engine.save_checkpoint(tmp_path / "ck", tag="good")  # later saves are unaffected
+    assert engine.load_checkpoint(tmp_path / "ck") == "good"
+
+
+def _old_and_new(tmp_path):
+    """A folder whose tag 'best' (= latest) holds the state after 1 step; the engine is now
+    one step further."""
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1e-2)
+    _steps(engine, 0, 1, 0, 1)
+    engine.save_checkpoint(tmp_path / "template", tag="best")
+    old = engine.full_state_dict()
+    _steps(engine, 0, 1, 1, 2)
+    return engine, old, engine.full_state_dict()
+
+
+def _loads_old_or_new(folder, old, new, tag=None):
+    other = zo.initialize(TinyGPT(), stage=2, lr=1e-2)
+    other.load_checkpoint(folder, tag=tag)
+    got = other.full_state_dict()
+    if all(torch.equal(got[k], new[k]) for k in new):
+        return "new"
+    assert all(torch.equal(got[k], old[k]) for k in old)
+    return "old"
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_overwriting_a_tag_keeps_a_loadable_checkpoint_at_every_instant(tmp_path, monkeypatch):
+    """The save is stopped at each of its renames in turn (as a kill there would stop it):
+    the tag and latest load, the old or the new state, and the next save of the tag works."""
+    engine, old, new = _old_and_new(tmp_path)
+    real = os.replace
+    stopped_at = 0
+    while True:
+        folder = tmp_path / f"stop{stopped_at}"
+        shutil.copytree(tmp_path / "template", folder)
+        calls = []
+
+        def replace(src, dst):
+            calls.append(dst)
+            if len(calls) > stopped_at:
+                raise _Killed(dst)
+            return real(src, dst)
+        monkeypatch.setattr(os, "replace", replace)
+        try:
+            engine.save_checkpoint(folder, tag="best")
+            finished = True
+        except _Killed:
+            finished = False
+        monkeypatch.setattr(os, "replace", real)
+        assert _loads_old_or_new(folder, old, new) == ("new" if finished else
+                                                       _loads_old_or_new(folder, old, new, "best"))
+        if finished:
+            break
+        engine.save_checkpoint(folder, tag="best")  # after a stopped save: back to normal
+        assert _loads_old_or_new(folder, old, new) == "new"
+        assert sorted(os.listdir(folder)) == ["best", "latest"]
+        stopped_at += 1
+    assert stopped_at >= 5  # rank file, extra file, manifest, two renames of the tag, latest
+
+
+KILL_BETWEEN_RENAMES = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    import zero_offload as zo
+    from models import TinyGPT
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), stage=2)
+    real = os.replace
+    def replace(src, dst):
+        if os.path.basename(src) == ".best.partial":  # the second rename of the takeover
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(src, dst)
+    os.replace = replace
+    engine.save_checkpoint({root!r}, tag="best")
+""")
+
+
+def test_killed_between_the_renames_of_a_tag_still_loads(tmp_path):
+    engine, old, new = _old_and_new(tmp_path)
+    root = tmp_path / "template"
+    script = KILL_BETWEEN_RENAMES.format(tests=str(Path(__file__).parent), root=str(root))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert sorted(os.listdir(root)) == [".best.partial", ".best.replaced", "latest"]
+    for tag in (None, "best"):
+        other = zo.initialize(TinyGPT(), stage=2)
+        assert other.load_checkpoint(root, tag=tag) == "best"
+    assert zo.consolidate_checkpoint(root)  # and consolidation finds it too
+
+
+class _NumpyStepLR(torch.optim.lr_scheduler.StepLR):
+    """Scheduler state with numpy numbers in it, as user code often produces."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "best": np.float64(0.25), "history": np.arange(3)}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("best", "history")})
+
+
+class _Opaque:
+    pass
+
+
+def test_scheduler_state_is_stored_as_plain_data_or_refused_before_writing(tmp_path):
+    engine = zo.initialize(TinyGPT(), stage=1)
+    sched = _NumpyStepLR(engine.optimizer, step_size=1)
+    engine.save_checkpoint(tmp_path / "ok", lr_scheduler=sched)
+    other = zo.initialize(TinyGPT(), stage=1)
+    sched2 = _NumpyStepLR(other.optimizer, step_size=1)
+    other.load_checkpoint(tmp_path / "ok", lr_scheduler=sched2)
+    assert sched2.loaded["best"] == 0.25 and torch.equal(sched2.loaded["history"],
+                                                         torch.arange(3))
+    sched.opaque = _Opaque()  # StepLR.state_dict() carries every attribute
+    with pytest.raises(CheckpointError, match="lr_scheduler state holds objects other than"):
+        engine.save_checkpoint(tmp_path / "bad", lr_scheduler=sched)
+    assert not (tmp_path / "bad").exists()

@@ -1,10 +1,13 @@
 import json
+import typing
 
 import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.config import build_config, describe
+from models import MLP, batch, loss_fn
+from zero_offload.config import (OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig,
+                                  _flat_keys, build_config, describe)
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -63,3 +66,84 @@ def test_every_key_has_a_default_and_round_trips():
     flat = describe(cfg)
     assert set(flat) == set(zo.config_keys()) - {"process_group"}
     assert flat["stage"] == 0 and flat["offload_optimizer"] == "none"
+
+
+def _integer_keys() -> list[str]:
+    """Every flat key whose dataclass field is typed ``int`` or ``int | None``, read from the
+    dataclasses themselves so a new whole-number knob is covered without editing this test."""
+    sections = {"optimizer": OptimizerConfig, "precision": PrecisionConfig,
+                "offload": OffloadConfig}
+    out = []
+    for key, (section, name) in _flat_keys().items():
+        hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
+        if hint in (int, int | None):
+            out.append(key)
+    return sorted(out)
+
+
+def test_integer_keys_are_found():
+    keys = _integer_keys()
+    assert {"stage", "prefetch_depth", "sub_group_size", "host_memory_limit",
+            "loss_scale_window"} <= set(keys)
+    assert "lr" not in keys and "nvme_path" not in keys
+
+
+def _outcome(source) -> tuple[str, object]:
+    try:
+        return "ok", build_config(**source) if isinstance(source, dict) else build_config(source)
+    except zo.ConfigError as exc:
+        return "error", exc
+
+
+@pytest.mark.parametrize("key", _integer_keys())
+def test_whole_number_keys_take_integral_floats(key, tmp_path):
+    """An integral float (as JSON writes 8e9 or 1e6) means the integer, from a dict, keywords or
+    a JSON file; the built config holds a real int, so nothing downstream sees a float."""
+    extra = {"nvme_path": str(tmp_path)}  # lets every value of every key validate
+    accepted = 0
+    for literal in ("0.0", "1.0", "2.0", "3.0", "1e6", "8e9"):
+        whole = int(float(literal))
+        expect, cfg = _outcome({**extra, key: whole})
+        path = tmp_path / "cfg.json"
+        path.write_text('{"nvme_path": %s, "%s": %s}' % (json.dumps(str(tmp_path)), key, literal))
+        for source in ({**extra, key: float(literal)}, str(path)):
+            got, built = _outcome(source)
+            assert got == expect, (key, literal, built)
+            if got == "ok":
+                assert describe(built) == describe(cfg)
+                assert type(describe(built)[key]) is int, (key, literal)
+        accepted += expect == "ok"
+    assert accepted >= 1, f"no whole value of {key} was valid: the test checks nothing"
+
+
+@pytest.mark.parametrize("key", _integer_keys())
+@pytest.mark.parametrize("value", [2.5, float("nan"), float("inf")], ids=["2.5", "nan", "inf"])
+def test_whole_number_keys_refuse_fractions(key, value):
+    with pytest.raises(zo.ConfigError) as err:
+        build_config(**{key: value})
+    assert f"{key}={value!r}" in str(err.value)
+
+
+def test_float_keys_train_like_ints(tmp_path):
+    """Stage 3 with everything on NVMe and every whole-number knob given as a float trains
+    exactly like the same run with ints (floats used to fail in initialize or the forward)."""
+    keys = dict(stage=3, prefetch_depth=2, reduce_bucket_size=1_000_000, sub_group_size=1000,
+                gradient_accumulation_steps=1, prefetch_bytes=8_000_000_000,
+                param_persistence_threshold=0, loss_scale_window=1000,
+                host_memory_limit=1_000_000_000)
+    assert set(keys) == set(_integer_keys())
+    results = []
+    for convert in (int, float):
+        torch.manual_seed(0)
+        engine = zo.initialize(MLP(), lr=1e-2, offload_optimizer="nvme", offload_param="nvme",
+                               nvme_path=tmp_path / convert.__name__,
+                               **{k: convert(v) for k, v in keys.items()})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = batch("mlp", 4, gen)
+            engine.backward(loss_fn("mlp", engine(x), y))
+            engine.step()
+        results.append(engine.full_state_dict())
+        engine.close()
+    for k, v in results[0].items():
+        assert torch.equal(results[1][k], v), k

@@ -102,7 +102,7 @@ def test_checkpoint_carries_per_parameter_steps(tmp_path, offload):
 
     saver = _engine(copy.deepcopy(model), 2, offload, None, tmp_path / "b")
     _run_engine(saver, first)
-    assert saver.training_state()["skipped_steps"] == {"b.weight": 2, "b.bias": 2}
+    assert saver.training_state()["missed_updates"] == {"b.weight": 2, "b.bias": 2}
     saver.save_checkpoint(tmp_path / "ckpt", tag="t")
     saver.close()
     torch.manual_seed(1)
@@ -120,10 +120,10 @@ def test_training_state_without_per_parameter_steps_still_loads():
     engine = _engine(ABC(), 1, "none", None, None)
     _run_engine(engine, [("skip_b", True)])
     state = engine.training_state()
-    assert state["skipped_steps"] == {"b.weight": 1, "b.bias": 1}
-    del state["skipped_steps"]
+    assert state["missed_updates"] == {"b.weight": 1, "b.bias": 1}
+    del state["missed_updates"]
     engine.load_training_state(state)
-    assert engine.training_state()["skipped_steps"] == {}
+    assert engine.training_state()["missed_updates"] == {}
     engine.close()
 
 

@@ -138,6 +138,56 @@ def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path
     engine.swappers[0].engine.backend = FaultBackend("none")
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.optimizer_steps == 1  # rolled back: the step was not counted
+    # a retry runs the very update that failed, as if the failure never happened
+    engine.zero_grad()
+    engine.backward(loss_fn("mlp", engine(x), y))
+    assert engine.step()
+    torch.manual_seed(0)
+    ref = zo.initialize(MLP(), stage=2, offload_optimizer="cpu")
+    _run(ref, steps=1)
+    ref.backward(loss_fn("mlp", ref(x), y))
+    ref.step()
+    want, got = ref.full_state_dict(), engine.full_state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    engine.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path, op):
+    """Two sub-groups; the I/O of the second fails after the first was updated. The state
+    is neither the old nor the new one, so nothing may use it until a checkpoint is loaded;
+    after that, training continues exactly like an engine that never failed."""
+    torch.manual_seed(0)
+    engine = zo.initialize(MLP(), stage=2, offload_optimizer="nvme",
+                           nvme_path=tmp_path / "nvme", sub_group_size=1024)
+    _run(engine, steps=1)
+    engine.save_checkpoint(tmp_path / "ck")
+    swap_io = engine.swappers[0].engine
+    swap_io.backend = FaultBackend(op, errno_=errno.EIO, after=1)
+    x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    with pytest.raises(zo.IncompleteStepError, match=r"of 2 NVMe sub-groups.*load_checkpoint") as err:
+        engine.step()
+    assert isinstance(err.value.__cause__, SwapIOError)
+    swap_io.backend = FaultBackend("none")  # the disk is fine again: still no silent training
+    engine.zero_grad()
+    engine.backward(loss_fn("mlp", engine(x), y))
+    with pytest.raises(zo.IncompleteStepError, match="load_checkpoint"):
+        engine.step()
+    for read_state in (engine.full_state_dict, engine.optimizer.state_dict,
+                       lambda: engine.save_checkpoint(tmp_path / "ck", tag="broken")):
+        with pytest.raises(zo.IncompleteStepError, match="load_checkpoint"):
+            read_state()
+    assert not (tmp_path / "ck" / "broken").exists()
+    engine.load_checkpoint(tmp_path / "ck")
+    assert engine.optimizer_steps == 1
+    got = _run(engine, steps=2, seed=5)
+    torch.manual_seed(0)
+    ref = zo.initialize(MLP(), stage=2, offload_optimizer="cpu")
+    _run(ref, steps=1)
+    want = _run(ref, steps=2, seed=5)
+    assert all(torch.equal(want[k], got[k]) for k in want)
     engine.close()
 
 

@@ -18,6 +18,8 @@ _COMMANDS = [
     (("plan",), "zero_offload.plan_cli", "which stage and offload fit your model and GPUs"),
     (("consolidate",), "zero_offload.checkpoint.cli",
      "one full-precision state dict from a sharded checkpoint"),
+    (("convert-config",), "zero_offload.convert_cli",
+     "the zero_offload keywords equivalent to a DeepSpeed JSON config"),
 ]
 
 

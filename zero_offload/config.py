@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import difflib
 import json
+import numbers
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from .ds_config import is_deepspeed, translate
+from .errors import ConfigError
 
 __all__ = [
     "ConfigError",
@@ -38,10 +43,6 @@ _DTYPES = {
 _OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
 
-class ConfigError(ValueError):
-    """A configuration value a user can fix; the message names the key and the fix."""
-
-
 def _bad(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{key}={value!r} is not valid: {allowed}")
 
@@ -60,6 +61,28 @@ def _number(key: str, value: Any, *, lo: float | None = None, hi: float | None =
     return int(value) if integer else float(value)
 
 
+def _whole_numbers(section: Any) -> None:
+    """Store every ``int``-typed field of a config dataclass as a real int.
+
+    Why: JSON and YAML configs routinely carry ``8e9`` or ``2.0``; a float that reaches a slice
+    or a buffer count fails far from the config, so an integral float becomes its int here
+    and a fractional one (or nan/inf) is refused naming the key. Reads the type hints, so a
+    new whole-number field is covered without being listed.
+    """
+    hints = typing.get_type_hints(type(section))
+    renamed = {name: key for key, (_, name) in _RENAMES.items()}
+    for f in fields(section):
+        if hints[f.name] not in (int, int | None):
+            continue
+        value = getattr(section, f.name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue  # None, or a wrong type the field's own check names
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
+            key = renamed.get(f.name, f.name)
+            raise _bad(key, value, "expected an integer (a float must be whole, e.g. 8e9)")
+        object.__setattr__(section, f.name, int(value))
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW hyperparameters (same meaning as ``torch.optim.AdamW``) and gradient clipping."""
@@ -71,6 +94,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = None  # clip by the global norm over all shards; None: off
 
     def __post_init__(self) -> None:
+        _whole_numbers(self)
         _number("lr", self.lr, lo=0.0)
         if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
                 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
@@ -93,6 +117,7 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        _whole_numbers(self)
         dtype = self.dtype
         if isinstance(dtype, str):
             if dtype.removeprefix("torch.") not in _DTYPES:
@@ -117,6 +142,7 @@ class OffloadConfig:
     sub_group_size: int = 100_000_000  # params stepped at a time when the optimizer is on NVMe
 
     def __post_init__(self) -> None:
+        _whole_numbers(self)
         for key, value in (("offload_optimizer", self.optimizer), ("offload_param", self.param)):
             if value is None:
                 value = "none"
@@ -159,6 +185,7 @@ class ZeroConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
+        _whole_numbers(self)
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise _bad("stage", self.stage, "expected 0, 1, 2 or 3")
         _number("gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1, integer=True)
@@ -237,7 +264,10 @@ def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
         if kwargs:
             raise ConfigError("pass either a ZeroConfig or keyword arguments, not both")
         return config
-    values = {**_load(config), **kwargs}
+    loaded = _load(config)
+    if is_deepspeed(loaded):
+        loaded = translate(loaded)
+    values = {**loaded, **kwargs}
     keys = _flat_keys()
     unknown = [k for k in values if k not in keys]
     if unknown:

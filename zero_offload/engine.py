@@ -19,6 +19,7 @@ import torch.nn as nn
 from .comm import Comm
 from .config import ZeroConfig, build_config
 from .ledger import MemoryReport
+from .optimizer_state import attach_state_dict
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.stepper import ShardStepper
@@ -30,6 +31,7 @@ from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter
 from .stages.update_api import StepTimings, Updater
 from .stages.updaters import make_updater
 from .swap.swapper import Swapper
+from .step_stats import StepClock, summarize
 from .weights import PretrainedWeights
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
@@ -146,10 +148,13 @@ class Engine:
         self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
+        attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
         self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
+        self.clock = StepClock()
+        self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
 
@@ -218,23 +223,27 @@ class Engine:
         args = _to_device(args, self.device, self.dtype)
         kwargs = _to_device(kwargs, self.device, self.dtype)
         ctx = self.gatherer.forward() if self.gatherer else contextlib.nullcontext()
-        with ctx:
+        with ctx, self.clock.phase("forward"):
             return self._module(*args, **kwargs)
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
-        scale with float16); gradients are averaged over ranks."""
+        scale with float16); gradients are averaged over ranks. ``final``: this backward ends
+        the accumulation window (default: counted from gradient_accumulation_steps; trainers
+        that count micro-steps themselves pass it, with gradient_accumulation_steps=1)."""
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        self.reducer.begin_backward(final=self.is_accumulation_boundary)
+        self.reducer.begin_backward(
+            final=self.is_accumulation_boundary if final is None else final)
         if self.gatherer:
             self.gatherer.begin_backward()
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
-            self.reducer.end_backward()
+            with self.clock.phase("backward"):
+                (loss * scale if scale != 1.0 else loss).backward()
+                self.reducer.end_backward()
         finally:
             if self.gatherer:
                 self.gatherer.end_backward()
@@ -248,13 +257,16 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return False
-        flags = self.reducer.reduce_accumulated()
-        applied = self.stepper.step(flags, self.reducer.reduce_late)
-        if self.param_store is not None:
-            self.param_store.flush()
-        self.reducer.zero()
+        with self.clock.phase("step"):
+            flags = self.reducer.reduce_accumulated()
+            applied = self.stepper.step(flags, self.reducer.reduce_late)
+            if self.param_store is not None:
+                self.param_store.flush()
+            self.reducer.zero()
         if applied:
             self.global_steps += 1
+        self.last_step = summarize(self, applied)
+        self.clock.reset()
         self._last_comm = self.comm.stats()
         self.comm.reset_stats()
         if self.gatherer:
@@ -331,7 +343,7 @@ class Engine:
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.optimizer.param_groups],
                 "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
-                "skipped_steps": opt.skipped_steps()}
+                "missed_updates": opt.missed_updates()}
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
@@ -339,7 +351,7 @@ class Engine:
         self.optimizer_steps = state["optimizer_steps"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
-        self.stepper.load_skipped_steps(state.get("skipped_steps", {}))  # absent: older files
+        self.stepper.load_missed_updates(state.get("missed_updates", {}))  # absent: older files
         scaler = self.stepper.scaler
         if scaler is not None and state["loss_scaler"] is not None:
             scaler.load_state_dict(state["loss_scaler"])
@@ -358,6 +370,12 @@ class Engine:
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (None without ``max_grad_norm``)."""
         return self.stepper.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """float16 steps skipped on overflow so far."""
+        scaler = self.stepper.scaler
+        return scaler.skipped_steps if scaler else 0
 
     @property
     def last_step_timings(self) -> StepTimings:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .format import CheckpointError, pieces, read_manifest, resolve_tag, verify_rank_file
+from .format import load_plain, pieces, read_manifest, verify_rank_file
+from .tags import resolve_tag, tag_folder
 from .load import _Reader
 
 __all__ = ["consolidate_checkpoint"]
@@ -36,7 +37,7 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
     also written there: safetensors when installed (tied names in its metadata), else
     ``torch.save``. ``verify``: check every rank file's size and checksums first."""
     root = Path(directory)
-    folder = root / resolve_tag(root, tag)
+    folder = tag_folder(root, resolve_tag(root, tag))
     manifest = read_manifest(folder)
     if verify:
         for record in manifest.ranks:
@@ -52,10 +53,7 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
                 state[slot.name] = tensor.view(slot.shape)
     finally:
         reader.close()
-    extra_path = folder / "rank0.extra.pt"
-    if not extra_path.exists():
-        raise CheckpointError(f"{extra_path}: missing")
-    buffers = torch.load(extra_path, weights_only=False).get("buffers", {})
+    buffers = load_plain(folder / "rank0.extra.pt").get("buffers", {})
     state.update(buffers)
     if out is not None:
         _save(state, manifest.aliases, Path(out))

@@ -1,12 +1,14 @@
 """The checkpoint format: one folder per tag, a state file per rank, a manifest written last.
 
-    DIR/latest                 the tag of the last complete checkpoint (replaced atomically)
+    DIR/latest                 the tag of the last complete checkpoint (replaced atomically;
+                               ``tags`` says how a tag is taken over)
     DIR/<tag>/manifest.json    format version, world size, stage, dtypes, the unit layouts
                                (original parameter names, shapes, offsets), per-rank checksums
     DIR/<tag>/rank<r>.state    rank r's flat fp32 shards: [master | exp_avg | exp_avg_sq],
                                each ``numel`` elements, little-endian
     DIR/<tag>/rank<r>.extra.pt step counts, loss scaler, RNG states, hyperparameters,
-                               (rank 0) lr scheduler state and module buffers
+                               (rank 0) lr scheduler state and module buffers: tensors and
+                               plain data only, read with ``torch.load(weights_only=True)``
 
 The low-precision parameters are not stored: they are always the round-to-nearest cast of the
 fp32 master, and loading recomputes them. Names and offsets in the manifest let any world size
@@ -22,13 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+import torch
+
 __all__ = ["FORMAT_VERSION", "CheckpointError", "SlotRecord", "UnitRecord", "RankRecord",
-           "Manifest", "read_manifest", "resolve_tag", "pieces", "verify_rank_file",
-           "write_atomically", "fsync_dir", "SECTIONS"]
+           "Manifest", "read_manifest", "pieces", "verify_rank_file",
+           "write_atomically", "fsync_dir", "SECTIONS", "load_plain"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-LATEST = "latest"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
 
@@ -101,19 +105,6 @@ class Manifest:
         return {s.name: (u, s) for u in self.units for s in u.slots}
 
 
-def resolve_tag(directory: Path, tag: str | None) -> str:
-    """``tag``, or the one ``DIR/latest`` names."""
-    if tag is not None:
-        return tag
-    latest = directory / LATEST
-    try:
-        return latest.read_text().strip()
-    except FileNotFoundError as exc:
-        raise CheckpointError(
-            f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
-            "to pick one") from exc
-
-
 def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST
     try:
@@ -165,6 +156,36 @@ def verify_rank_file(path: Path, record: RankRecord, chunk: int = 1 << 26) -> No
             if crc != want:
                 raise CheckpointError(f"{path}: checksum mismatch in the {SECTIONS[section]} "
                                       "section (the file is damaged)")
+
+
+def _numpy_rng_types() -> list[Any]:
+    """What the numpy RNG state (an uint32 array) of older extra files needs unpickled: array
+    reconstruction and dtypes, under numpy 1's and numpy 2's module names. None runs code."""
+    try:
+        from numpy._core.multiarray import _reconstruct as rebuild  # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct as rebuild
+    return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"),
+            (rebuild, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]
+
+
+def load_plain(path: Path) -> dict[str, Any]:
+    """A ``.pt`` file of tensors and plain data (``torch.load(weights_only=True)``). A file
+    holding anything else is refused: unpickling it could run code from whoever made it."""
+    try:
+        with torch.serialization.safe_globals(_numpy_rng_types()):
+            loaded = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing") from exc
+    except Exception as exc:  # noqa: BLE001 - every way a foreign file can fail
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: refused, it is not a file of tensors and plain data (loading it could "
+            f"run code from the file; re-save it with zero_offload): {first}") from exc
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{path}: holds a {type(loaded).__name__}, not a dict")
+    return loaded
 
 
 def fsync_dir(path: Path) -> None:

@@ -18,8 +18,9 @@ import torch
 
 from ..stages.units import persistent_buffers
 from ..partition import mismatch_message
-from .format import (CheckpointError, Manifest, pieces, read_manifest, resolve_tag,
+from .format import (CheckpointError, Manifest, load_plain, pieces, read_manifest,
                      section_offset, verify_rank_file)
+from .tags import resolve_tag, tag_folder
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -78,24 +79,26 @@ class _Reader:
         self._fds.clear()
 
 
+def _set_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]  # keys: a tensor (an array before)
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
     comm = engine.comm
     own = folder / f"rank{comm.rank}.extra.pt"
     path = own if own.exists() else folder / "rank0.extra.pt"
-    try:
-        extra = torch.load(path, weights_only=False)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{path}: missing") from exc
+    extra = load_plain(path)
+    first = extra if path.name == "rank0.extra.pt" else load_plain(folder / "rank0.extra.pt")
     engine.load_training_state(extra)
     if path == own:  # RNG streams belong to a rank; a new rank keeps its own
-        rng = extra["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    first = extra if comm.rank == 0 else torch.load(folder / "rank0.extra.pt",
-                                                     weights_only=False)
+        _set_rng(extra["rng"])
     if lr_scheduler is not None and first.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(first["lr_scheduler"])
     buffers = persistent_buffers(engine.module)
@@ -110,7 +113,7 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     Collective: every rank must call it."""
     root = Path(directory)
     tag = resolve_tag(root, tag)
-    folder = root / tag
+    folder = tag_folder(root, tag)
     manifest = read_manifest(folder)
     check_names(manifest, {n: tuple(s.shape) for u in engine.units for n, s in
                            zip(u.names, u.layout.slots)}, folder / "manifest.json")

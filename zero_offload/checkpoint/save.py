@@ -1,15 +1,16 @@
 """Save: every rank streams its optimizer tier into its own file; rank 0 commits.
 
 Atomic at every step: ranks write into ``DIR/.<tag>.partial`` under temporary names, fsync and
-rename; rank 0 writes the manifest last, renames the folder to ``DIR/<tag>`` and only then
-moves ``latest``. A process killed at any point leaves the previous checkpoint and ``latest``
-as they were. State held on NVMe is streamed sub-group by sub-group, never whole in memory.
+rename; rank 0 writes the manifest last, makes the folder the tag's checkpoint (``tags``) and
+only then moves ``latest``. A process killed at any point leaves a complete checkpoint under
+every tag that had one, and ``latest`` naming one. State held on NVMe is streamed sub-group by
+sub-group, never whole in memory.
 """
 from __future__ import annotations
 
+import io
 import os
 import random
-import shutil
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 
 from ..stages.units import persistent_buffers
-from .format import (LATEST, MANIFEST, Manifest, RankRecord, SlotRecord, UnitRecord, fsync_dir,
-                     section_offset, write_atomically)
+from .format import (MANIFEST, CheckpointError, Manifest, RankRecord, SlotRecord, UnitRecord,
+                     fsync_dir, section_offset, write_atomically)
+from .tags import LATEST, check_tag, commit_tag, recover_tag
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -63,18 +65,61 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     return RankRecord(path.name, numel, crcs)
 
 
+def _numpy_rng() -> tuple:
+    """numpy's RNG state with its uint32 key array as an int64 tensor: plain data that
+    ``torch.load(weights_only=True)`` reads back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached
+
+
 def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
     extra: dict[str, Any] = {
         **engine.training_state(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                "numpy": _numpy_rng(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }
     if engine.comm.rank == 0:
         extra["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
+    extra = _plain(extra)
+    _check_plain(extra)
+    if engine.comm.rank == 0:
         extra["buffers"] = {k: v.detach().cpu()
                             for k, v in persistent_buffers(engine.module).items()}
     return extra
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (common in lr scheduler states) as Python numbers and
+    tensors, which ``torch.load(weights_only=True)`` reads."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_plain, value)) if type(value) in (list, tuple) \
+            else [_plain(v) for v in value]
+    return value
+
+
+def _check_plain(extra: dict) -> None:
+    """Refuse now what loading would refuse: state that is not tensors and plain data."""
+    for key, value in extra.items():
+        if key == "buffers":  # tensors by construction
+            continue
+        data = io.BytesIO()
+        torch.save(value, data)
+        data.seek(0)
+        try:
+            torch.load(data, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - whatever weights_only refuses
+            raise CheckpointError(
+                f"save_checkpoint: the {key} state holds objects other than tensors and plain "
+                f"data, which a checkpoint does not store (loading them could run code); "
+                f"keep such state out of state_dict(): {str(exc).strip().splitlines()[-1]}"
+            ) from exc
 
 
 def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
@@ -95,34 +140,24 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     Collective: every rank must call it."""
     comm = engine.comm
     root = Path(directory)
-    tag = tag or f"step{engine.global_steps}"
-    if "/" in tag or tag in ("", ".", "..", LATEST) or tag.startswith("."):
-        raise ValueError(f"tag={tag!r} is not a valid checkpoint name")
-    partial, final = root / f".{tag}.partial", root / tag
+    tag = check_tag(f"step{engine.global_steps}" if tag is None else tag)
+    extra = _extra_state(engine, lr_scheduler)  # checked before anything is written
+    partial = root / f".{tag}.partial"
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left behind
+        recover_tag(root, tag)  # what a stopped save left behind
         partial.mkdir()
     comm.barrier()
     rank = comm.rank
     record = _write_state(engine, partial / f"rank{rank}.state")
-    extra = _extra_state(engine, lr_scheduler)
     write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
     records = comm.all_gather_object(record)
     if rank == 0:
         manifest = _manifest(engine, records)
         write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
         fsync_dir(partial)
-        if final.exists():
-            old = root / f".{tag}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        fsync_dir(root)
+        commit_tag(root, tag)
         write_atomically(root / LATEST, lambda f: f.write(tag.encode()))
         fsync_dir(root)
     comm.barrier()
-    return final
+    return root / tag

@@ -1,4 +1,4 @@
-"""ctypes binding of ``kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
+"""ctypes binding of ``zero_offload/kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
 
 Why a functional API: the engine updates flat fp32 master shards whose m and v may live in
 NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on
@@ -8,6 +8,12 @@ The kernel is compiled on first use (``zero_offload.native``). Without a compile
 the build fails, one warning is logged and torch's fused CPU Adam(W) does the update (same
 math, same results within a few ulp). ``ZERO_OFFLOAD_KERNELS``: ``auto`` (default), ``off``
 (always torch), ``required`` (a failed build raises ``KernelBuildError``).
+
+``ZERO_OFFLOAD_ISA`` picks the kernel's code path: ``auto`` (default: the best this CPU has),
+``avx512``, ``avx2`` or ``scalar``. Each is built from ``-march=native`` minus instruction
+sets (never plus), so a path the CPU lacks cannot be built; asking for it is an
+:class:`IsaUnavailable` error (in ``auto`` mode: a warning and torch). All paths give
+bit-identical results; the choice exists to test each one and to compare their speed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import threading
 from dataclasses import dataclass
 
@@ -23,6 +30,7 @@ import numpy as np
 import psutil
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from zero_offload.native import KernelBuildError, cache_dir, compiler, load_library
 
@@ -35,6 +43,9 @@ ABI_VERSION = 2
 NUM_HP = 10
 ENV_MODE = "ZERO_OFFLOAD_KERNELS"
 MODES = ("auto", "off", "required")
+ENV_ISA = "ZERO_OFFLOAD_ISA"
+ISAS = ("auto", "avx512", "avx2", "scalar")
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Below this many elements per thread, extra threads cost more than they bring.
 MIN_ELEMS_PER_THREAD = 1 << 16
 ALIGN_ELEMS = 64
@@ -52,12 +63,36 @@ class NativeKernel:
     vec_path: str
 
 
+class IsaUnavailable(KernelBuildError):
+    """The requested code path needs an instruction set this CPU (or compiler) lacks."""
+
+
 def kernel_mode() -> str:
     """``ZERO_OFFLOAD_KERNELS``, validated."""
     mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV_MODE}={mode!r} is not one of {', '.join(MODES)}")
     return mode
+
+
+def kernel_isa(isa: str | None = None) -> str:
+    """The code path asked for: ``isa`` or else ``ZERO_OFFLOAD_ISA``, validated."""
+    value = os.environ.get(ENV_ISA, "auto") if isa is None else isa
+    value = value.strip().lower() or "auto"
+    if value not in ISAS:
+        raise ValueError(f"{ENV_ISA}={value!r} is not one of {', '.join(ISAS)}")
+    return value
+
+
+def isa_flags(isa: str) -> tuple[str, ...]:
+    """Flags after ``-march=native`` that select a path. They only take instruction sets
+    away, so a build never contains one the CPU lacks (which would crash, not fail)."""
+    if isa == "avx2":
+        return ("-mno-avx512f",)  # drops every AVX-512 subset: the portable loop, in AVX2
+    if isa == "scalar":
+        x86 = ("-mno-avx", "-mno-fma", "-mno-f16c") if _X86 else ()
+        return x86 + ("-fno-tree-vectorize", "-DZO_SCALAR")
+    return ()
 
 
 def default_num_threads() -> int:
@@ -78,50 +113,74 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64] + hp + [i32]
 
 
-def build_kernel(name: str = KERNEL_NAME) -> ctypes.CDLL:
+def build_kernel(name: str = KERNEL_NAME, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build (or find cached) and load a kernel library; OpenMP if the toolchain links it."""
     try:
-        return load_library(name, KERNEL_FLAGS + OPENMP_FLAGS)
+        return load_library(name, KERNEL_FLAGS + extra_flags + OPENMP_FLAGS)
     except KernelBuildError as exc:
         if "no C compiler" in str(exc):
             raise
         logger.info("building %s with OpenMP failed, trying without: %s", name, exc)
-        return load_library(name, KERNEL_FLAGS)
+        return load_library(name, KERNEL_FLAGS + extra_flags)
+
+
+def load_kernel(isa: str | None = None) -> NativeKernel:
+    """Build (or find cached) and load the Adam kernel for one code path, uncached.
+
+    Raises :class:`IsaUnavailable` when this CPU has no such path and
+    :class:`KernelBuildError` when there is no compiler or the build fails.
+    """
+    isa = kernel_isa(isa)
+    if isa in ("avx512", "avx2") and not _X86:
+        raise IsaUnavailable(f"{ENV_ISA}={isa}: an x86-64 path, and this CPU is "
+                             f"{platform.machine()}; use auto or scalar")
+    lib = build_kernel(KERNEL_NAME, isa_flags(isa))
+    try:
+        _declare(lib)
+        abi = lib.zo_abi_version(), lib.zo_num_hp()
+    except AttributeError as exc:  # a missing symbol: a library from another version
+        raise KernelBuildError(f"kernel library lacks a symbol: {exc}") from exc
+    if abi != (ABI_VERSION, NUM_HP):
+        raise KernelBuildError(
+            f"kernel ABI {abi[0]} does not match the binding's {ABI_VERSION}: "
+            "zero_offload/kernels/ and the binding come from different versions "
+            "(reinstall zero_offload)")
+    native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
+    if isa != "auto" and native.vec_path != isa:
+        raise IsaUnavailable(
+            f"{ENV_ISA}={isa}: this CPU (or compiler) has no {isa} path; -march=native "
+            f"builds the {native.vec_path!r} path here (use auto)")
+    return native
 
 
 @functools.lru_cache(maxsize=None)
-def _load_cached(cc: str, cache: str) -> NativeKernel | str:
-    """Keyed by compiler and cache folder so a changed ``CC`` gets a fresh attempt; a
-    failure is cached as its message so it is warned about once, not on every step."""
+def _load_cached(cc: str, cache: str, isa: str) -> NativeKernel | KernelBuildError:
+    """Keyed by compiler, cache folder and code path so a changed ``CC`` or
+    ``ZERO_OFFLOAD_ISA`` gets a fresh attempt; a failure is cached so it is warned about
+    once, not on every step."""
     try:
-        lib = build_kernel()
-        _declare(lib)
-        if lib.zo_abi_version() != ABI_VERSION or lib.zo_num_hp() != NUM_HP:
-            raise KernelBuildError(
-                f"kernel ABI {lib.zo_abi_version()} does not match the binding's "
-                f"{ABI_VERSION}: kernels/ and zero_offload/ come from different versions"
-            )
-        native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
-        logger.info("CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path,
-                    native.openmp, cache)
-        return native
-    except (KernelBuildError, OSError, AttributeError) as exc:  # missing symbol: stale build
+        native = load_kernel(isa)
+    except (KernelBuildError, OSError) as exc:
         logger.warning(
             "CPU Adam kernel unavailable, falling back to torch's fused CPU AdamW "
             "(slower on the bf16 offload path). Reason: %s", exc
         )
-        return str(exc)
+        return exc if isinstance(exc, KernelBuildError) else KernelBuildError(str(exc))
+    logger.info("CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path,
+                native.openmp, cache)
+    return native
 
 
-def get_kernel() -> NativeKernel | None:
-    """The native kernel, or None when disabled or unavailable (``required`` raises)."""
+def get_kernel(isa: str | None = None) -> NativeKernel | None:
+    """The native kernel for ``isa`` (default ``ZERO_OFFLOAD_ISA``), or None when disabled
+    or unavailable (``ZERO_OFFLOAD_KERNELS=required`` raises the build's error instead)."""
     mode = kernel_mode()
     if mode == "off":
         return None
-    got = _load_cached(" ".join(compiler()), str(cache_dir()))
-    if isinstance(got, str):
+    got = _load_cached(" ".join(compiler()), str(cache_dir()), kernel_isa(isa))
+    if isinstance(got, KernelBuildError):
         if mode == "required":
-            raise KernelBuildError(f"{ENV_MODE}=required but the kernel failed to build: {got}")
+            raise type(got)(f"{ENV_MODE}=required but the kernel failed to build: {got}")
         return None
     return got
 
@@ -235,6 +294,7 @@ def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
         out.view(-1).copy_(param.view(-1))
 
 
+@record_function("zero_offload.cpu_adam")
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                 step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adamw: bool = True, out: Tensor | None = None,

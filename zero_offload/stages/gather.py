@@ -31,6 +31,7 @@ import logging
 from typing import Any, Iterator
 
 import torch
+from torch.profiler import record_function
 import torch.nn as nn
 
 from ..comm import Comm
@@ -186,6 +187,7 @@ class ParamGatherer:
         return "ended its forward"
 
     # -- gather / free bookkeeping ---------------------------------------------------------
+    @record_function("zero_offload.gather")
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
         if unit.state is GatherState.FREE:

@@ -28,6 +28,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 import torch
+from torch.profiler import record_function
 
 from ..comm import Comm, Handle
 from .units import FlatUnit
@@ -157,6 +158,7 @@ class GradReducer:
             self._reduce_unit(self.order[self._next])
             self._next += 1
 
+    @record_function("zero_offload.reduce_scatter")
     def _reduce_unit(self, unit: FlatUnit) -> None:
         flat = self._flat_grads(unit)
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
@@ -192,6 +194,7 @@ class GradReducer:
             self.target.flush()
 
     # -- the step --------------------------------------------------------------------------
+    @record_function("zero_offload.reduce")
     def reduce_accumulated(self) -> torch.Tensor:
         """At the step: reduce what autograd accumulated in ``param.grad`` (stages 0-1), and
         return this rank's flags for the ranks to agree on (summed over ranks, nonzero means

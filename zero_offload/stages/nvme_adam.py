@@ -5,6 +5,13 @@ The rank-flat state is cut into sub-groups of ``sub_group_size`` parameters (shr
 while the CPU Adam updates group k in its host buffer and group k−1 is written back, so the
 disk and the CPU work at the same time.
 
+A step is all-or-nothing from the caller's view. The step counter moves only once every
+sub-group is written back. A step that fails before any sub-group changed leaves the state
+as it was (a retry runs the same update). One that fails after that has changed some
+sub-groups and not others: their files are dropped, and every later step or state read raises
+:class:`IncompleteStepError` until the whole state is loaded again (``load_checkpoint`` or
+``optimizer.load_state_dict``).
+
 The fp32 gradient shard stays in host memory when it fits the host budget. When it does not
 (an explicit ``host_memory_limit`` smaller than twice the shard), gradients go to files too:
 reduced pieces are summed into a sub-group's buffer as backward produces them, a complete
@@ -29,11 +36,16 @@ from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.swapper import Swapper
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
-__all__ = ["NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
+__all__ = ["IncompleteStepError", "NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
 
 log = logging.getLogger(__name__)
 
 _PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+
+
+class IncompleteStepError(RuntimeError):
+    """An optimizer step on NVMe failed halfway: the state is partly updated and unusable
+    until it is loaded again (``engine.load_checkpoint``)."""
 
 
 def grads_fit_in_host(numel: int, host_memory_limit: int | None) -> bool:
@@ -95,6 +107,9 @@ class NvmeAdam:
                                pin_memory=torch.cuda.is_available())
         self.steps = 0
         self.last_timings = StepTimings()
+        # sub-groups whose files a failed step left undefined (dropped); empty when sound
+        self._stale: set[int] = set()
+        self._stale_cause = ""
         self._loading: tuple[int, HostBuffer] | None = None
         # gradients on disk: sub-groups being summed (in buffers, oldest first), elements
         # summed so far per sub-group this backward, and what was written this window
@@ -148,6 +163,7 @@ class NvmeAdam:
                 finally:
                     self.swapper.pool.release(buf)
                     self._loading = None
+                self._stale.discard(i)
 
     # -- gradients on disk ----------------------------------------------------------------
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
@@ -273,19 +289,72 @@ class NvmeAdam:
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
                ranges: list[tuple[int, int, int]] | None = None) -> None:
         """``grads``: the host fp32 shard, or None when the gradients are in files.
-        ``ranges``: what to step, with which step count (None: everything)."""
+        ``ranges``: what to step, with which step count (None: everything). All or
+        nothing: see the module's docstring."""
+        self._check_sound("step")
+        changed: list[int] = []  # sub-groups whose state changed in memory
+        try:
+            self._pipeline(grads, factor, sink, self.steps + 1, changed, ranges)
+        except BaseException as exc:
+            self._abort(exc, changed)
+            raise
         self.steps += 1
-        hyper = adam_hyperparameters(self.optimizer, self.steps)
-        ranges = [(0, self.numel, self.steps)] if ranges is None else ranges
+        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
+
+    def _check_sound(self, what: str) -> None:
+        if self._stale:
+            raise IncompleteStepError(
+                f"cannot {what}: an earlier optimizer step failed halfway ({self._stale_cause})"
+                f" and left the NVMe optimizer state partly updated; restore a saved state "
+                f"first with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)")
+
+    def _abort(self, exc: BaseException, changed: list[int]) -> None:
+        """After a failed step: wait for the requests still in flight and give the buffers
+        back. Nothing changed: the state is as before. Otherwise its files are dropped and
+        the optimizer refuses to run until the state is loaded again."""
+        if changed:
+            self._stale = set(range(len(self.bounds)))
+            self._stale_cause = f"{type(exc).__name__}: {exc}"
+        with self._busy_lock:
+            self._busy_lock.wait_for(lambda: self._in_flight == 0)
+        for i in range(len(self.bounds)):
+            try:
+                if changed:
+                    self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
+                else:
+                    self.swapper.release(self._key(i))
+                if self.grad_swapper is not None:
+                    self.grad_swapper.release(self._grad_key(i))
+            except OSError as err:  # the disk may be gone; the state is marked already
+                log.warning("cleaning up after the failed step: %s", err)
+        if not changed:
+            log.warning("optimizer step failed before any state changed (%s); the state is "
+                        "as before the step", exc)
+            return
+        log.error("optimizer step failed after updating %d of %d sub-groups (%s); the state "
+                  "must be loaded again", len(changed), len(self.bounds), self._stale_cause)
+        raise IncompleteStepError(
+            f"the optimizer step failed after updating {len(changed)} of {len(self.bounds)} "
+            f"NVMe sub-groups ({self._stale_cause}); the partly updated state was dropped. "
+            "Restore a saved state with engine.load_checkpoint(...) (or "
+            "engine.optimizer.load_state_dict) before stepping again") from exc
+
+    def _pipeline(self, grads: torch.Tensor | None, factor: float, sink: Sink, step: int,
+                  changed: list[int], ranges: list[tuple[int, int, int]] | None) -> None:
+        """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
+        Adam step ``step``); each sub-group whose state is about to change is appended to
+        ``changed``. Returns once all are on disk."""
+        hyper = adam_hyperparameters(self.optimizer, step)
+        ranges = [(0, self.numel, step)] if ranges is None else ranges
         timings = StepTimings()
         start = time.perf_counter()
         last = len(self.bounds) - 1
         if last < 0:  # nothing trains (every parameter frozen)
             self.last_timings = timings
-            self.optimizer.step()
             return
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
             self.grad_swapper is None or self.grad_swapper.pool.count >= self.BUFFERS)
+        writes: list[Future] = []
         pending = self._read(0, timings)
         for i, (lo, hi) in enumerate(self.bounds):
             state = pending[0].result().view(3, hi - lo)
@@ -293,6 +362,7 @@ class NvmeAdam:
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             t0 = time.perf_counter()
+            changed.append(i)  # from here on, sub-group i (and its gradients) change
             out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
             done = lo
             for a, b, count in ranges:
@@ -314,8 +384,8 @@ class NvmeAdam:
             timings.compute_s += time.perf_counter() - t0
             sink(lo, hi, state[0] if out is None else out)
             timings.bytes_written += 12 * (hi - lo)
-            self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s",
-                        timings)
+            writes.append(self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)),
+                                      "write_s", timings))
             if i > 0:
                 self._release(i - 1)
             if not lookahead and i < last:
@@ -324,13 +394,15 @@ class NvmeAdam:
         self._release(last)
         with self._busy_lock:  # completion callbacks may still be running
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
+        for write in writes:
+            write.result()  # a failed write-back fails the step
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
-        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
 
     # -- state out ------------------------------------------------------------------------
     def iter_state(self) -> Iterator[StateChunk]:
         """Each sub-group read from its file (a pool buffer: used before the next is read)."""
+        self._check_sound("read the optimizer state")
         for i, (lo, hi) in enumerate(self.bounds):
             state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
             try:

@@ -102,12 +102,12 @@ class ShardStepper:
                 ranges.append((lo, hi, s))
         return ranges
 
-    def skipped_steps(self) -> dict[str, int]:
+    def missed_updates(self) -> dict[str, int]:
         """Parameter name -> updates it was not stepped in (no gradient); nonzero ones only.
         Its own Adam step count is ``updater.steps`` minus this."""
         return {n: k for n, k in zip(self._names, self._skipped) if k}
 
-    def load_skipped_steps(self, by_name: Mapping[str, int]) -> None:
+    def load_missed_updates(self, by_name: Mapping[str, int]) -> None:
         self._skipped = [int(by_name.get(n, 0)) for n in self._names]
 
     @property

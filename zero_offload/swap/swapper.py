@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
@@ -155,6 +156,7 @@ class Swapper:
         self._closed = False
 
     # ---- public API -------------------------------------------------------------------
+    @record_function("zero_offload.swap_out")
     def swap_out(self, key: str, tensor: torch.Tensor, copy: bool = False) -> "Future[None]":
         """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete.
         ``copy``: stage the bytes in a pool buffer first, so the caller may reuse ``tensor``
@@ -195,6 +197,7 @@ class Swapper:
 
         return self._track(entry, lambda: self.engine.write(entry.file, src), settle, release_after)
 
+    @record_function("zero_offload.swap_in")
     def swap_in(self, key: str, out: torch.Tensor | None = None) -> "Future[torch.Tensor]":
         """Bring ``key`` back: into ``out`` (any device, same dtype and size), or, with no
         ``out``, into a pool buffer whose typed view is the result (held until :meth:`release`).

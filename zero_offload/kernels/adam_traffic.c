@@ -16,7 +16,7 @@
 #endif
 
 #define ZO_ALIGN_ELEMS 64
-#define ZO_PREFETCH_ELEMS 1024
+#define ZO_PREFETCH_ELEMS 256
 
 static void traffic_tail(float* restrict a, float* restrict b, float* restrict c,
                          const float* restrict d, int64_t begin, int64_t end) {
@@ -38,14 +38,14 @@ static void traffic_range(float* restrict a, float* restrict b, float* restrict 
     const __m512 s = _mm512_set1_ps(0.5f);
     for (; i + 32 <= end; i += 32) {
         const int64_t k = i + ZO_PREFETCH_ELEMS;
-        _mm_prefetch((const char*)(a + k), _MM_HINT_T0);
-        _mm_prefetch((const char*)(a + k + 16), _MM_HINT_T0);
-        _mm_prefetch((const char*)(b + k), _MM_HINT_T0);
-        _mm_prefetch((const char*)(b + k + 16), _MM_HINT_T0);
-        _mm_prefetch((const char*)(c + k), _MM_HINT_T0);
-        _mm_prefetch((const char*)(c + k + 16), _MM_HINT_T0);
-        _mm_prefetch((const char*)(d + k), _MM_HINT_T0);
-        _mm_prefetch((const char*)(d + k + 16), _MM_HINT_T0);
+        _mm_prefetch((const char*)(a + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(a + k + 16), _MM_HINT_T1);
+        _mm_prefetch((const char*)(b + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(b + k + 16), _MM_HINT_T1);
+        _mm_prefetch((const char*)(c + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(c + k + 16), _MM_HINT_T1);
+        _mm_prefetch((const char*)(d + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(d + k + 16), _MM_HINT_T1);
         for (int h = 0; h < 32; h += 16) {
             __m512 dv = _mm512_loadu_ps(d + i + h);
             _mm512_storeu_ps(a + i + h, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a + i + h), s), dv));

@@ -1,0 +1,119 @@
+"""Run under torchrun (or alone): Lightning cases, each trained with the same data order by
+plain Lightning (torch AdamW; DDP across ranks), by the zero_offload strategy (4 steps over two
+epochs), and by the strategy again in two halves: one epoch, ``trainer.save_checkpoint``, then
+a new Trainer resumed with ``fit(ckpt_path=...)``. Rank 0 writes what it measured as JSON:
+``python lightning_worker.py OUT.json ROOT CASES_JSON``; a case is a strategy name or a dict of
+ZeroOffloadStrategy keywords."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+
+import zero_offload.integrations.lightning  # noqa: F401  (registers the strategy names)
+from zero_offload.integrations.lightning import ZeroOffloadStrategy
+
+from models import batch, loss_fn, make
+
+LR, WD, CLIP, SAMPLES, PER_DEVICE, ACCUMULATE = 1e-2, 0.1, 0.05, 16, 2, 2
+
+warnings.filterwarnings("ignore")
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = make("gpt")
+
+    def training_step(self, data, index):
+        x, y = data
+        loss = loss_fn("gpt", self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+def loader() -> torch.utils.data.DataLoader:
+    x, y = batch("gpt", SAMPLES, torch.Generator().manual_seed(1234))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                       batch_size=PER_DEVICE, shuffle=False)
+
+
+def fit(strategy, epochs: int, logdir: str | None = None, ckpt: str | None = None):
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
+                        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
+                        logger=CSVLogger(logdir) if logdir else False, log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = LitGPT()
+    trainer.fit(module, loader(), ckpt_path=ckpt)
+    return trainer, module
+
+
+def weights(trainer, module) -> dict[str, torch.Tensor]:
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        sd = engine.full_state_dict()
+        engine.close()
+        return sd
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def strategy_for(case):
+    if isinstance(case, str):
+        return case
+    return ZeroOffloadStrategy(**case)
+
+
+def run_case(root: str, index: int, case, rank: int) -> dict:
+    tag = f"{root}/case{index}"
+    res: dict = {}
+    plain = weights(*fit("ddp", 2))  # the same distributed sampler (data order) as ours
+    start = LitGPT().state_dict()
+    trainer, module = fit(strategy_for(case), 2, logdir=f"{tag}/logs")
+    full = weights(trainer, module)
+    res["global_step"] = trainer.global_step
+    half, _ = fit(strategy_for(case), 1)
+    half.save_checkpoint(f"{tag}/half.ckpt")
+    half.strategy.engine.close()
+    resumed = weights(*fit(strategy_for(case), 2, ckpt=f"{tag}/half.ckpt"))
+    if rank == 0:
+        res["moved_lr"] = max((plain[k] - start[k]).abs().max().item() for k in plain) / LR
+        res["max_diff_lr"] = max((full[k] - plain[k]).abs().max().item() for k in plain) / LR
+        res["resume_diff_lr"] = max((resumed[k] - full[k]).abs().max().item() for k in full) / LR
+        res["checkpoint_files"] = sorted(os.listdir(f"{tag}/half.ckpt"))
+        metrics = next(Path(f"{tag}/logs").rglob("metrics.csv"))
+        with open(metrics) as f:
+            res["logged"] = sorted(next(csv.reader(f)))
+    return res
+
+
+def main() -> None:
+    out, root, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    results = [run_case(root, i, case, rank) for i, case in enumerate(cases)]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Checkpoint tags: which names are allowed, which folder a tag's checkpoint is in, and how
+a new checkpoint takes over a tag so that one complete checkpoint is loadable at every instant.
+
+A save writes ``DIR/.<tag>.partial`` completely (manifest last) before it touches the tag.
+Taking over an existing tag is two renames — ``<tag>`` → ``.<tag>.replaced``, then
+``.<tag>.partial`` → ``<tag>`` — and in the moment between them ``<tag>`` is missing. So a
+tag resolves to the first complete folder of ``<tag>``, ``.<tag>.partial``, ``.<tag>.replaced``
+(complete: its manifest exists, which is written last), and the next save of that tag first
+puts the survivor back in place. ``latest`` is one file replaced atomically.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .format import MANIFEST, CheckpointError, fsync_dir
+
+__all__ = ["LATEST", "check_tag", "resolve_tag", "tag_folder", "recover_tag", "commit_tag"]
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+_INTERNAL = (".tmp", ".partial", ".replaced")  # suffixes of names the save itself uses
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+
+
+def check_tag(tag: object) -> str:
+    """``tag`` if it can name a checkpoint folder, else a ValueError saying what is allowed."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST \
+            or tag.endswith(_INTERNAL):
+        raise ValueError(
+            f"tag={tag!r} cannot name a checkpoint: use 1-200 letters, digits and . _ + - "
+            f"starting with a letter or digit (e.g. 'step100', 'best'), not {LATEST!r} and "
+            f"not ending in {', '.join(_INTERNAL)} (names the save uses itself)")
+    return tag
+
+
+def _loadable_name(tag: str, where: Path) -> str:
+    """Tags read back are only kept inside the folder (older versions allowed more names)."""
+    if not tag or tag.startswith(".") or "\0" in tag or os.sep in tag or \
+            (os.altsep and os.altsep in tag) or tag == LATEST:
+        raise CheckpointError(f"{where}: {tag!r} is not a checkpoint tag")
+    return tag
+
+
+def resolve_tag(directory: Path, tag: str | None) -> str:
+    """``tag``, or the one ``DIR/latest`` names."""
+    if tag is not None:
+        return _loadable_name(tag, directory)
+    latest = directory / LATEST
+    try:
+        text = latest.read_text()
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
+            "to pick one") from exc
+    # older versions wrote tags with surrounding spaces as they were
+    name = text if text.strip() != text and tag_folder(directory, text).exists() \
+        else text.strip()
+    return _loadable_name(name, latest)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def _candidates(directory: Path, tag: str) -> tuple[Path, Path, Path]:
+    return directory / tag, directory / f".{tag}.partial", directory / f".{tag}.replaced"
+
+
+def tag_folder(directory: Path, tag: str) -> Path:
+    """The folder holding ``tag``'s complete checkpoint: ``DIR/<tag>`` unless a save that
+    was taking the tag over stopped between its renames (then the complete one beside it).
+    With none complete, ``DIR/<tag>`` (whose missing manifest the reader reports)."""
+    for folder in _candidates(directory, tag):
+        if _complete(folder):
+            if folder.name != tag:
+                log.warning("checkpoint %r: using %s, left by a save that stopped while "
+                            "replacing it", tag, folder)
+            return folder
+    return directory / tag
+
+
+def recover_tag(directory: Path, tag: str) -> None:
+    """Before a new save of ``tag``: put back a complete checkpoint that a stopped save left
+    beside the tag (one rename), then drop what is left of stopped saves."""
+    final, partial, replaced = _candidates(directory, tag)
+    if not _complete(final):
+        for survivor in (partial, replaced):
+            if _complete(survivor):
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(survivor, final)
+                fsync_dir(directory)
+                log.warning("checkpoint %r: restored %s, left by a stopped save", tag, survivor)
+                break
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def commit_tag(directory: Path, tag: str) -> Path:
+    """Make the complete ``.<tag>.partial`` the tag's checkpoint; returns ``DIR/<tag>``."""
+    final, partial, replaced = _candidates(directory, tag)
+    if final.exists():
+        os.replace(final, replaced)  # until the next rename, tag_folder finds ``partial``
+    os.replace(partial, final)
+    fsync_dir(directory)
+    shutil.rmtree(replaced, ignore_errors=True)
+    return final

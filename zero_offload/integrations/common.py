@@ -1,0 +1,50 @@
+"""What every trainer integration hands its trainer: the engine as a torch optimizer."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engine import Engine
+
+__all__ = ["EngineOptimizer"]
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer a trainer sees: the engine's ``param_groups`` (its lr schedulers drive
+    them) and ``step`` (reduce, unscale, clip, update). Its state is in the engine's checkpoints, not in ``state_dict()`` (with NVMe it is not in memory at all)."""
+
+    def __init__(self, engine: Engine) -> None:  # no super().__init__: the engine owns params
+        self.engine = engine
+        self.applied = True  # the last step updated the parameters (False: fp16 overflow)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.engine.optimizer.defaults
+
+    @property
+    def state(self) -> dict:
+        return {}
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("zero_offload's optimizer step takes no closure")
+        self.applied = self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine's step drops the gradients it applied."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            raise ValueError("zero_offload's optimizer state is restored with the engine "
+                             "checkpoint (the trainer's resume), not load_state_dict")
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer(stage={self.engine.stage})"

@@ -1,0 +1,243 @@
+"""Hugging Face ``Trainer`` on zero_offload: one change to a training script.
+
+    from zero_offload.integrations.hf import ZeroOffloadTrainer
+    trainer = ZeroOffloadTrainer(model=model, args=args, train_dataset=ds,
+                                 zero_offload=dict(stage=3, offload_optimizer="nvme",
+                                                   nvme_path="/mnt/nvme"))
+    trainer.train(); trainer.save_model()
+
+``zero_offload`` takes :func:`zero_offload.initialize` keywords, or a JSON file of them, or a
+DeepSpeed config (its ``"auto"`` values filled from ``TrainingArguments`` as Hugging Face's
+DeepSpeed integration does). ``TrainingArguments`` supply the AdamW hyperparameters
+(``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``), ``max_grad_norm``
+and the compute dtype (``bf16`` / ``fp16``); keywords given in ``zero_offload`` win.
+
+How it plugs in (the Trainer methods overridden, and why):
+- ``create_optimizer`` builds the engine and hands Trainer :class:`EngineOptimizer`, whose
+  ``param_groups`` are the engine's (Trainer's lr scheduler drives them) and whose ``step`` is
+  the engine's step (reduce, unscale, clip by ``max_grad_norm``, update).
+- ``_wrap_model`` returns :class:`EngineModule` (forward through the engine, which gathers
+  stage-3 parameters), not the model: Accelerate then prepares only the optimizer and never
+  wraps the model in DDP (the engine reduces gradients itself).
+- ``training_step`` backpropagates through the engine, which runs with
+  ``gradient_accumulation_steps=1``: Trainer divides the loss for accumulation and says which
+  micro-batch ends the window (``final``); the engine scales only by the fp16 loss scale.
+- ``_clip_grad_norm`` / ``_get_grad_norm``: the engine clips at its step, over all shards; the
+  norm is logged after the step (``grad_norm``) with the engine's step stats.
+- Checkpoints: ``save_model`` writes consolidated safetensors (``engine.full_state_dict()``);
+  a Trainer checkpoint also holds ``zero_offload/`` (``engine.save_checkpoint``: fp32
+  masters and optimizer state, any tier) from which ``resume_from_checkpoint`` restores.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from transformers import Trainer
+
+from ..config import ConfigError, _load
+from ..ds_config import is_deepspeed, translate
+from ..engine import Engine, initialize
+from .common import EngineOptimizer
+from .stats import step_stats
+
+__all__ = ["ZeroOffloadTrainer", "ZeroOffloadMixin", "zero_offload_trainer", "EngineModule",
+           "EngineOptimizer"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIR = "zero_offload"  # inside a Trainer checkpoint folder
+SCHEDULER_NAME = "scheduler.pt"
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+
+class EngineModule(nn.Module):
+    """The model as Trainer runs it: forward goes through the engine (inputs moved to its
+    device and dtype, stage-3 parameters gathered around each module)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self._engine = engine  # not an nn.Module: kept out of the module tree
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine(*args, **kwargs)
+
+
+def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
+    """What Hugging Face's DeepSpeed integration fills ``"auto"`` keys with."""
+    world = max(1, args.world_size)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    out: dict[str, Any] = {
+        "fp16.enabled": bool(args.fp16), "bf16.enabled": bool(args.bf16),
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "train_batch_size": args.per_device_train_batch_size * world
+        * args.gradient_accumulation_steps,
+    }
+    if hidden:
+        out["zero_optimization.reduce_bucket_size"] = hidden * hidden
+        out["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        out["zero_optimization.stage3_param_persistence_threshold"] = 10 * hidden
+    return out
+
+
+def engine_keywords(args: Any, model: nn.Module,
+                    zero_offload: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    """``initialize`` keywords for a Trainer run: TrainingArguments first, then the user's."""
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in _ADAMW:
+        raise ConfigError(f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
+                          "optim='adamw_torch' (the default)")
+    kw: dict[str, Any] = dict(
+        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
+        else None)
+    if args.bf16 or args.fp16:
+        kw["dtype"] = torch.bfloat16 if args.bf16 else torch.float16
+    user = _load(zero_offload)
+    if is_deepspeed(user):
+        user = translate(user, _auto_values(args, model), allow=("scheduler",))
+        log.info("DeepSpeed config: Trainer's own lr scheduler (lr_scheduler_type) drives the "
+                 "learning rate")
+    kw.update(user)
+    gas = kw.pop("gradient_accumulation_steps", args.gradient_accumulation_steps)
+    if gas != args.gradient_accumulation_steps:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas} in the zero_offload config but "
+            f"{args.gradient_accumulation_steps} in TrainingArguments: Trainer counts the "
+            "micro-batches, so set it in TrainingArguments only")
+    return kw
+
+
+class ZeroOffloadMixin:
+    """The overrides that put a zero_offload engine under a ``Trainer`` (sub)class; mixed in
+    before it (:class:`ZeroOffloadTrainer`, :func:`zero_offload_trainer`)."""
+
+    def __init__(self, *args: Any,
+                 zero_offload: Mapping[str, Any] | str | os.PathLike | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.optimizer is not None:
+            raise ConfigError("ZeroOffloadTrainer builds its own optimizer (the engine's "
+                              "AdamW): do not pass optimizers=(...)")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ConfigError("ZeroOffloadTrainer replaces DeepSpeed/FSDP: remove "
+                              "TrainingArguments.deepspeed / fsdp and pass the config as "
+                              "zero_offload=...")
+        self.zero_offload_config = zero_offload
+        self.engine: Engine | None = None
+        self._engine_module: EngineModule | None = None
+
+    # -- the engine in place of the optimizer and the wrapped model ---------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.engine is None:
+            kw = engine_keywords(self.args, self.model, self.zero_offload_config)
+            self.engine = initialize(self.model, **kw)
+            self._engine_module = EngineModule(self.engine)
+            if self.engine.dtype == torch.float16:  # the engine scales the loss itself
+                self.accelerator.scaler = None
+            log.info("ZeroOffloadTrainer: %s", {k: v for k, v in kw.items()})
+        if self.optimizer is None:
+            self.optimizer = EngineOptimizer(self.engine)
+        return self.optimizer
+
+    def _wrap_model(self, model: nn.Module, training: bool = True,
+                    dataloader: Any = None) -> nn.Module:
+        if self._engine_module is not None:
+            return self._engine_module
+        return super()._wrap_model(model, training, dataloader)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.engine is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # normalized by num_items_in_batch already (Trainer's own rule)
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        self.engine.backward(loss, final=self.accelerator.sync_gradients)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None  # the engine clips at its step, over every rank's shard
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None  # known after the step: logged with the engine's step stats
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.engine is not None and "loss" in logs:
+            logs.update(step_stats(self.engine))
+        super().log(logs, *args, **kwargs)
+
+    # -- saving and resuming ------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated safetensors (``from_pretrained`` loads them). Collective: every rank
+        calls it, as Trainer does."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.engine.full_state_dict()
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_DIR)):
+            return  # the engine checkpoint holds the fp32 masters: restored with the optimizer
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.engine is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        directory = os.path.join(checkpoint, ENGINE_DIR)
+        if not os.path.isdir(directory):
+            raise ConfigError(f"resume_from_checkpoint={checkpoint!r} holds no {ENGINE_DIR}/ "
+                              "engine checkpoint: resume from a ZeroOffloadTrainer checkpoint")
+        self.engine.load_checkpoint(directory)
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self.engine is None:
+            super()._save_scaler(output_dir)  # the engine's loss scale is in its checkpoint
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self.engine is None:
+            super()._load_scaler(checkpoint)
+
+
+class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
+    """``transformers.Trainer`` training through a zero_offload engine; ``zero_offload``:
+    ``initialize`` keywords, a JSON file of them, or a DeepSpeed config (dict or file)."""
+
+
+def zero_offload_trainer(trainer_class: type) -> type:
+    """The same for a Trainer subclass, e.g. TRL's:
+    ``zero_offload_trainer(SFTTrainer)(model=..., args=..., zero_offload=dict(stage=3))``."""
+    if not issubclass(trainer_class, Trainer):
+        raise TypeError(f"{trainer_class.__name__} is not a transformers.Trainer subclass")
+    return type(f"ZeroOffload{trainer_class.__name__}", (ZeroOffloadMixin, trainer_class), {})

@@ -1,0 +1,69 @@
+"""What the last optimizer step did: ``engine.last_step``.
+
+When a step is slow the first question is where the time went (forward, backward, the
+optimizer step, and inside it the disk and the CPU Adam). :class:`StepClock` times the engine's
+phases over one accumulation window, each inside a ``torch.profiler.record_function`` range so
+that a user's profiler trace shows them, and :func:`summarize` adds the optimizer's own
+timings, the gradient norm, the loss scale and what the collectives moved. Trainer
+integrations log the result through the trainer's loggers.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Any, Iterator
+
+from torch.profiler import record_function
+
+__all__ = ["StepClock", "summarize"]
+
+
+class StepClock:
+    """Seconds spent per phase since the last :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            with record_function(f"zero_offload.{name}"):
+                yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def summarize(engine: Any, applied: bool) -> dict[str, float]:
+    """The flat, loggable stats of the step that just ended (numbers only)."""
+    clock: StepClock = engine.clock
+    t = engine.last_step_timings
+    out: dict[str, float] = {
+        "forward_s": clock.seconds.get("forward", 0.0),
+        "backward_s": clock.seconds.get("backward", 0.0),
+        "step_s": clock.seconds.get("step", 0.0),
+        "adam_s": t.compute_s,  # the optimizer's arithmetic (CPU Adam when offloaded)
+        "optimizer_wall_s": t.wall_s,
+        "applied": float(applied),
+        "loss_scale": float(engine.loss_scale),
+        "skipped_steps": float(engine.skipped_steps),
+    }
+    if t.bytes_read or t.bytes_written:  # the optimizer state is on NVMe
+        out["nvme_read_s"] = t.read_s
+        out["nvme_write_s"] = t.write_s
+        out["nvme_wait_s"] = max(0.0, t.wall_s - t.compute_s)  # the step not hidden by Adam
+        if t.io_busy_s > 0:
+            out["disk_gbps"] = (t.bytes_read + t.bytes_written) / t.io_busy_s / 1e9
+    norm = engine.last_grad_norm
+    if norm is not None:
+        out["grad_norm"] = float(norm)
+    if engine.gatherer is not None:
+        out["peak_gathered_bytes"] = float(engine.gatherer.peak_gathered_bytes)
+    for kind, s in engine.comm.stats().items():
+        out[f"{kind}_bytes"] = float(s.bytes)
+        out[f"{kind}_calls"] = float(s.calls)
+    return out
