@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -18,10 +20,14 @@ import torch.nn as nn
 
 from .comm import Comm
 from .config import ZeroConfig, build_config
+from .inputs import move_inputs
 from .ledger import MemoryReport
 from .optimizer_state import attach_state_dict
+from .stages import placement
+from .stages.buffer_sync import broadcast_buffers, rank0_values
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
+from .stages.handback import Leftovers, hand_back, has_memory
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
@@ -39,45 +45,14 @@ __all__ = ["Engine", "initialize", "persistent_buffers"]
 log = logging.getLogger(__name__)
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move tensors in (nested) inputs to the device; floating tensors take the compute dtype."""
-    if isinstance(value, torch.Tensor):
-        target = dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=target)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device, dtype) for v in value)
-    if isinstance(value, Mapping):
-        return type(value)({k: _to_device(v, device, dtype) for k, v in value.items()})
-    return value
-
-
-def _move_to_device(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)``, except that parameters on the meta device stay there until their
-    unit materializes them."""
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
-        return
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and not p.is_meta:
-                p.data = p.data.to(device)
-        for name, b in module._buffers.items():
-            if b is not None:
-                if b.is_meta:
-                    raise ValueError(
-                        f"buffer {name!r} of {type(module).__name__} is on the meta device; "
-                        "zero_offload materializes meta parameters (through "
-                        "reset_parameters() or init_weights) but cannot know a buffer's "
-                        "values: build the model with only its parameters on the meta device "
-                        "(accelerate.init_empty_weights() does so by default), or create its "
-                        "buffers on a real device")
-                module._buffers[name] = b.to(device)
+def _check_parameters(model: nn.Module) -> None:
+    """A parameter without memory is a stage-3 view of an engine that is still open."""
+    for name, p in model.named_parameters():
+        if not has_memory(p):
+            raise RuntimeError(
+                f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
+                "still open; call engine.close() first (it puts the trained values back into "
+                "the model), then initialize again")
 
 
 def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
@@ -94,13 +69,29 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
         self.config = config
+        self._closed = True  # until built: a half-built engine is not usable
+        _check_parameters(model)
         self.comm = Comm(config.process_group)
-        self.device = config.device or _default_device()
+        self.device = placement.select_device(config.device)
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
         self.streams = Streams(self.device)
-        _move_to_device(model, self.device)
+        # What must be released however this engine ends (close(), collection, exit, or an
+        # error below); it holds nothing that refers back to the engine.
+        self._leftovers = Leftovers()
+        self._finalizer = weakref.finalize(self, self._leftovers.release)
+        try:
+            self._build(model, config)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._closed = False
+
+    def _build(self, model: nn.Module, config: ZeroConfig) -> None:
+        placement.move_model(model, self.device, self.stage)
+        if config.broadcast_buffers:
+            broadcast_buffers(model, self.comm)
         plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
                            bucket_size=config.reduce_bucket_size)
         self._weights = self._open_weights(plans) if config.init_weights else None
@@ -111,13 +102,17 @@ class Engine:
                                        self.dtype, self.device, self.comm.rank, param_budget,
                                        self.streams)
                             if self.stage == 3 else None)
+        if self.param_store is not None:
+            self._leftovers.closers.append(self.param_store.close)
         # optimizer state and gradients cover the trainable prefix of the rank-flat shard
         self.trainable_numel = trainable = trainable_numel(plans)
         updater = make_updater(
             trainable, config, self.device, self.dtype, self.comm.rank,
             self.param_store.resident if self.param_store else None, optimizer_budget)
+        self._leftovers.closers.append(updater.close)
         self.units = self._make_units(plans, updater)
         if self._weights is not None:
+            self._load_buffers(self._weights)
             self._weights[0].close()
             self._weights = None
         self.grad_queue: HostGradQueue | None = None
@@ -136,6 +131,7 @@ class Engine:
             self.grad_queue = HostGradQueue(
                 host_target, self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
+            self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue
         self.shard_numel = shard_numel
         self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
@@ -145,6 +141,8 @@ class Engine:
         self.reducer = GradReducer(
             self.units, self.comm, self.stage, target,
             on_reduced=self.gatherer.release if self.gatherer else None)
+        self._leftovers.closers[:0] = [self.reducer.remove_hooks] + \
+            ([self.gatherer.remove_hooks] if self.gatherer else [])
         self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
@@ -187,6 +185,9 @@ class Engine:
             if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
                 updater.load_state(unit.shard_offset, master if self.config.offload.optimizer
                                    == "none" else master.cpu())
+            if unit.sharded_params:  # released, not handed back, if the engine just ends
+                self._leftovers.sharded.extend(
+                    (new, refs.get(id(old), [])) for old, new in zip(plan.params, unit.params))
             if self.param_store is not None:
                 lo, hi = unit.layout.shard_range(self.comm.rank)
                 self.param_store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
@@ -196,10 +197,42 @@ class Engine:
             self.param_store.flush()
         return units
 
-    # -- the training loop ------------------------------------------------------------------
+    def _load_buffers(self, opened: tuple[PretrainedWeights, dict[str, str]]) -> None:
+        """Persistent buffers the pretrained file holds (the model keeps its own otherwise)."""
+        weights, stored = opened
+        with torch.no_grad():
+            for name, b in persistent_buffers(self._module).items():
+                if name in stored:
+                    b.copy_(weights.load(stored[name]))
+        if self.config.broadcast_buffers:
+            broadcast_buffers(self._module, self.comm)
+
+    # -- the model's face ----------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
         return self._module
+
+    @property
+    def training(self) -> bool:
+        return self._module.training
+
+    def train(self, mode: bool = True) -> "Engine":
+        """``module.train(mode)``, as on the model."""
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """``module.eval()``, as on the model."""
+        self._module.eval()
+        return self
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this zero_offload engine is closed: close() handed the trained parameters back "
+                "to the model; call zero_offload.initialize(model, ...) again to train on")
+
+    # -- the training loop ------------------------------------------------------------------
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -219,9 +252,14 @@ class Engine:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward on this rank's micro-batch."""
-        args = _to_device(args, self.device, self.dtype)
-        kwargs = _to_device(kwargs, self.device, self.dtype)
+        """Run the model's forward on this rank's micro-batch (tensors inside any containers
+        go to the device, floating ones in the compute dtype). While training, every rank
+        first takes rank 0's buffers (``broadcast_buffers``)."""
+        self._check_open()
+        args = move_inputs(args, self.device, self.dtype)
+        kwargs = move_inputs(kwargs, self.device, self.dtype)
+        if self.config.broadcast_buffers and self._module.training:
+            broadcast_buffers(self._module, self.comm)
         ctx = self.gatherer.forward() if self.gatherer else contextlib.nullcontext()
         with ctx, self.clock.phase("forward"):
             return self._module(*args, **kwargs)
@@ -233,6 +271,7 @@ class Engine:
         scale with float16); gradients are averaged over ranks. ``final``: this backward ends
         the accumulation window (default: counted from gradient_accumulation_steps; trainers
         that count micro-steps themselves pass it, with gradient_accumulation_steps=1)."""
+        self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
@@ -251,6 +290,7 @@ class Engine:
     def step(self) -> bool:
         """Count a micro-step; at the accumulation boundary reduce, clip and apply the update.
         Returns True when an update was applied (False between boundaries or on overflow)."""
+        self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
@@ -275,6 +315,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
+        self._check_open()
         self.reducer.zero()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
@@ -282,6 +323,7 @@ class Engine:
                         lr_scheduler: Any = None) -> "os.PathLike":
         """Save this rank's shards (and, rank 0, the manifest) under ``directory/tag``
         (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective."""
+        self._check_open()
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, directory, tag, lr_scheduler)
 
@@ -289,17 +331,53 @@ class Engine:
                         lr_scheduler: Any = None) -> str:
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
         stage; returns the tag. Collective."""
+        self._check_open()
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory, tag, lr_scheduler)
 
     def close(self) -> None:
-        """Release swap files and host buffers now (also done when the engine is collected
-        or the process exits normally)."""
+        """End the engine and give the model back: each parameter becomes a plain tensor of
+        its own holding the trained values in the compute dtype — on the compute device at
+        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
+        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
+        and host buffers are freed. The model can be initialized again. Idempotent.
+
+        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
+        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
+        does not communicate — the other ranks may never get there — and stage 3's sharded
+        parameters are left on the meta device instead (keep values with checkpoints).
+        An engine collected without ``close()`` is released the same way."""
+        if self._closed:
+            return
+        self._closed = True
+        unwinding = sys.exc_info()[0] is not None
         try:
-            if self.grad_queue is not None:
-                self.grad_queue.close()
+            if not unwinding:
+                self._hand_back()
         finally:
-            self.stepper.close()
+            self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
+            self.reducer = self.gatherer = self.stepper = self.param_store = None  # type: ignore
+            self.grads = self.grad_queue = None
+            self.units = []
+
+    def _hand_back(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+            self.gatherer.end_backward()
+        if self.grad_queue is not None:
+            self.grad_queue.flush()
+        if self.param_store is not None:
+            self.param_store.flush()
+        if self.config.broadcast_buffers:
+            broadcast_buffers(self._module, self.comm)
+        hand_back(self._module, self.units, self.stage, self.comm, self.param_store,
+                  self.streams)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
     def state_chunks(self) -> Iterator[tuple[int, list[torch.Tensor | None]]]:
@@ -381,24 +459,28 @@ class Engine:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
         ``model.load_state_dict`` takes), on the CPU, gathered from all ranks' shards: the fp32
         masters, and for frozen parameters their compute-dtype values. Collective: every rank
-        must call it."""
-        master = self.stepper.updater.master_values().to(self.device)
+        must call it. Device memory: one unit at a time."""
+        self._check_open()
+        master = self.stepper.updater.master_values()  # where the optimizer keeps it
         values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
-            shard = self.frozen_shard(u).to(self.device) if u.frozen else \
+        for u in self.units:  # one unit at a time on the device
+            shard = self.frozen_shard(u) if u.frozen else \
                 master[u.shard_offset:u.shard_offset + u.shard_numel]
+            shard = placement.to_device(shard, self.device)
+            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
             if u.layout.num_shards == 1:
                 full.copy_(shard)
             else:
                 self.comm.all_gather(full, shard)
             for p, slot in zip(u.params, u.layout.slots):
                 values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
+            del shard, full
         out: dict[str, torch.Tensor] = {}
         for name, p in self._module.named_parameters(remove_duplicate=False):
             out[name] = values[id(p)]
-        for name, b in persistent_buffers(self._module).items():
-            out[name] = b.detach().cpu().clone()
+        buffers = persistent_buffers(self._module)
+        for name, value in zip(buffers, rank0_values(list(buffers.values()), self.comm)):
+            out[name] = value.cpu()  # rank 0's: every rank returns the same
         return out
 
     def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from ..comm import Comm, Handle
 from .units import FlatUnit
+from .weak import weak_hook
 
 __all__ = ["GradReducer", "GradTarget", "ResidentGrads"]
 
@@ -74,10 +75,10 @@ class GradReducer:
         self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
         self._hooks = []
         if stage >= 2:
-            for unit in units:
-                for p in unit.trainable:
+            for position, unit in enumerate(units):
+                for p in unit.trainable:  # weak: a hook must not keep the engine alive
                     self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, unit=unit: self._on_grad(unit)))
+                        weak_hook(self._on_grad_at, position)))
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -95,6 +96,9 @@ class GradReducer:
         for unit in self.units:
             unit.pending_grads = len(unit.trainable)
             unit.grads_reduced = False
+
+    def _on_grad_at(self, position: int, _param: torch.Tensor) -> None:
+        self._on_grad(self.units[position])
 
     def _on_grad(self, unit: FlatUnit) -> None:
         unit.pending_grads -= 1
