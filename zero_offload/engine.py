@@ -165,7 +165,8 @@ class Engine:
             if canonical[id(p)] != name:
                 aliases.setdefault(canonical[id(p)], []).append(name)
         expected = {n: tuple(p.shape) for plan in plans for n, p in zip(plan.names, plan.params)}
-        return weights, weights.resolve(expected, aliases)
+        buffers = {n: tuple(b.shape) for n, b in persistent_buffers(self._module).items()}
+        return weights, weights.resolve(expected, aliases, buffers)
 
     def _make_units(self, plans: list[UnitPlan], updater: Updater) -> list[FlatUnit]:
         """Materialize units one at a time, streaming each rank's fp32 shard into the

@@ -61,21 +61,26 @@ class PretrainedWeights:
                 raise ConfigError(f"init_weights: cannot read {path}: {exc}") from exc
         return self._handles[path]
 
-    def resolve(self, expected: dict[str, tuple[int, ...]],
-                aliases: dict[str, list[str]]) -> dict[str, str]:
-        """Map each model parameter name to the stored name that holds it (itself, or a tied
-        alias); raise one error listing every missing, unexpected or mis-shaped tensor."""
+    def resolve(self, expected: dict[str, tuple[int, ...]], aliases: dict[str, list[str]],
+                buffers: dict[str, tuple[int, ...]] | None = None) -> dict[str, str]:
+        """Map each model parameter (and persistent buffer) name to the stored name that holds
+        it (itself, or a tied alias); raise one error listing every missing, unexpected or
+        mis-shaped tensor. Buffers may be missing (the model keeps its own values: many files
+        hold parameters only); a file that has them — any ``model.state_dict()`` saved, or
+        what ``consolidate_checkpoint`` writes — loads them."""
         chosen: dict[str, str] = {}
         missing, shapes = [], []
-        for name, shape in expected.items():
+        buffers = buffers or {}
+        for name, shape in {**expected, **buffers}.items():
             stored = next((n for n in [name, *aliases.get(name, [])] if n in self.shapes), None)
             if stored is None:
-                missing.append(name)
+                if name not in buffers:
+                    missing.append(name)
             elif self.shapes[stored] != tuple(shape):
                 shapes.append(f"{stored}: file {self.shapes[stored]}, model {tuple(shape)}")
             else:
                 chosen[name] = stored
-        known = set(expected) | {a for names in aliases.values() for a in names}
+        known = set(expected) | set(buffers) | {a for names in aliases.values() for a in names}
         unexpected = set(self.shapes) - known
         problem = mismatch_message("file", missing, unexpected, shapes)
         if problem:
