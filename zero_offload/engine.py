@@ -23,36 +23,26 @@ from .config import ZeroConfig, build_config
 from .inputs import move_inputs
 from .ledger import MemoryReport
 from .optimizer_state import attach_state_dict
-from .stages import placement
-from .stages.buffer_sync import broadcast_buffers, rank0_values
+from .stages import export, placement
+from .stages.buffer_sync import broadcast_buffers
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
-from .stages.handback import Leftovers, hand_back, has_memory
+from .stages.build import build_units
+from .stages.handback import Leftovers, check_parameters, hand_back
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
 from .stages.streams import Streams
-from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
-                           persistent_buffers, plan_units, trainable_numel)
-from .stages.update_api import StepTimings, Updater
+from .stages.units import FlatUnit, persistent_buffers, plan_units, trainable_numel
+from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
 from .swap.swapper import Swapper
 from .step_stats import StepClock, summarize
-from .weights import PretrainedWeights
+from .weights import load_buffers, open_pretrained
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_parameters(model: nn.Module) -> None:
-    """A parameter without memory is a stage-3 view of an engine that is still open."""
-    for name, p in model.named_parameters():
-        if not has_memory(p):
-            raise RuntimeError(
-                f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
-                "still open; call engine.close() first (it puts the trained values back into "
-                "the model), then initialize again")
 
 
 def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
@@ -70,7 +60,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
         self.config = config
         self._closed = True  # until built: a half-built engine is not usable
-        _check_parameters(model)
+        check_parameters(model)
         self.comm = Comm(config.process_group)
         self.device = placement.select_device(config.device)
         self.dtype = config.precision.dtype
@@ -94,7 +84,8 @@ class Engine:
             broadcast_buffers(model, self.comm)
         plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
                            bucket_size=config.reduce_bucket_size)
-        self._weights = self._open_weights(plans) if config.init_weights else None
+        self._weights = open_pretrained(config.init_weights, model, plans) \
+            if config.init_weights else None
         shard_numel = sum(p.shard_numel for p in plans)
         param_budget, optimizer_budget = _split_host_budget(config)
         self.param_store = (ParamStore(config, shard_numel,
@@ -110,9 +101,12 @@ class Engine:
             trainable, config, self.device, self.dtype, self.comm.rank,
             self.param_store.resident if self.param_store else None, optimizer_budget)
         self._leftovers.closers.append(updater.close)
-        self.units = self._make_units(plans, updater)
+        self.units = build_units(model, plans, config, self.comm, self.device, updater,
+                                 self.param_store, self._weights, self._leftovers)
         if self._weights is not None:
-            self._load_buffers(self._weights)
+            load_buffers(model, *self._weights)
+            if config.broadcast_buffers:
+                broadcast_buffers(model, self.comm)
             self._weights[0].close()
             self._weights = None
         self.grad_queue: HostGradQueue | None = None
@@ -155,58 +149,6 @@ class Engine:
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
-
-    def _open_weights(self, plans: list[UnitPlan]) -> tuple[PretrainedWeights, dict[str, str]]:
-        """Check the pretrained file against the model before any memory is allocated."""
-        weights = PretrainedWeights(self.config.init_weights)
-        canonical = {id(p): n for plan in plans for n, p in zip(plan.names, plan.params)}
-        aliases: dict[str, list[str]] = {}
-        for name, p in self._module.named_parameters(remove_duplicate=False):
-            if canonical[id(p)] != name:
-                aliases.setdefault(canonical[id(p)], []).append(name)
-        expected = {n: tuple(p.shape) for plan in plans for n, p in zip(plan.names, plan.params)}
-        buffers = {n: tuple(b.shape) for n, b in persistent_buffers(self._module).items()}
-        return weights, weights.resolve(expected, aliases, buffers)
-
-    def _make_units(self, plans: list[UnitPlan], updater: Updater) -> list[FlatUnit]:
-        """Materialize units one at a time, streaming each rank's fp32 shard into the
-        optimizer's tier and (stage 3) its compute-dtype shard into the parameter store, so
-        that no more than one unit is ever whole in memory."""
-        refs = parameter_references(self._module)
-        units = []
-        for plan in plans:
-            values = None
-            if self._weights is not None:
-                weights, stored = self._weights
-                values = [weights.load(stored[name]) for name in plan.names]
-            unit, master = make_unit(
-                plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
-                device=self.device, persistence_threshold=self.config.param_persistence_threshold,
-                comm=self.comm, refs=refs, values=values)
-            if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
-                updater.load_state(unit.shard_offset, master if self.config.offload.optimizer
-                                   == "none" else master.cpu())
-            if unit.sharded_params:  # released, not handed back, if the engine just ends
-                self._leftovers.sharded.extend(
-                    (new, refs.get(id(old), [])) for old, new in zip(plan.params, unit.params))
-            if self.param_store is not None:
-                lo, hi = unit.layout.shard_range(self.comm.rank)
-                self.param_store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
-                unit.free()
-            units.append(unit)
-        if self.param_store is not None:
-            self.param_store.flush()
-        return units
-
-    def _load_buffers(self, opened: tuple[PretrainedWeights, dict[str, str]]) -> None:
-        """Persistent buffers the pretrained file holds (the model keeps its own otherwise)."""
-        weights, stored = opened
-        with torch.no_grad():
-            for name, b in persistent_buffers(self._module).items():
-                if name in stored:
-                    b.copy_(weights.load(stored[name]))
-        if self.config.broadcast_buffers:
-            broadcast_buffers(self._module, self.comm)
 
     # -- the model's face ----------------------------------------------------------------------
     @property
@@ -458,68 +400,32 @@ class Engine:
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
-        ``model.load_state_dict`` takes), on the CPU, gathered from all ranks' shards: the fp32
-        masters, and for frozen parameters their compute-dtype values. Collective: every rank
-        must call it. Device memory: one unit at a time."""
+        ``model.load_state_dict`` takes; rank 0's buffers), on the CPU, gathered from all
+        ranks' shards: the fp32 masters, and for frozen parameters their compute-dtype values.
+        Collective: every rank must call it. Device memory: one unit at a time."""
         self._check_open()
-        master = self.stepper.updater.master_values()  # where the optimizer keeps it
-        values: dict[int, torch.Tensor] = {}
-        for u in self.units:  # one unit at a time on the device
-            shard = self.frozen_shard(u) if u.frozen else \
-                master[u.shard_offset:u.shard_offset + u.shard_numel]
-            shard = placement.to_device(shard, self.device)
-            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
-            if u.layout.num_shards == 1:
-                full.copy_(shard)
-            else:
-                self.comm.all_gather(full, shard)
-            for p, slot in zip(u.params, u.layout.slots):
-                values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
-            del shard, full
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self._module.named_parameters(remove_duplicate=False):
-            out[name] = values[id(p)]
-        buffers = persistent_buffers(self._module)
-        for name, value in zip(buffers, rank0_values(list(buffers.values()), self.comm)):
-            out[name] = value.cpu()  # rank 0's: every rank returns the same
-        return out
+        return export.full_state_dict(self)
 
     def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's shard of a frozen unit in fp32 on the CPU. Frozen parameters keep no
         fp32 master: their values are the compute-dtype parameters (exact in fp32; in
         bf16/fp16, what training used)."""
-        lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else self.comm.rank)
-        if not unit.sharded_params:
-            return unit.full[lo:hi].float().cpu()
-        assert self.param_store is not None
-        shard, copied = self.param_store.load(unit)
-        self.streams.wait(copied)
-        return shard.float().cpu()
+        return export.frozen_shard(self, unit)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
-        rep = MemoryReport()
-        for u in self.units:
-            if not u.sharded_params:
-                rep.add("device", "params", u.full_bytes)
-                if self.stage == 3:
-                    rep.persistent_param_bytes += u.full_bytes
-            elif u.state is not GatherState.FREE:
-                rep.add("device", "params", u.full_bytes)
-            for p in u.params:
-                if p.grad is not None:
-                    rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
-        if self.grads is not None:
-            grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
-            rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
-        self.stepper.add_to(rep)
-        if self.grad_queue is not None:
-            self.grad_queue.add_to(rep)
-        if self.gatherer:
-            rep.peak_gathered_param_bytes = max(self._last_step_peak,
-                                                self.gatherer.peak_gathered_bytes)
-        rep.comm = dict(self._last_comm)
-        return rep
+        self._check_open()
+        return export.memory_report(self)
+
+    @property
+    def last_comm(self) -> dict:
+        """Collective counters of the last step."""
+        return dict(self._last_comm)
+
+    @property
+    def last_step_peak(self) -> int:
+        """Stage 3: the peak gathered parameter bytes of the last step."""
+        return self._last_step_peak
 
 
 def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,

@@ -28,7 +28,7 @@ from .param_store import ParamStore
 from .streams import Streams
 from .units import FlatUnit
 
-__all__ = ["Leftovers", "hand_back", "has_memory"]
+__all__ = ["Leftovers", "check_parameters", "hand_back", "has_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ def has_memory(p: torch.Tensor) -> bool:
         return True
     needed = (p.storage_offset() + p.numel()) * p.element_size()
     return p.numel() == 0 or p.untyped_storage().nbytes() >= needed
+
+
+def check_parameters(model: nn.Module) -> None:
+    """A parameter without memory is a stage-3 view of an engine that is still open."""
+    for name, p in model.named_parameters():
+        if not has_memory(p):
+            raise RuntimeError(
+                f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
+                "still open; call engine.close() first (it puts the trained values back into "
+                "the model), then initialize again")
 
 
 class Leftovers:
