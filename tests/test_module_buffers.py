@@ -42,10 +42,13 @@ def _train(rank: int, world: int) -> dict:
                 engine.backward(F.mse_loss(engine(x), y))
                 engine.step()
             local = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-            exported = {k: v for k, v in engine.full_state_dict().items() if "running" in k}
-            engine.close()
+            full = engine.full_state_dict()
+            exported = {k: v for k, v in full.items() if "running" in k}
+            engine.close()  # collective at stage 3: gathers the parameters back
             closed = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-            out[(stage, sync)] = (local, exported, closed)
+            handed_back = all(torch.equal(v, full[k]) for k, v in model.state_dict().items()
+                              if "running" not in k)
+            out[(stage, sync)] = (local, exported, closed, handed_back)
     return out
 
 
@@ -71,6 +74,11 @@ def test_buffers_follow_rank0_and_exports_agree_on_every_rank(ranks, stage):
         for part in (1, 2):  # full_state_dict, and the model after close()
             assert torch.equal(r0[part][name], r1[part][name]), name
             torch.testing.assert_close(r0[part][name], value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_close_hands_back_the_trained_parameters_on_every_rank(ranks, stage):
+    assert all(rank[(stage, sync)][3] for rank in ranks for sync in (True, False))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
