@@ -153,6 +153,18 @@ def test_close_while_an_exception_unwinds_does_not_communicate(caplog):
     assert not any(p.is_meta for p in model.parameters())
 
 
+def test_close_without_hand_back_releases_stage3_shards_without_gathering():
+    """For a model too large for host memory: close(hand_back=False) after the checkpoint."""
+    model = MLP()
+    engine = zo.initialize(model, stage=3)
+    engine.close(hand_back=False)
+    assert all(p.is_meta for p in model.parameters()) and _hook_counts(model) == (0, 0)
+    model = MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    zo.initialize(model, stage=2).close(hand_back=False)  # stages 0-2: values stay
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # -- engines dropped without close() ---------------------------------------------------------
 
 def _threads() -> int:

@@ -28,7 +28,7 @@ from .stages.buffer_sync import broadcast_buffers
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.build import build_units
-from .stages.handback import Leftovers, check_parameters, hand_back
+from .stages.handback import Leftovers, check_parameters, hand_back_parameters
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
@@ -278,7 +278,7 @@ class Engine:
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory, tag, lr_scheduler)
 
-    def close(self) -> None:
+    def close(self, hand_back: bool = True) -> None:
         """End the engine and give the model back: each parameter becomes a plain tensor of
         its own holding the trained values in the compute dtype — on the compute device at
         stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
@@ -289,13 +289,15 @@ class Engine:
         call it. Called while an exception propagates (a ``finally`` block, ``with``), it
         does not communicate — the other ranks may never get there — and stage 3's sharded
         parameters are left on the meta device instead (keep values with checkpoints).
-        An engine collected without ``close()`` is released the same way."""
+        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
+        after its checkpoint is saved. An engine collected without ``close()`` is released
+        the same way."""
         if self._closed:
             return
         self._closed = True
         unwinding = sys.exc_info()[0] is not None
         try:
-            if not unwinding:
+            if hand_back and not unwinding:
                 self._hand_back()
         finally:
             self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
@@ -308,13 +310,16 @@ class Engine:
             self.gatherer.release_all()
             self.gatherer.end_backward()
         if self.grad_queue is not None:
-            self.grad_queue.flush()
+            try:
+                self.grad_queue.flush()
+            except Exception as err:  # noqa: BLE001 - gradients are dropped anyway
+                log.warning("zero_offload: close(): dropping gradients that failed: %s", err)
         if self.param_store is not None:
             self.param_store.flush()
         if self.config.broadcast_buffers:
             broadcast_buffers(self._module, self.comm)
-        hand_back(self._module, self.units, self.stage, self.comm, self.param_store,
-                  self.streams)
+        hand_back_parameters(self._module, self.units, self.stage, self.comm,
+                             self.param_store, self.streams)
 
     def __enter__(self) -> "Engine":
         return self

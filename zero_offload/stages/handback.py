@@ -5,8 +5,8 @@ stage 3 those buffers have no memory between uses. Reading such a parameter afte
 is gone would read freed memory, so an engine never ends without handing every parameter a
 tensor of its own:
 
-- ``engine.close()`` (:func:`hand_back`): each parameter gets a new plain tensor holding the
-  trained values in the compute dtype. Stages 0–2 keep them on the compute device (they were
+- ``engine.close()`` (:func:`hand_back_parameters`): each parameter gets a new plain tensor
+  holding the trained values in the compute dtype. Stages 0–2 keep them on the compute device (they were
   there whole all along); stage 3 gathers its units one at a time into host memory (the model
   may not fit the device) and moves the buffers there too, so the whole model is on the CPU.
 - An engine collected without ``close()`` (:class:`Leftovers`, run by ``weakref.finalize``)
@@ -28,7 +28,7 @@ from .param_store import ParamStore
 from .streams import Streams
 from .units import FlatUnit
 
-__all__ = ["Leftovers", "check_parameters", "hand_back", "has_memory"]
+__all__ = ["Leftovers", "check_parameters", "hand_back_parameters", "has_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def _own_copy(p: nn.Parameter, value: torch.Tensor, device: torch.device) -> Non
     p.grad = None
 
 
-def hand_back(model: nn.Module, units: list[FlatUnit], stage: int, comm: Comm,
-              store: ParamStore | None, streams: Streams) -> None:
+def hand_back_parameters(model: nn.Module, units: list[FlatUnit], stage: int, comm: Comm,
+                         store: ParamStore | None, streams: Streams) -> None:
     """Give every parameter of ``units`` a tensor of its own with its current values (see the
     module docstring for where). Stage 3 gathers: collective, in unit order on every rank."""
     host = torch.device("cpu")
