@@ -109,10 +109,12 @@ def test_a_closed_engine_refuses_work(tmp_path):
     engine = zo.initialize(MLP(), stage=2)
     x, y = batch("mlp", 4, torch.Generator().manual_seed(0))
     loss = loss_fn("mlp", engine(x), y)
+    optimizer = engine.optimizer  # e.g. held by a trainer
     engine.close()
     engine.close()  # idempotent
     for call in (lambda: engine(x), lambda: engine.backward(loss), engine.step,
-                 lambda: engine.save_checkpoint(tmp_path), engine.full_state_dict):
+                 lambda: engine.save_checkpoint(tmp_path), engine.full_state_dict,
+                 lambda: engine.optimizer, optimizer.state_dict):
         with pytest.raises(RuntimeError, match="engine is closed.*initialize"):
             call()
 

@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
         self.config = config
-        self._closed = True  # until built: a half-built engine is not usable
+        self._closed = True  # until checked
         check_parameters(model)
         self.comm = Comm(config.process_group)
         self.device = placement.select_device(config.device)
@@ -71,12 +71,13 @@ class Engine:
         # error below); it holds nothing that refers back to the engine.
         self._leftovers = Leftovers()
         self._finalizer = weakref.finalize(self, self._leftovers.release)
+        self._closed = False
         try:
             self._build(model, config)
         except BaseException:
+            self._closed = True  # a half-built engine is not usable
             self._finalizer()
             raise
-        self._closed = False
 
     def _build(self, model: nn.Module, config: ZeroConfig) -> None:
         placement.move_model(model, self.device, self.stage)
@@ -180,6 +181,7 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
+        self._check_open()
         return self.stepper.optimizer
 
     @property
@@ -332,6 +334,7 @@ class Engine:
         """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
         offset order: the optimizer's state streamed from its tier, then each frozen unit's
         values with moments that are zero (None)."""
+        self._check_open()
         for lo, _hi, *arrays in self.stepper.updater.iter_state():
             yield lo, list(arrays)
         for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
