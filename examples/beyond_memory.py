@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(params {gib(rep.bytes['nvme']['params'])}, grads {gib(rep.bytes['nvme']['grads'])}, "
           f"optimizer {gib(rep.bytes['nvme']['optimizer'])}); host buffers "
           f"{gib(rep.total('host'))}")
-    engine.close()
+    engine.close(hand_back=False)  # the model is not used after training here
     if not losses[-1] < losses[0]:
         print(f"error: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})",
               file=sys.stderr)

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             for tier in ("device", "host", "nvme"):
                 print(f"  {tier:<6} {report.total(tier) / 2**20:>10.2f} MiB  "
                       f"{estimate.resident_bytes(tier) / 2**20:>10.2f} MiB")
-        engine.close()
+        engine.close(hand_back=False)  # the model is not used after training here
     return finish(engine, first, last)
 
 

@@ -32,6 +32,7 @@ from zero_offload.config import (OffloadConfig, OptimizerConfig, PrecisionConfig
     (dict(host_memory_limit=0), ["host_memory_limit=0"]),
     (dict(device="gpu:zero"), ["device='gpu:zero'"]),
     (dict(stage=0, offload_optimizer="cpu"), ["stage 1, 2 or 3"]),
+    (dict(broadcast_buffers="yes"), ["broadcast_buffers='yes'", "True or False"]),
 ])
 def test_bad_input_names_key_value_and_fix(kwargs, words):
     with pytest.raises(zo.ConfigError) as err:

@@ -180,6 +180,7 @@ class ZeroConfig:
     process_group: Any = None  # a torch.distributed ProcessGroup; None: the default group
     device: torch.device | None = None  # None: cuda:LOCAL_RANK when CUDA is there, else cpu
     init_weights: str | None = None  # safetensors file or Hugging Face folder to start from
+    broadcast_buffers: bool = True  # rank 0's module buffers to every rank before each forward
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -194,6 +195,8 @@ class ZeroConfig:
         if self.prefetch_bytes is not None:
             _number("prefetch_bytes", self.prefetch_bytes, lo=0, integer=True)
         _number("param_persistence_threshold", self.param_persistence_threshold, lo=0, integer=True)
+        if not isinstance(self.broadcast_buffers, bool):
+            raise _bad("broadcast_buffers", self.broadcast_buffers, "expected True or False")
         if self.device is not None:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))

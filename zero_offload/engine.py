@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -18,66 +20,29 @@ import torch.nn as nn
 
 from .comm import Comm
 from .config import ZeroConfig, build_config
+from .inputs import move_inputs
 from .ledger import MemoryReport
 from .optimizer_state import attach_state_dict
+from .stages import export, placement
+from .stages.buffer_sync import broadcast_buffers
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
+from .stages.build import build_units
+from .stages.handback import Leftovers, check_parameters, hand_back_parameters
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue
 from .stages.param_store import ParamStore
 from .stages.streams import Streams
-from .stages.units import (FlatUnit, GatherState, UnitPlan, make_unit, parameter_references,
-                           persistent_buffers, plan_units, trainable_numel)
-from .stages.update_api import StepTimings, Updater
+from .stages.units import FlatUnit, persistent_buffers, plan_units, trainable_numel
+from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
 from .swap.swapper import Swapper
 from .step_stats import StepClock, summarize
-from .weights import PretrainedWeights
+from .weights import load_buffers, open_pretrained
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
 log = logging.getLogger(__name__)
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move tensors in (nested) inputs to the device; floating tensors take the compute dtype."""
-    if isinstance(value, torch.Tensor):
-        target = dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=target)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device, dtype) for v in value)
-    if isinstance(value, Mapping):
-        return type(value)({k: _to_device(v, device, dtype) for k, v in value.items()})
-    return value
-
-
-def _move_to_device(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)``, except that parameters on the meta device stay there until their
-    unit materializes them."""
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
-        return
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and not p.is_meta:
-                p.data = p.data.to(device)
-        for name, b in module._buffers.items():
-            if b is not None:
-                if b.is_meta:
-                    raise ValueError(
-                        f"buffer {name!r} of {type(module).__name__} is on the meta device; "
-                        "zero_offload materializes meta parameters (through "
-                        "reset_parameters() or init_weights) but cannot know a buffer's "
-                        "values: build the model with only its parameters on the meta device "
-                        "(accelerate.init_empty_weights() does so by default), or create its "
-                        "buffers on a real device")
-                module._buffers[name] = b.to(device)
 
 
 def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
@@ -94,16 +59,34 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
         self.config = config
+        self._closed = True  # until checked
+        check_parameters(model)
         self.comm = Comm(config.process_group)
-        self.device = config.device or _default_device()
+        self.device = placement.select_device(config.device)
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
         self.streams = Streams(self.device)
-        _move_to_device(model, self.device)
+        # What must be released however this engine ends (close(), collection, exit, or an
+        # error below); it holds nothing that refers back to the engine.
+        self._leftovers = Leftovers()
+        self._finalizer = weakref.finalize(self, self._leftovers.release)
+        self._closed = False
+        try:
+            self._build(model, config)
+        except BaseException:
+            self._closed = True  # a half-built engine is not usable
+            self._finalizer()
+            raise
+
+    def _build(self, model: nn.Module, config: ZeroConfig) -> None:
+        placement.move_model(model, self.device, self.stage)
+        if config.broadcast_buffers:
+            broadcast_buffers(model, self.comm)
         plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
                            bucket_size=config.reduce_bucket_size)
-        self._weights = self._open_weights(plans) if config.init_weights else None
+        self._weights = open_pretrained(config.init_weights, model, plans) \
+            if config.init_weights else None
         shard_numel = sum(p.shard_numel for p in plans)
         param_budget, optimizer_budget = _split_host_budget(config)
         self.param_store = (ParamStore(config, shard_numel,
@@ -111,13 +94,20 @@ class Engine:
                                        self.dtype, self.device, self.comm.rank, param_budget,
                                        self.streams)
                             if self.stage == 3 else None)
+        if self.param_store is not None:
+            self._leftovers.closers.append(self.param_store.close)
         # optimizer state and gradients cover the trainable prefix of the rank-flat shard
         self.trainable_numel = trainable = trainable_numel(plans)
         updater = make_updater(
             trainable, config, self.device, self.dtype, self.comm.rank,
             self.param_store.resident if self.param_store else None, optimizer_budget)
-        self.units = self._make_units(plans, updater)
+        self._leftovers.closers.append(updater.close)
+        self.units = build_units(model, plans, config, self.comm, self.device, updater,
+                                 self.param_store, self._weights, self._leftovers)
         if self._weights is not None:
+            load_buffers(model, *self._weights)
+            if config.broadcast_buffers:
+                broadcast_buffers(model, self.comm)
             self._weights[0].close()
             self._weights = None
         self.grad_queue: HostGradQueue | None = None
@@ -136,6 +126,7 @@ class Engine:
             self.grad_queue = HostGradQueue(
                 host_target, self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
+            self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue
         self.shard_numel = shard_numel
         self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
@@ -145,6 +136,8 @@ class Engine:
         self.reducer = GradReducer(
             self.units, self.comm, self.stage, target,
             on_reduced=self.gatherer.release if self.gatherer else None)
+        self._leftovers.closers[:0] = [self.reducer.remove_hooks] + \
+            ([self.gatherer.remove_hooks] if self.gatherer else [])
         self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
@@ -158,52 +151,37 @@ class Engine:
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
 
-    def _open_weights(self, plans: list[UnitPlan]) -> tuple[PretrainedWeights, dict[str, str]]:
-        """Check the pretrained file against the model before any memory is allocated."""
-        weights = PretrainedWeights(self.config.init_weights)
-        canonical = {id(p): n for plan in plans for n, p in zip(plan.names, plan.params)}
-        aliases: dict[str, list[str]] = {}
-        for name, p in self._module.named_parameters(remove_duplicate=False):
-            if canonical[id(p)] != name:
-                aliases.setdefault(canonical[id(p)], []).append(name)
-        expected = {n: tuple(p.shape) for plan in plans for n, p in zip(plan.names, plan.params)}
-        return weights, weights.resolve(expected, aliases)
-
-    def _make_units(self, plans: list[UnitPlan], updater: Updater) -> list[FlatUnit]:
-        """Materialize units one at a time, streaming each rank's fp32 shard into the
-        optimizer's tier and (stage 3) its compute-dtype shard into the parameter store, so
-        that no more than one unit is ever whole in memory."""
-        refs = parameter_references(self._module)
-        units = []
-        for plan in plans:
-            values = None
-            if self._weights is not None:
-                weights, stored = self._weights
-                values = [weights.load(stored[name]) for name in plan.names]
-            unit, master = make_unit(
-                plan, stage=self.stage, rank=self.comm.rank, dtype=self.dtype,
-                device=self.device, persistence_threshold=self.config.param_persistence_threshold,
-                comm=self.comm, refs=refs, values=values)
-            if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
-                updater.load_state(unit.shard_offset, master if self.config.offload.optimizer
-                                   == "none" else master.cpu())
-            if self.param_store is not None:
-                lo, hi = unit.layout.shard_range(self.comm.rank)
-                self.param_store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
-                unit.free()
-            units.append(unit)
-        if self.param_store is not None:
-            self.param_store.flush()
-        return units
-
-    # -- the training loop ------------------------------------------------------------------
+    # -- the model's face ----------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
         return self._module
 
     @property
+    def training(self) -> bool:
+        return self._module.training
+
+    def train(self, mode: bool = True) -> "Engine":
+        """``module.train(mode)``, as on the model."""
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """``module.eval()``, as on the model."""
+        self._module.eval()
+        return self
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this zero_offload engine is closed: close() handed the trained parameters back "
+                "to the model; call zero_offload.initialize(model, ...) again to train on")
+
+    # -- the training loop ------------------------------------------------------------------
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
+        self._check_open()
         return self.stepper.optimizer
 
     @property
@@ -219,9 +197,14 @@ class Engine:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward on this rank's micro-batch."""
-        args = _to_device(args, self.device, self.dtype)
-        kwargs = _to_device(kwargs, self.device, self.dtype)
+        """Run the model's forward on this rank's micro-batch (tensors inside any containers
+        go to the device, floating ones in the compute dtype). While training, every rank
+        first takes rank 0's buffers (``broadcast_buffers``)."""
+        self._check_open()
+        args = move_inputs(args, self.device, self.dtype)
+        kwargs = move_inputs(kwargs, self.device, self.dtype)
+        if self.config.broadcast_buffers and self._module.training:
+            broadcast_buffers(self._module, self.comm)
         ctx = self.gatherer.forward() if self.gatherer else contextlib.nullcontext()
         with ctx, self.clock.phase("forward"):
             return self._module(*args, **kwargs)
@@ -233,6 +216,7 @@ class Engine:
         scale with float16); gradients are averaged over ranks. ``final``: this backward ends
         the accumulation window (default: counted from gradient_accumulation_steps; trainers
         that count micro-steps themselves pass it, with gradient_accumulation_steps=1)."""
+        self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
@@ -253,6 +237,7 @@ class Engine:
         Returns True when an update was applied (False between boundaries, on overflow, or
         when no parameter had a gradient since the last update: nothing is stepped then,
         like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None)."""
+        self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
@@ -277,6 +262,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
+        self._check_open()
         self.reducer.zero()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
@@ -286,6 +272,7 @@ class Engine:
         (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective.
         Refused with gradients accumulated and not yet stepped (a checkpoint does not carry
         them): save at an accumulation boundary, after ``step()``."""
+        self._check_open()
         if self.reducer.backwards:
             raise RuntimeError(
                 f"save_checkpoint: {self.reducer.backwards} backward(s) accumulated gradients "
@@ -300,23 +287,65 @@ class Engine:
                         lr_scheduler: Any = None) -> str:
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
         stage; returns the tag. Collective."""
+        self._check_open()
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory, tag, lr_scheduler)
 
-    def close(self) -> None:
-        """Release swap files and host buffers now (also done when the engine is collected
-        or the process exits normally)."""
+    def close(self, hand_back: bool = True) -> None:
+        """End the engine and give the model back: each parameter becomes a plain tensor of
+        its own holding the trained values in the compute dtype — on the compute device at
+        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
+        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
+        and host buffers are freed. The model can be initialized again. Idempotent.
+
+        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
+        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
+        does not communicate — the other ranks may never get there — and stage 3's sharded
+        parameters are left on the meta device instead (keep values with checkpoints).
+        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
+        after its checkpoint is saved. An engine collected without ``close()`` is released
+        the same way."""
+        if self._closed:
+            return
+        self._closed = True
+        unwinding = sys.exc_info()[0] is not None
         try:
-            if self.grad_queue is not None:
-                self.grad_queue.close()
+            if hand_back and not unwinding:
+                self._hand_back()
         finally:
-            self.stepper.close()
+            self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
+            self.reducer = self.gatherer = self.stepper = self.param_store = None  # type: ignore
+            self.grads = self.grad_queue = None
+            self.units = []
+
+    def _hand_back(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+            self.gatherer.end_backward()
+        if self.grad_queue is not None:
+            try:
+                self.grad_queue.flush()
+            except Exception as err:  # noqa: BLE001 - gradients are dropped anyway
+                log.warning("zero_offload: close(): dropping gradients that failed: %s", err)
+        if self.param_store is not None:
+            self.param_store.flush()
+        if self.config.broadcast_buffers:
+            broadcast_buffers(self._module, self.comm)
+        hand_back_parameters(self._module, self.units, self.stage, self.comm,
+                             self.param_store, self.streams)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
     def state_chunks(self) -> Iterator[tuple[int, list[torch.Tensor | None]]]:
         """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
         offset order: the optimizer's state streamed from its tier, then each frozen unit's
         values with moments that are zero (None)."""
+        self._check_open()
         for lo, _hi, *arrays in self.stepper.updater.iter_state():
             yield lo, list(arrays)
         for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
@@ -392,64 +421,32 @@ class Engine:
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
-        ``model.load_state_dict`` takes), on the CPU, gathered from all ranks' shards: the fp32
-        masters, and for frozen parameters their compute-dtype values. Collective: every rank
-        must call it."""
-        master = self.stepper.updater.master_values().to(self.device)
-        values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=self.device)
-            shard = self.frozen_shard(u).to(self.device) if u.frozen else \
-                master[u.shard_offset:u.shard_offset + u.shard_numel]
-            if u.layout.num_shards == 1:
-                full.copy_(shard)
-            else:
-                self.comm.all_gather(full, shard)
-            for p, slot in zip(u.params, u.layout.slots):
-                values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self._module.named_parameters(remove_duplicate=False):
-            out[name] = values[id(p)]
-        for name, b in persistent_buffers(self._module).items():
-            out[name] = b.detach().cpu().clone()
-        return out
+        ``model.load_state_dict`` takes; rank 0's buffers), on the CPU, gathered from all
+        ranks' shards: the fp32 masters, and for frozen parameters their compute-dtype values.
+        Collective: every rank must call it. Device memory: one unit at a time."""
+        self._check_open()
+        return export.full_state_dict(self)
 
     def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's shard of a frozen unit in fp32 on the CPU. Frozen parameters keep no
         fp32 master: their values are the compute-dtype parameters (exact in fp32; in
         bf16/fp16, what training used)."""
-        lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else self.comm.rank)
-        if not unit.sharded_params:
-            return unit.full[lo:hi].float().cpu()
-        assert self.param_store is not None
-        shard, copied = self.param_store.load(unit)
-        self.streams.wait(copied)
-        return shard.float().cpu()
+        return export.frozen_shard(self, unit)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
-        rep = MemoryReport()
-        for u in self.units:
-            if not u.sharded_params:
-                rep.add("device", "params", u.full_bytes)
-                if self.stage == 3:
-                    rep.persistent_param_bytes += u.full_bytes
-            elif u.state is not GatherState.FREE:
-                rep.add("device", "params", u.full_bytes)
-            for p in u.params:
-                if p.grad is not None:
-                    rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
-        if self.grads is not None:
-            grads_tier = "device" if self.config.offload.optimizer == "none" else "host"
-            rep.add(grads_tier, "grads", self.grads.numel() * self.grads.element_size())
-        self.stepper.add_to(rep)
-        if self.grad_queue is not None:
-            self.grad_queue.add_to(rep)
-        if self.gatherer:
-            rep.peak_gathered_param_bytes = max(self._last_step_peak,
-                                                self.gatherer.peak_gathered_bytes)
-        rep.comm = dict(self._last_comm)
-        return rep
+        self._check_open()
+        return export.memory_report(self)
+
+    @property
+    def last_comm(self) -> dict:
+        """Collective counters of the last step."""
+        return dict(self._last_comm)
+
+    @property
+    def last_step_peak(self) -> int:
+        """Stage 3: the peak gathered parameter bytes of the last step."""
+        return self._last_step_peak
 
 
 def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,

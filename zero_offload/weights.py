@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 
 from .config import ConfigError
 from .partition import mismatch_message
+from .stages.units import UnitPlan, persistent_buffers
 
-__all__ = ["PretrainedWeights"]
+__all__ = ["PretrainedWeights", "load_buffers", "open_pretrained"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -61,21 +63,26 @@ class PretrainedWeights:
                 raise ConfigError(f"init_weights: cannot read {path}: {exc}") from exc
         return self._handles[path]
 
-    def resolve(self, expected: dict[str, tuple[int, ...]],
-                aliases: dict[str, list[str]]) -> dict[str, str]:
-        """Map each model parameter name to the stored name that holds it (itself, or a tied
-        alias); raise one error listing every missing, unexpected or mis-shaped tensor."""
+    def resolve(self, expected: dict[str, tuple[int, ...]], aliases: dict[str, list[str]],
+                buffers: dict[str, tuple[int, ...]] | None = None) -> dict[str, str]:
+        """Map each model parameter (and persistent buffer) name to the stored name that holds
+        it (itself, or a tied alias); raise one error listing every missing, unexpected or
+        mis-shaped tensor. Buffers may be missing (the model keeps its own values: many files
+        hold parameters only); a file that has them — any ``model.state_dict()`` saved, or
+        what ``consolidate_checkpoint`` writes — loads them."""
         chosen: dict[str, str] = {}
         missing, shapes = [], []
-        for name, shape in expected.items():
+        buffers = buffers or {}
+        for name, shape in {**expected, **buffers}.items():
             stored = next((n for n in [name, *aliases.get(name, [])] if n in self.shapes), None)
             if stored is None:
-                missing.append(name)
+                if name not in buffers:
+                    missing.append(name)
             elif self.shapes[stored] != tuple(shape):
                 shapes.append(f"{stored}: file {self.shapes[stored]}, model {tuple(shape)}")
             else:
                 chosen[name] = stored
-        known = set(expected) | {a for names in aliases.values() for a in names}
+        known = set(expected) | set(buffers) | {a for names in aliases.values() for a in names}
         unexpected = set(self.shapes) - known
         problem = mismatch_message("file", missing, unexpected, shapes)
         if problem:
@@ -88,3 +95,27 @@ class PretrainedWeights:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def open_pretrained(path: str | os.PathLike, model: nn.Module,
+                    plans: list[UnitPlan]) -> tuple[PretrainedWeights, dict[str, str]]:
+    """Open the file and check it against the model's parameters (by their units' names, tied
+    aliases accepted) and persistent buffers before any memory is allocated; returns the
+    weights and, per model name, the stored name to read."""
+    weights = PretrainedWeights(path)
+    canonical = {id(p): n for plan in plans for n, p in zip(plan.names, plan.params)}
+    aliases: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if canonical[id(p)] != name:
+            aliases.setdefault(canonical[id(p)], []).append(name)
+    expected = {n: tuple(p.shape) for plan in plans for n, p in zip(plan.names, plan.params)}
+    buffers = {n: tuple(b.shape) for n, b in persistent_buffers(model).items()}
+    return weights, weights.resolve(expected, aliases, buffers)
+
+
+def load_buffers(model: nn.Module, weights: PretrainedWeights, stored: dict[str, str]) -> None:
+    """Copy the persistent buffers the file holds into the model (it keeps its own otherwise)."""
+    with torch.no_grad():
+        for name, b in persistent_buffers(model).items():
+            if name in stored:
+                b.copy_(weights.load(stored[name]))

@@ -172,7 +172,7 @@ def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, dept
                 res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.io_busy_s, t.compute_s,
                                           t.wall_s, t.bytes_read, t.bytes_written, t.overlap))
     finally:
-        engine.close()
+        engine.close(hand_back=False)  # the model is dropped: no gathering it to the host
         del engine
         gc.collect()
     res.median = {k: statistics.median(getattr(s, k) for s in res.samples)

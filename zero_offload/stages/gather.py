@@ -39,6 +39,7 @@ from .external import ReleasedAccess, declared_external
 from .order import MODULE, UNIT, OrderCheck
 from .param_store import ParamStore
 from .units import FlatUnit, GatherState
+from .weak import weak_hook
 
 __all__ = ["ParamGatherer"]
 
@@ -173,10 +174,10 @@ class ParamGatherer:
         self._modules = list(model.modules())
         self.order = OrderCheck(comm, self.streams.device, self._describe)
         self._hooks = []
-        for module in hooked:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward,
+        for module in hooked:  # weak: a hook must not keep the engine alive
+            self._hooks.append(module.register_forward_pre_hook(weak_hook(self._pre_forward),
                                                                 with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(self._post_forward,
+            self._hooks.append(module.register_forward_hook(weak_hook(self._post_forward),
                                                             always_call=True))
 
     def _describe(self, kind: int, ident: int) -> str:

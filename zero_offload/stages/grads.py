@@ -32,6 +32,7 @@ from torch.profiler import record_function
 
 from ..comm import Comm, Handle
 from .units import FlatUnit
+from .weak import weak_hook
 
 __all__ = ["GradReducer", "GradTarget", "ResidentGrads", "trainable_slots"]
 
@@ -114,9 +115,9 @@ class GradReducer:
         if stage >= 2:
             for unit in trainable:
                 for i, p in enumerate(unit.params):
-                    if p.requires_grad:
+                    if p.requires_grad:  # weak: a hook must not keep the engine alive
                         self._hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda _p, unit=unit, k=first[id(unit)] + i: self._on_grad(unit, k)))
+                            weak_hook(self._on_grad, unit, first[id(unit)] + i)))
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -139,7 +140,7 @@ class GradReducer:
             unit.pending_grads = len(unit.trainable)
             unit.grads_reduced = False
 
-    def _on_grad(self, unit: FlatUnit, k: int) -> None:
+    def _on_grad(self, unit: FlatUnit, k: int, _param: torch.Tensor) -> None:
         self.had_grad[k] = 1
         if id(unit) in self._reduced:
             return  # a late piece (reentrant backward): it waits in .grad for the step

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..comm import Comm, Handle
 from ..partition import FlatLayout, bucketize, build_layout
+from . import placement
 from .streams import Streams
 
 __all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
@@ -196,13 +197,13 @@ def parameter_references(model: nn.Module) -> dict[int, list[tuple[nn.Module, st
     return refs
 
 
-def _initial_values(plan: UnitPlan, device: torch.device) -> list[torch.Tensor]:
-    """Each parameter's starting value in fp32; a parameter on the meta device is made by its
-    module's ``reset_parameters()`` on the CPU, one module at a time."""
+def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
+    """Each parameter's starting value, where it is; a parameter on the meta device is made
+    by its module's ``reset_parameters()`` on the CPU, one module at a time."""
     values: list[torch.Tensor | None] = [None] * len(plan.params)
     for i, p in enumerate(plan.params):
         if not p.is_meta:
-            values[i] = p.detach().to(device=device, dtype=torch.float32)
+            values[i] = p.detach()
     for owner in {id(m): m for m, p in zip(plan.owners, plan.params) if p.is_meta}.values():
         reset = getattr(owner, "reset_parameters", None)
         if reset is None:
@@ -223,7 +224,7 @@ def _initial_values(plan: UnitPlan, device: torch.device) -> list[torch.Tensor]:
         for i, (m, p) in enumerate(zip(plan.owners, plan.params)):
             if m is owner and p.is_meta:
                 name = next(n for n, q in saved.items() if q is p)
-                values[i] = made[name].detach().to(device)
+                values[i] = made[name].detach()
     return values  # type: ignore[return-value]
 
 
@@ -234,13 +235,21 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
     """Give a planned unit its memory: broadcast rank 0's starting values (``values``, e.g.
     pretrained weights, or the parameters' own) so every rank starts from the same weights,
     make ``full`` in the compute dtype, and point the model's parameters at their views of
-    it. Returns the unit and this rank's fp32 master shard."""
+    it. Returns the unit and this rank's fp32 master shard.
+
+    The unit is flattened where its values are (the host, for a model built there) and goes
+    to the device whole, through :func:`placement.to_device`, only as this one unit: stage 3
+    never has more of the model on the device than that."""
     layout = plan.layout
-    master = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
     if values is None:
-        values = _initial_values(plan, device)
+        values = _initial_values(plan)
+    where = {v.device for v in values}
+    home = where.pop() if len(where) == 1 else torch.device("cpu")
+    flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=home)
     with torch.no_grad():
-        layout.flatten_into(master, [v.to(device=device, dtype=torch.float32) for v in values])
+        layout.flatten_into(flat, [v.to(device=home, dtype=torch.float32) for v in values])
+        master = placement.to_device(flat, device)
+        del flat
         comm.broadcast(master, src=0)
     full = master.to(dtype)
     sharded = stage == 3 and layout.numel >= persistence_threshold

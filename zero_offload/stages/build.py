@@ -1,0 +1,51 @@
+"""Building an engine's units one at a time, so that no more than one unit of the model is
+ever whole in memory (and, at stage 3, on the device)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from ..config import ZeroConfig
+from ..weights import PretrainedWeights
+from .handback import Leftovers
+from .param_store import ParamStore
+from .units import FlatUnit, UnitPlan, make_unit, parameter_references
+from .update_api import Updater
+
+__all__ = ["build_units"]
+
+
+def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, comm: Comm,
+                device: torch.device, updater: Updater, store: ParamStore | None,
+                weights: tuple[PretrainedWeights, dict[str, str]] | None,
+                leftovers: Leftovers) -> list[FlatUnit]:
+    """Materialize each planned unit, streaming this rank's fp32 shard into the optimizer's
+    tier and (stage 3) its compute-dtype shard into the parameter store, after which the
+    unit's full buffer is released. Stage-3 parameters are put on ``leftovers`` as they lose
+    their memory, so that an engine ending early (an error here) leaves none unreadable."""
+    refs = parameter_references(model)
+    units = []
+    for plan in plans:
+        values = None
+        if weights is not None:
+            opened, stored = weights
+            values = [opened.load(stored[name]) for name in plan.names]
+        unit, master = make_unit(
+            plan, stage=config.stage, rank=comm.rank, dtype=config.dtype, device=device,
+            persistence_threshold=config.param_persistence_threshold, comm=comm, refs=refs,
+            values=values)
+        if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
+            updater.load_state(unit.shard_offset,
+                               master if config.offload.optimizer == "none" else master.cpu())
+        if unit.sharded_params:  # released, not handed back, if the engine just ends
+            leftovers.sharded.extend(
+                (new, refs.get(id(old), [])) for old, new in zip(plan.params, unit.params))
+        if store is not None:
+            lo, hi = unit.layout.shard_range(comm.rank)
+            store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
+            unit.free()
+        units.append(unit)
+    if store is not None:
+        store.flush()
+    return units

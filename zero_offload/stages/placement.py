@@ -1,0 +1,59 @@
+"""The one function that copies model values onto the compute device while the engine builds
+its units or exports them.
+
+Stage 3 exists for models that do not fit on one device, so ``initialize`` and
+``full_state_dict`` must never hold more than one unit there at a time. Every such copy goes
+through :func:`to_device`, which makes that bound checkable (and countable in tests) on any
+machine, the CPU included, where a "move" costs nothing and hides the difference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+__all__ = ["move_model", "select_device", "to_device"]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor`` on ``device`` (in ``dtype``); the input itself when it is already there."""
+    return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+
+def select_device(requested: torch.device | None) -> torch.device:
+    """The compute device: ``requested``, else ``cuda:(LOCAL_RANK mod visible GPUs)`` when
+    CUDA is there (a launcher may show each process all GPUs or only its own), else the CPU.
+    A CUDA device is made current, so that what torch puts on "the" GPU — the tensors of
+    ``all_gather_object``, contexts made by other threads — lands on this rank's GPU."""
+    if requested is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        requested = torch.device("cuda", local % torch.cuda.device_count())
+    if requested.type == "cuda" and requested.index is not None:
+        torch.cuda.set_device(requested)
+    return requested
+
+
+def move_model(model: nn.Module, device: torch.device, stage: int) -> None:
+    """Put the model's buffers, and (stages 0–2) its parameters, on the device. Stage 3
+    leaves parameters where they are: each unit goes to the device when it is built. So do
+    parameters on the meta device, which their unit materializes."""
+    for module in model.modules():
+        if stage < 3:
+            for p in module._parameters.values():
+                if p is not None and not p.is_meta and p.device != device:
+                    p.data = to_device(p.data, device)
+        for name, b in module._buffers.items():
+            if b is not None:
+                if b.is_meta:
+                    raise ValueError(
+                        f"buffer {name!r} of {type(module).__name__} is on the meta device; "
+                        "zero_offload materializes meta parameters (through "
+                        "reset_parameters() or init_weights) but cannot know a buffer's "
+                        "values: build the model with only its parameters on the meta device "
+                        "(accelerate.init_empty_weights() does so by default), or create its "
+                        "buffers on a real device")
+                module._buffers[name] = to_device(b, device)
