@@ -33,7 +33,7 @@ from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.buffers import HostBuffer, pool_footprint as _footprint
-from ..swap.pinned import host_empty, pinned_nbytes, unpin
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
@@ -95,17 +95,20 @@ class NvmeAdam:
                                buffer_count=self.BUFFERS, min_buffers=2,
                                host_memory_limit=state_budget,
                                expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank,
-                               pin=False)  # state and gradients never cross PCIe
+                               # the master crosses PCIe only as fp32 compute's new params
+                               pin=pins(crosses_pcie=dtype == torch.float32))
         self.grad_swapper = (Swapper(off.nvme_path, buffer_bytes=4 * self.group,
                                      buffer_count=self.BUFFERS, min_buffers=2,
                                      host_memory_limit=grad_budget, rank=rank,
-                                     engine=self.swapper.engine, pin=False)
+                                     engine=self.swapper.engine,
+                                     pin=pins(crosses_pcie=False))  # summed on the host
                              if self.grads_on_disk else None)
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
-        self.out = host_empty(self.group, dtype, crosses_pcie=True)  # a sub-group's new params
+        self.out = host_empty(self.group, dtype,  # a sub-group's new params (not fp32: the master)
+                              crosses_pcie=dtype != torch.float32)
         self.steps = 0
         self.last_timings = StepTimings()
         # sub-groups whose files a failed step left undefined (dropped); empty when sound

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
-from ..swap.pinned import host_empty, pinned_nbytes, unpin
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .streams import Streams
 from .units import FlatUnit
@@ -41,7 +41,8 @@ class ParamStore:
             self.swapper = Swapper(
                 cfg.offload.nvme_path, buffer_bytes=largest_shard * itemsize,
                 buffer_count=cfg.prefetch_depth + 2, min_buffers=1,
-                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank)
+                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank,
+                pin=pins(crosses_pcie=True))
         else:
             self.resident = host_empty(numel, dtype, crosses_pcie=True) if self.tier == "cpu" \
                 else torch.empty(numel, dtype=dtype, device=device)

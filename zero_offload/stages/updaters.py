@@ -207,8 +207,9 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
     out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
         and param_shards.dtype == dtype else None
-    # on the host, the master crosses PCIe only as the new params of fp32 compute
-    master = host_empty(numel, torch.float32, crosses_pcie=dtype == torch.float32) \
+    # on the host, the master crosses PCIe only as fp32 compute's new params for the device
+    crosses = dtype == torch.float32 and out is None
+    master = host_empty(numel, torch.float32, crosses_pcie=crosses) \
         if where == "cpu" else torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)

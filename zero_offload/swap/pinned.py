@@ -23,7 +23,7 @@ import torch
 
 from .buffers import ALIGNMENT, round_up
 
-__all__ = ["host_empty", "host_zeros", "pinned_nbytes", "unpin"]
+__all__ = ["pins", "host_empty", "pinned_nbytes", "unpin"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,17 @@ class _PinnedMapping(mmap.mmap):
         self.unpin()
 
 
+def pins(crosses_pcie: bool) -> bool:
+    """Whether host memory that ``crosses_pcie`` (is a source or target of host<->accelerator
+    copies) is page-locked: exactly then, when CUDA is available. Pools of
+    :class:`~.buffers.HostBuffer` take it as their ``pin``."""
+    return crosses_pcie and torch.cuda.is_available()
+
+
 def host_empty(numel: int, dtype: torch.dtype, *, crosses_pcie: bool) -> torch.Tensor:
-    """A flat host tensor of ``numel`` elements. ``crosses_pcie``: it is a source or target of
-    host<->accelerator copies; then, when CUDA is available, it is page-locked at its exact
-    size (4 KiB pages) instead of through torch's caching host allocator."""
-    if not (crosses_pcie and torch.cuda.is_available()) or numel == 0:
+    """A flat host tensor of ``numel`` elements, page-locked at its exact size (4 KiB pages)
+    when :func:`pins` says so, instead of through torch's caching host allocator."""
+    if not pins(crosses_pcie) or numel == 0:
         return torch.empty(numel, dtype=dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     size = round_up(nbytes, ALIGNMENT)
@@ -70,12 +76,6 @@ def host_empty(numel: int, dtype: torch.dtype, *, crosses_pcie: bool) -> torch.T
     if mapping.pin(size):
         setattr(tensor, _ATTR, mapping)
     return tensor
-
-
-def host_zeros(numel: int, dtype: torch.dtype, *, crosses_pcie: bool) -> torch.Tensor:
-    """:func:`host_empty`, zeroed (a fresh pinned mapping is zero already)."""
-    t = host_empty(numel, dtype, crosses_pcie=crosses_pcie)
-    return t if pinned_nbytes(t) else t.zero_()
 
 
 def pinned_nbytes(tensor: torch.Tensor | None) -> int:
