@@ -102,7 +102,7 @@ class Streams:
             self._converted = None
 
     def _record_h2d(self, host: torch.Tensor) -> Event:
-        copied = Event()
+        copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
         copied.record(self.h2d)
         self._last_h2d = copied
         if self._convert is not None and host.data_ptr() == self._convert.data_ptr():
