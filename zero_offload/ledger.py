@@ -15,11 +15,11 @@ KINDS = ("params", "grads", "optimizer")
 class MemoryReport:
     """``bytes[tier][kind]``: bytes this rank holds. ``peak_gathered_param_bytes``: the most
     stage-3 gathered (non-persistent) parameter bytes held at once during the last step
-    (and the one in progress).
-    ``persistent_param_bytes``: stage-3 units kept whole. ``pinned_bytes``: how much of the
-    host bytes is page-locked (what ``torch.cuda.host_memory_stats`` cannot see: registered
-    with ``cudaHostRegister``). ``comm``: what each kind of
-    collective moved in the last step (see :mod:`zero_offload.comm`)."""
+    (and the one in progress). ``persistent_param_bytes``: stage-3 units kept whole.
+    ``pinned_bytes``: page-locked host bytes (registered with ``cudaHostRegister``, which
+    ``torch.cuda.host_memory_stats`` does not see): of the host tier, plus the step's small
+    buffer for units cut by NVMe sub-groups. ``comm``: what each kind of collective moved in
+    the last step (see :mod:`zero_offload.comm`)."""
 
     bytes: dict[str, dict[str, int]] = field(
         default_factory=lambda: {t: {k: 0 for k in KINDS} for t in TIERS})

@@ -171,9 +171,8 @@ class ShardStepper:
             self.comm.all_gather(unit.full, shard.to(device=unit.full.device, dtype=self.dtype))
 
     def add_to(self, report: MemoryReport) -> None:
-        if self._staging is not None:
-            report.add("host", "params", self._staging.numel() * self._staging.element_size(),
-                       pinned=pinned_nbytes(self._staging))
+        if self._staging is not None:  # small, outside host_memory_limit: only its lock counts
+            report.pinned_bytes += pinned_nbytes(self._staging)
         self.updater.add_to(report)
         if self.params is not None:
             self.params.add_to(report)
