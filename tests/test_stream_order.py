@@ -35,6 +35,10 @@ class LateStreams(Streams):
         super().__init__(device)
         self.cuda = True  # take the engine's CUDA branches
         self.events = 0
+        self.copies_into = 0  # host-to-device copies into existing device tensors
+        # initialize() copies device shards (the source is on the device: inline on CUDA)
+        self.defer_copies_into = False
+        self._pending: list[LateEvent] = []  # copies sync_h2d has to wait for
 
     def _late(self, work: Callable[[], None]) -> LateEvent:
         self.events += 1
@@ -44,6 +48,16 @@ class LateStreams(Streams):
         dtype = dtype or host.dtype
         out = torch.full(host.shape, float("nan"), dtype=dtype)
         return out, self._late(lambda: out.copy_(host))
+
+    def copy_into(self, target, values):
+        if target.data_ptr() == values.data_ptr() or not self.defer_copies_into:
+            target.copy_(values)
+            return None
+        self.copies_into += 1
+        target.fill_(float("nan"))  # the old values are gone, the new not there yet
+        event = self._late(lambda: target.copy_(values))
+        self._pending.append(event)
+        return event
 
     def to_host(self, values, out):
         return self._late(lambda: out.copy_(values))
@@ -66,17 +80,22 @@ class LateStreams(Streams):
         return self._late(lambda: full.copy_(filled))
 
     def sync_h2d(self) -> None:
-        pass  # every late copy already ran: each one is waited for before its source changes
+        # to_device copies are each waited for before their source changes; copy_into ones
+        # (stage 3's params on the device) run here, when the host waits for the stream
+        pending, self._pending = self._pending, []
+        for event in pending:
+            event.synchronize()
 
     def host_empty(self, numel, dtype):
         return torch.empty(numel, dtype=dtype)
 
 
 CASES = [(2, "cpu", "none"), (3, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
-         (1, "cpu", "none")]
+         (1, "cpu", "none"), (3, "nvme", "none")]
 
 
-def _train(tmp_path, stage, opt, param, late: bool, monkeypatch) -> tuple[dict, int]:
+def _train(tmp_path, stage, opt, param, late: bool, monkeypatch,
+           **kwargs) -> tuple[dict, list[Streams]]:
     made: list[Streams] = []
     if late:
         def factory(device):
@@ -86,7 +105,10 @@ def _train(tmp_path, stage, opt, param, late: bool, monkeypatch) -> tuple[dict, 
     torch.manual_seed(0)
     engine = zo.initialize(TinyGPT(), stage=stage, offload_optimizer=opt, offload_param=param,
                            nvme_path=tmp_path, dtype=torch.bfloat16, lr=1e-3,
-                           max_grad_norm=1.0, prefetch_depth=2, gradient_accumulation_steps=2)
+                           max_grad_norm=1.0, prefetch_depth=2, gradient_accumulation_steps=2,
+                           **kwargs)
+    for streams in made:
+        streams.defer_copies_into = True
     gen = torch.Generator().manual_seed(0)
     for _ in range(6):
         x, y = batch("gpt", 4, gen)
@@ -97,7 +119,7 @@ def _train(tmp_path, stage, opt, param, late: bool, monkeypatch) -> tuple[dict, 
     sd = engine.full_state_dict()
     engine.close()
     monkeypatch.undo()
-    return sd, made[0].events if made else 0
+    return sd, made
 
 
 @pytest.mark.parametrize("stage,opt,param", CASES)
@@ -105,7 +127,24 @@ def test_late_side_streams_change_no_bit(tmp_path, monkeypatch, stage, opt, para
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     plain, _ = _train(tmp_path / "a", stage, opt, param, False, monkeypatch)
-    late, events = _train(tmp_path / "b", stage, opt, param, True, monkeypatch)
-    assert events > 0, "the late streams were not used"
+    late, made = _train(tmp_path / "b", stage, opt, param, True, monkeypatch)
+    assert made[0].events > 0, "the late streams were not used"
+    for name in plain:
+        assert torch.equal(plain[name], late[name]), name
+
+
+def test_params_on_device_take_asynchronous_copies_after_a_host_step(tmp_path, monkeypatch):
+    """Stage 3 with the optimizer on the host and the params on the device: each unit's new
+    shard goes to the device as an asynchronous copy (not a blocking ``copy_`` per unit), and
+    the step waits for those copies before their host source is reused — NVMe sub-groups of
+    3000 params reuse one output buffer and cut units, so a copy still pending when the next
+    sub-group is computed would carry its values (or NaNs) and change the result."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain, _ = _train(tmp_path / "a", 3, "nvme", "none", False, monkeypatch,
+                      sub_group_size=3000)
+    late, made = _train(tmp_path / "b", 3, "nvme", "none", True, monkeypatch,
+                        sub_group_size=3000)
+    assert made[0].copies_into > 0, "the updated shards were copied synchronously"
     for name in plain:
         assert torch.equal(plain[name], late[name]), name

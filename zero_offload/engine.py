@@ -117,8 +117,7 @@ class Engine:
         elif config.offload.optimizer == "none":
             self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
         else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-            self.grads = torch.zeros(trainable, dtype=torch.float32,
-                                     pin_memory=torch.cuda.is_available())
+            self.grads = torch.zeros(trainable, dtype=torch.float32)  # never crosses PCIe
             host_target = ResidentGrads(self.grads)
         if config.offload.optimizer == "none":
             target: GradTarget = ResidentGrads(self.grads)
@@ -141,6 +140,8 @@ class Engine:
         self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
                                                   self.device, self.dtype, updater,
                                                   self.param_store, self.streams)
+        # the pinned staging buffers go last, once nothing copies from them any more
+        self._leftovers.closers += [self.stepper.release_staging, self.streams.close]
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
         self.global_steps = 0

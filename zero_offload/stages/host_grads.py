@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..ledger import MemoryReport
+from ..swap.pinned import pinned_nbytes, unpin
 from .grads import GradTarget
 from .streams import Streams
 
@@ -39,11 +40,14 @@ class HostGradQueue:
         self._pending: deque[Future] = deque()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-host-grads")
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._staging_bytes = 0
+        self._staging_bytes = self._pinned_bytes = 0
+        self._staging: list[torch.Tensor] = []
         if streams.cuda:  # page-locked, so that the copy is asynchronous
             for _ in range(depth):
                 buf = streams.host_empty(largest_piece, dtype)
                 self._staging_bytes += buf.numel() * buf.element_size()
+                self._pinned_bytes += pinned_nbytes(buf)
+                self._staging.append(buf)
                 self._free.put(buf)
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
@@ -90,10 +94,12 @@ class HostGradQueue:
 
     def add_to(self, report: MemoryReport) -> None:
         if self._staging_bytes:
-            report.add("host", "grads", self._staging_bytes)
+            report.add("host", "grads", self._staging_bytes, pinned=self._pinned_bytes)
 
     def close(self) -> None:
         try:
             self._wait()
         finally:
             self._worker.shutdown(wait=True)
+            for buf in self._staging:
+                unpin(buf)

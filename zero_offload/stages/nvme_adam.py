@@ -33,6 +33,7 @@ from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.buffers import HostBuffer, pool_footprint as _footprint
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
@@ -93,18 +94,21 @@ class NvmeAdam:
         self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
                                buffer_count=self.BUFFERS, min_buffers=2,
                                host_memory_limit=state_budget,
-                               expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank)
+                               expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank,
+                               # the master crosses PCIe only as fp32 compute's new params
+                               pin=pins(crosses_pcie=dtype == torch.float32))
         self.grad_swapper = (Swapper(off.nvme_path, buffer_bytes=4 * self.group,
                                      buffer_count=self.BUFFERS, min_buffers=2,
                                      host_memory_limit=grad_budget, rank=rank,
-                                     engine=self.swapper.engine)
+                                     engine=self.swapper.engine,
+                                     pin=pins(crosses_pcie=False))  # summed on the host
                              if self.grads_on_disk else None)
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
-        self.out = torch.empty(self.group, dtype=dtype,  # a sub-group's new params
-                               pin_memory=torch.cuda.is_available())
+        self.out = host_empty(self.group, dtype,  # a sub-group's new params (not fp32: the master)
+                              crosses_pcie=dtype != torch.float32)
         self.steps = 0
         self.last_timings = StepTimings()
         # sub-groups whose files a failed step left undefined (dropped); empty when sound
@@ -420,12 +424,15 @@ class NvmeAdam:
     def add_to(self, report: MemoryReport) -> None:
         report.add("nvme", "optimizer", 12 * self.numel)
         report.add("host", "optimizer", self.swapper.host_buffer_nbytes
-                   + self.out.numel() * self.out.element_size())
+                   + self.out.numel() * self.out.element_size(),
+                   pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out))
         if self.grad_swapper is not None:
             report.add("nvme", "grads", 4 * self.numel)
-            report.add("host", "grads", self.grad_swapper.host_buffer_nbytes)
+            report.add("host", "grads", self.grad_swapper.host_buffer_nbytes,
+                       pinned=self.grad_swapper.pool.pinned_nbytes)
 
     def close(self) -> None:
+        unpin(self.out)
         if self.grad_swapper is not None:
             self.grad_swapper.close()
         self.swapper.close()

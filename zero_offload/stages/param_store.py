@@ -16,6 +16,7 @@ import torch
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .streams import Streams
 from .units import FlatUnit
@@ -40,12 +41,11 @@ class ParamStore:
             self.swapper = Swapper(
                 cfg.offload.nvme_path, buffer_bytes=largest_shard * itemsize,
                 buffer_count=cfg.prefetch_depth + 2, min_buffers=1,
-                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank)
+                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank,
+                pin=pins(crosses_pcie=True))
         else:
-            on_host = self.tier == "cpu"
-            self.resident = torch.empty(numel, dtype=dtype,
-                                        device="cpu" if on_host else device,
-                                        pin_memory=on_host and torch.cuda.is_available())
+            self.resident = host_empty(numel, dtype, crosses_pcie=True) if self.tier == "cpu" \
+                else torch.empty(numel, dtype=dtype, device=device)
 
     @staticmethod
     def _key(unit: FlatUnit) -> str:
@@ -62,12 +62,16 @@ class ParamStore:
         return self.swapper is not None
 
     def put(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """Store new values of the unit's shard; the caller may reuse ``shard`` at once. An
-        NVMe write runs on while the caller goes on (a later read of the unit waits for it);
-        :meth:`flush` waits for all and raises the first failure."""
+        """Store new values of the unit's shard. An NVMe write runs on while the caller goes
+        on (a later read of the unit waits for it); :meth:`flush` waits for all and raises the
+        first failure. Into device memory from the host, the copy runs on the host-to-device
+        stream: the caller keeps ``shard`` unchanged until ``streams.sync_h2d()`` (or
+        :meth:`flush`); otherwise it may reuse ``shard`` at once."""
         view = self.view(unit)
         if view is not None:
-            if view.data_ptr() != shard.data_ptr():
+            if self.tier == "none":
+                self.streams.copy_into(view, shard)
+            elif view.data_ptr() != shard.data_ptr():
                 view.copy_(shard)
         else:
             assert self.swapper is not None
@@ -77,6 +81,8 @@ class ParamStore:
             self._writes.append(self.swapper.swap_out(self._key(unit), shard, copy=True))
 
     def flush(self) -> None:
+        """Wait until every :meth:`put` is stored."""
+        self.streams.sync_h2d()
         writes, self._writes = self._writes, []
         for fut in writes:
             fut.result()
@@ -125,12 +131,15 @@ class ParamStore:
 
     def add_to(self, report: MemoryReport) -> None:
         if self.resident is not None:
-            report.add("host" if self.tier == "cpu" else "device", "params", self._bytes)
+            report.add("host" if self.tier == "cpu" else "device", "params", self._bytes,
+                       pinned=pinned_nbytes(self.resident))
         else:
             assert self.swapper is not None
             report.add("nvme", "params", self._bytes)
-            report.add("host", "params", self.swapper.host_buffer_nbytes)
+            report.add("host", "params", self.swapper.host_buffer_nbytes,
+                       pinned=self.swapper.pool.pinned_nbytes)
 
     def close(self) -> None:
+        unpin(self.resident)
         if self.swapper is not None:
             self.swapper.close()

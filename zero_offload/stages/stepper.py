@@ -26,6 +26,7 @@ from ..comm import Comm
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from .grads import trainable_slots
+from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .loss_scale import LossScaler
 from .param_store import ParamStore
 from .streams import Streams
@@ -58,7 +59,7 @@ class ShardStepper:
         self._starts = [u.shard_offset for u in self._stepped]
         largest = max((u.shard_numel for u in units), default=0)
         # A unit split across NVMe sub-groups is assembled here before it is stored.
-        self._staging = torch.empty(largest, dtype=dtype) \
+        self._staging = host_empty(largest, dtype, crosses_pcie=True) \
             if cfg.offload.optimizer == "nvme" else None
         p = cfg.precision
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
@@ -203,9 +204,12 @@ class ShardStepper:
                 continue
             assert self._staging is not None, "only NVMe sub-groups cut units"
             a, b = max(lo, start), min(hi, end)
+            if a == start:  # a copy issued above may still read the staging buffer
+                self.streams.sync_h2d()
             self._staging[a - start:b - start].copy_(values[a - lo:b - lo])
             if b == end:
                 self.write_params(u, self._staging[:u.shard_numel])
+        self.streams.sync_h2d()  # copies issued above read ``values`` (and the staging)
 
     def write_params(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """Write a unit's updated shard into its compute-dtype parameters. A host shard goes
@@ -227,11 +231,13 @@ class ShardStepper:
             self.comm.all_gather(unit.full, shard.to(device=unit.full.device, dtype=self.dtype))
 
     def add_to(self, report: MemoryReport) -> None:
+        if self._staging is not None:  # small, outside host_memory_limit: only its lock counts
+            report.pinned_bytes += pinned_nbytes(self._staging)
         self.updater.add_to(report)
         if self.params is not None:
             self.params.add_to(report)
 
-    def close(self) -> None:
-        self.updater.close()
-        if self.params is not None:
-            self.params.close()
+    def release_staging(self) -> None:
+        """Unpin the buffer that assembles cut units (the updater and the parameter store
+        are closed by their owner, the engine)."""
+        unpin(self._staging)

@@ -14,7 +14,10 @@ computation instead of queueing behind it:
   right before it uses the parameters.
 
 A tensor allocated on one stream and used on another is handed over with ``record_stream``
-so the caching allocator does not reuse its memory early. On a CPU device there are no
+so the caching allocator does not reuse its memory early. Host memory on either end of a copy
+is page-locked (``swap.pinned``), or ``non_blocking`` would silently be a synchronous copy: a
+host tensor in another dtype is converted into a page-locked staging buffer, reused once the
+copy that last read it is done. On a CPU device there are no
 streams: every method does the same work inline and returns no event, so the code above
 this module runs the same logic on both.
 """
@@ -24,6 +27,8 @@ import contextlib
 from typing import Iterator
 
 import torch
+
+from ..swap.pinned import host_empty, unpin
 
 __all__ = ["Streams"]
 
@@ -38,6 +43,8 @@ class Streams:
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.gather = torch.cuda.Stream(device) if self.cuda else None
         self._last_h2d: Event | None = None  # the newest host-to-device copy not waited for
+        self._convert: torch.Tensor | None = None  # page-locked staging for dtype conversions
+        self._converted: Event | None = None  # the last copy that read ``_convert``
 
     def _current(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)
@@ -53,15 +60,54 @@ class Streams:
             if host.dtype != dtype:
                 return host.to(device=self.device, dtype=dtype), None
             return (host.clone() if own else host.to(self.device)), None
-        if host.dtype != dtype:
-            host = host.to(dtype)  # on the host: only the compute dtype crosses the link
+        host = self._converted_to(host, dtype)  # on the host: only the compute dtype crosses
         with torch.cuda.stream(self.h2d):
             out = torch.empty(host.shape, dtype=dtype, device=self.device)
             out.copy_(host, non_blocking=True)
-            copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
-            copied.record(self.h2d)
+        return out, self._record_h2d(host)
+
+    def copy_into(self, target: torch.Tensor, values: torch.Tensor) -> Event | None:
+        """Copy ``values`` into the existing device tensor ``target``. From the host the copy
+        runs on the ``h2d`` stream after the work queued so far on the compute and gather
+        streams (which may still read ``target``); ``values`` stays unchanged until the
+        returned event fires (:meth:`sync_h2d` waits for it). Otherwise it runs inline."""
+        if not self.cuda or values.device.type != "cpu" or target.device.type == "cpu":
+            if target.data_ptr() != values.data_ptr():
+                target.copy_(values)
+            return None
+        assert self.h2d is not None and self.gather is not None
+        values = self._converted_to(values, target.dtype)
+        self.h2d.wait_stream(self._current())
+        self.h2d.wait_stream(self.gather)
+        with torch.cuda.stream(self.h2d):
+            target.copy_(values, non_blocking=True)
+        return self._record_h2d(values)
+
+    def _converted_to(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``host`` in ``dtype``, in page-locked memory when converted: the staging buffer,
+        once the copy that read it last is done (grown to the largest request)."""
+        if host.dtype == dtype:
+            return host
+        if self._convert is None or self._convert.numel() < host.numel() \
+                or self._convert.dtype != dtype:
+            self._wait_converted()
+            unpin(self._convert)
+            self._convert = host_empty(host.numel(), dtype, crosses_pcie=True)
+        self._wait_converted()
+        return self._convert[:host.numel()].view(host.shape).copy_(host)
+
+    def _wait_converted(self) -> None:
+        if self._converted is not None:
+            self._converted.synchronize()
+            self._converted = None
+
+    def _record_h2d(self, host: torch.Tensor) -> Event:
+        copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
+        copied.record(self.h2d)
         self._last_h2d = copied
-        return out, copied
+        if self._convert is not None and host.data_ptr() == self._convert.data_ptr():
+            self._converted = copied
+        return copied
 
     def to_host(self, values: torch.Tensor, out: torch.Tensor) -> Event | None:
         """Copy device ``values`` (produced by work queued on the compute stream so far) into
@@ -73,7 +119,7 @@ class Streams:
         self.d2h.wait_stream(self._current())
         with torch.cuda.stream(self.d2h):
             out.copy_(values, non_blocking=True)
-            copied = Event(blocking=True)  # the host waits for it: sleeping, not spinning
+            copied = Event()
             copied.record(self.d2h)
         values.record_stream(self.d2h)
         return copied
@@ -117,7 +163,7 @@ class Streams:
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that copies to and from the device read or write asynchronously
         (page-locked with CUDA)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
+        return host_empty(numel, dtype, crosses_pcie=self.cuda)
 
     def sync_h2d(self) -> None:
         """Block the host until every host-to-device copy issued so far is done: host
@@ -125,3 +171,9 @@ class Streams:
         if self._last_h2d is not None:
             self._last_h2d.synchronize()
             self._last_h2d = None
+            self._converted = None  # an earlier copy on the same stream
+
+    def close(self) -> None:
+        """Unpin the conversion staging buffer."""
+        self.sync_h2d()
+        unpin(self._convert)

@@ -26,6 +26,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .nvme_adam import NvmeAdam
 from .update_api import (Sink, StateChunk, StepTimings, Updater, adam_hyperparameters,
                          adam_kwargs)
@@ -101,10 +102,10 @@ class _ResidentAdam:
     def add_to(self, report: MemoryReport) -> None:
         state = self.optimizer.state.get(self.param, {})
         report.add(self.tier, "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
-                   + _nbytes(state.get("exp_avg_sq")))
+                   + _nbytes(state.get("exp_avg_sq")), pinned=pinned_nbytes(self.master))
 
     def close(self) -> None:
-        pass
+        unpin(self.master)
 
 
 class DeviceAdam(_ResidentAdam):
@@ -167,8 +168,8 @@ class HostAdam(_ResidentAdam):
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
         self.owns_out = out is None and dtype != torch.float32
-        self.out = torch.empty(master.numel(), dtype=dtype, pin_memory=torch.cuda.is_available()) \
-            if self.owns_out else out  # page-locked: it is copied to the device
+        self.out = host_empty(master.numel(), dtype, crosses_pcie=True) \
+            if self.owns_out else out
         if dtype == torch.float32:
             self.out = None
         self._scratch_buf: torch.Tensor | None = None
@@ -221,7 +222,12 @@ class HostAdam(_ResidentAdam):
     def add_to(self, report: MemoryReport) -> None:
         super().add_to(report)
         if self.owns_out:
-            report.add(self.tier, "params", _nbytes(self.out))
+            report.add(self.tier, "params", _nbytes(self.out), pinned=pinned_nbytes(self.out))
+
+    def close(self) -> None:
+        super().close()
+        if self.owns_out:
+            unpin(self.out)
 
 
 def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
@@ -236,9 +242,10 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
     out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
         and param_shards.dtype == dtype else None
-    pin = where == "cpu" and torch.cuda.is_available()
-    master = torch.empty(numel, dtype=torch.float32,
-                         device="cpu" if where == "cpu" else device, pin_memory=pin)
+    # on the host, the master crosses PCIe only as fp32 compute's new params for the device
+    crosses = dtype == torch.float32 and out is None
+    master = host_empty(numel, torch.float32, crosses_pcie=crosses) \
+        if where == "cpu" else torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)
     if device.type == "cpu":

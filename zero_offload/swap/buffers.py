@@ -194,6 +194,11 @@ class BufferPool:
         return sum(b.footprint for b in self._buffers)
 
     @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of this pool page-locked with ``cudaHostRegister`` (for the memory ledger)."""
+        return sum(b.nbytes for b in self._buffers if b.pinned)
+
+    @property
     def available(self) -> int:
         with self._cond:
             return len(self._free)

@@ -102,6 +102,8 @@ class Swapper:
     ``expected_bytes``: bytes the run will store, checked against free space now.
     ``acquire_timeout``: seconds to wait for a free buffer before ``TimeoutError`` (no hang).
     Pass ``engine``/``pool`` to share them; owned ones are closed by :meth:`close`.
+    ``pin``: page-lock the pool's buffers (default: when CUDA is available); ``False`` for
+    buffers that never take part in a host<->accelerator copy.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class Swapper:
         engine: FileIOEngine | None = None,
         pool: BufferPool | None = None,
         acquire_timeout: float | None = 300.0,
+        pin: bool | None = None,
     ) -> None:
         self.nvme_path = Path(nvme_path)
         self.run_id = run_id or new_run_id()
@@ -135,7 +138,8 @@ class Swapper:
             self._check_space(expected_bytes)
             self.engine = engine if engine is not None else FileIOEngine()
             self.pool = pool if pool is not None else BufferPool(
-                buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit)
+                buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit,
+                pin=pin)
             self._finalizer = weakref.finalize(
                 self, _cleanup, self.engine if owned_engine else None, self.pool if owned_pool else None,
                 self.rank_dir, os.getpid(), signals.watch(self.rank_dir))
