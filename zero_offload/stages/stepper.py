@@ -84,7 +84,7 @@ class ShardStepper:
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
-        if self.scaler is None and self.grads is not None and self.grads.device.type == "cuda":
+        if self.scaler is None and self.grads is not None and self.grads.device.type != "cpu":
             self.updater.update(self.grads, self._device_factor(), self._sink)
             return True
         sumsq, finite = self._grad_stats()
