@@ -22,7 +22,8 @@ from ..config import build_config
 from ..engine import Engine
 from ..memory_model import ModelShape, estimate_memory
 from ..stages.streams import Streams
-from ..stages.updaters import DeviceAdam, _adam_kwargs
+from ..stages.update_api import adam_kwargs
+from ..stages.updaters import DeviceAdam
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
@@ -53,7 +54,7 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
             out[_key(engine.param_store.resident)] = PARAMS
         if engine.grads is not None:
             out[_key(engine.grads)] = GRADS
-        updater = engine.sharded_optimizer.updater
+        updater = engine.stepper.updater
         master = getattr(updater, "master", None)
         if master is not None:
             out[_key(master)] = OPTIMIZER
@@ -80,11 +81,11 @@ def _engine_class(tracker: MemoryTracker) -> type[Engine]:
 
 def _fused_device_adam(engine: Engine) -> None:
     """On CUDA the device optimizer is torch's fused AdamW; give the simulation the same."""
-    updater = engine.sharded_optimizer.updater
+    updater = engine.stepper.updater
     if isinstance(updater, DeviceAdam):
-        opt = SimulatedFusedAdamW([updater.param], **_adam_kwargs(engine.config))
+        opt = SimulatedFusedAdamW([updater.param], **adam_kwargs(engine.config))
         updater.optimizer = opt
-        engine.sharded_optimizer.optimizer = opt
+        engine.stepper.optimizer = opt
 
 
 class _Inline(Executor):
