@@ -24,11 +24,14 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError
-from .partition import SHARD_ALIGN
 from .stages.host_grads import STAGING_BUFFERS
 from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
+from .memory_sizes import activation_memory, describe_params
+from .memory_sizes import dtype_bytes as _dtype_bytes
+from .memory_sizes import dtype_name as _dtype_name
+from .memory_sizes import padded as _padded
+from .memory_sizes import pool_bytes as _pool
 from .stages.units import owning_modules, plan_units, trainable_numel
-from .swap.buffers import pool_footprint
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
            "RESIDENT", "FORWARD_BACKWARD", "REDUCE", "STEP", "INITIALIZE", "MODEL_STATE",
@@ -129,7 +132,8 @@ class MemoryEstimate:
 
     Peak of a tier = its resident terms + the largest of its other phases' terms: the
     terms of one phase are alive together, those of two phases are not (activations shrink
-    as backward goes on while stage 0-1 gradients grow: their sum peaks at either end). ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
+    as backward goes on while stage 0-1 gradients grow: their sum peaks at either end).
+    ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
     (``ranks_per_node`` ranks share a node's host memory and disk).
     """
 
@@ -217,51 +221,6 @@ class MemoryEstimate:
         rows = [f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
                 for t in self.terms]
         return "\n".join([head, *rows])
-
-
-def describe_params(num_params: int, trainable_params: int, always: bool = False) -> str:
-    """'13.00B params', or '13.00B params (50.0M trainable)' when not all train (or
-    ``always``)."""
-    text = f"{num_params / 1e9:.2f}B params"
-    if always or trainable_params != num_params:
-        count = (f"{trainable_params / 1e9:.2f}B" if trainable_params >= 1e9 else
-                 f"{trainable_params / 1e6:.1f}M")
-        text += f" ({count} trainable)"
-    return text
-
-
-def activation_memory(*, seq: int, batch: int, width: int, layers: int,
-                      dtype: torch.dtype = torch.bfloat16, checkpointing: bool = True) -> int:
-    """A rough per-GPU activation figure for a transformer: with activation checkpointing
-    2 × seq × batch × width × layers elements (each block's input kept, plus as much again for
-    the block being recomputed and the logits); without, 17 × that count (Korthikanti et al.,
-    no attention-score term: SDPA/flash attention does not store it)."""
-    per = 2 if checkpointing else 17
-    return per * seq * batch * width * layers * _dtype_bytes(dtype)
-
-
-def _dtype_bytes(dtype: torch.dtype | str) -> int:
-    from .config import PrecisionConfig  # accepts the same names initialize() accepts
-    return torch.empty(0, dtype=PrecisionConfig(dtype=dtype).dtype).element_size()
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    from .config import PrecisionConfig
-    return str(PrecisionConfig(dtype=dtype).dtype).removeprefix("torch.")
-
-
-def _padded(numel: int, shards: int) -> int:
-    """A unit's padded size: the engine's ``build_layout`` arithmetic."""
-    unit = shards * SHARD_ALIGN
-    return max(unit, math.ceil(numel / unit) * unit)
-
-
-def _pool(buffer_bytes: int, wanted: int, budget: int | None) -> int:
-    """Host bytes of a swap pool: ``wanted`` buffers, fewer if the budget holds fewer (the
-    pool's own rule), each rounded as the pool rounds it."""
-    each = pool_footprint(buffer_bytes)
-    count = wanted if budget is None else max(1, min(wanted, budget // each))
-    return count * each
 
 
 def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:

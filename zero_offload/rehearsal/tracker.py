@@ -1,13 +1,14 @@
 """Count what a run under fake tensors would allocate on the device and on the host.
 
 :class:`MemoryTracker` is a dispatch mode stacked above ``FakeTensorMode``: every operation's
-output storages are registered (weakly, so a freed tensor stops counting), and after every
-operation the live storages are summed per device — what ``torch.cuda.memory_allocated``
-would say, without the caching allocator's rounding. Storages are re-read each time because
-the engine resizes a stage-3 unit's storage in place to gather and free it. When a phase
-reaches a new peak, the live bytes are broken down by kind (parameters, gathered units,
-gradients, ...): by who holds the storage when the engine can say (``identify``), else by the
-engine module that allocated it, else by phase (forward/backward: activations).
+output storages are registered (weakly, so a freed tensor stops counting) and the live ones are
+summed per device — what ``torch.cuda.memory_allocated`` would say, without the caching
+allocator's rounding. A storage's size is re-read whenever an operation touches it (the engine
+resizes a stage-3 unit's storage in place to gather it); frees are seen by a full re-read,
+done whenever the live bytes may have passed the phase's peak. When a phase reaches a new
+peak, the live bytes are broken down by kind (parameters, gathered units, gradients, ...): by
+who holds the storage when the engine can say (``identify``), else by the engine module that
+allocated it, else by phase (forward/backward: activations).
 
 Scalar reads (``.item()``) have no value under fake tensors; they read 0 (True for a flag),
 so norms read 0 and no overflow is seen: values are not simulated, only sizes.
@@ -36,7 +37,8 @@ COMM = "comm buffers"
 OTHER = "other"
 KINDS = (PARAMS, GATHERED, GRADS, OPTIMIZER, ACTIVATIONS, COMM, OTHER)
 
-# The engine module that allocates a storage says what it is (the innermost one on the stack).
+# The engine module that allocates a storage says what it is (the innermost one on the stack;
+# a torch-function mode the model's calls pass through says nothing).
 _MODULE_KINDS = {
     "zero_offload.comm": COMM,
     "zero_offload.stages.grads": COMM,
@@ -48,7 +50,6 @@ _MODULE_KINDS = {
     "zero_offload.stages.stepper": OPTIMIZER,
     "zero_offload.stages.update_api": OPTIMIZER,
     "zero_offload.stages.order": COMM,
-    "zero_offload.stages.external": GATHERED,
     "zero_offload.stages.updaters": OPTIMIZER,
     "zero_offload.stages.nvme_adam": OPTIMIZER,
     "zero_offload.optim.kernel": OPTIMIZER,
@@ -96,11 +97,14 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.identify = identify or dict
-        self._live: dict[int, tuple[weakref.ref, bool, str | None]] = {}
+        self._live: dict[int, list] = {}  # key -> [weakref, on device, kind, nbytes seen]
         self.phase = "initialize"
         self.phases: dict[str, PhaseMemory] = {}
         self._current = PhaseMemory()
         self._device_now = self._host_now = 0
+        # upper bounds of the live bytes since the last scan: frees are only seen by a scan,
+        # growth at once, so a scan is needed only when a bound passes the phase's peak
+        self._device_bound = self._host_bound = 0
         self._snap_device = self._snap_host = 0
 
     # -- phases ---------------------------------------------------------------------------
@@ -123,10 +127,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def tag(self, tensor: torch.Tensor, kind: str) -> None:
         """Say what ``tensor``'s storage is (e.g. a transfer buffer), overriding the guess."""
-        key = tensor.untyped_storage()._cdata
-        if key in self._live:
-            ref, on_device, _ = self._live[key]
-            self._live[key] = (ref, on_device, kind)
+        entry = self._live.get(tensor.untyped_storage()._cdata)
+        if entry is not None:
+            entry[2] = kind
 
     def live_bytes(self) -> tuple[int, int]:
         """(device, host) bytes alive now."""
@@ -142,9 +145,12 @@ class MemoryTracker(TorchDispatchMode):
         if func in _COPIES:
             self._count_copy(func, args, kwargs)
         out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
+        for t in tree_flatten((out, args, kwargs))[0]:
             if isinstance(t, FakeTensor):
                 self._register(t)
+        if self._device_bound <= self._current.device_peak and \
+                self._host_bound <= self._current.host_peak:
+            return out  # nothing can have passed a peak
         self._scan()
         grew_device = self._device_now > self._current.device_peak
         grew_host = self._host_now > self._current.host_peak
@@ -179,14 +185,27 @@ class MemoryTracker(TorchDispatchMode):
         key = st._cdata
         known = self._live.get(key)
         if known is not None and known[0]() is not None:
+            grown = st.nbytes() - known[3]  # a storage resized in place (stage 3's units)
+            if grown > 0:
+                known[3] += grown
+                self._grow(known[1], grown)
             return
-        self._live[key] = (weakref.ref(st), device == self.device_type, self._guess_kind())
+        nbytes = st.nbytes()
+        on_device = device == self.device_type
+        self._live[key] = [weakref.ref(st), on_device, self._guess_kind(), nbytes]
+        self._grow(on_device, nbytes)
+
+    def _grow(self, on_device: bool, nbytes: int) -> None:
+        if on_device:
+            self._device_bound += nbytes
+        else:
+            self._host_bound += nbytes
 
     def _guess_kind(self) -> str | None:
         frame = sys._getframe(3)
         while frame is not None:
             name = frame.f_globals.get("__name__", "")
-            if name in _MODULE_KINDS:
+            if name in _MODULE_KINDS and frame.f_code.co_name != "__torch_function__":
                 return _FUNCTION_KINDS.get((name, frame.f_code.co_name), _MODULE_KINDS[name])
             frame = frame.f_back
         return None
@@ -194,17 +213,20 @@ class MemoryTracker(TorchDispatchMode):
     def _scan(self) -> None:
         device = host = 0
         dead = []
-        for key, (ref, on_device, _) in self._live.items():
-            st = ref()
+        for key, entry in self._live.items():
+            st = entry[0]()
             if st is None:
                 dead.append(key)
-            elif on_device:
-                device += st.nbytes()
+                continue
+            entry[3] = nbytes = st.nbytes()
+            if entry[1]:
+                device += nbytes
             else:
-                host += st.nbytes()
+                host += nbytes
         for key in dead:
             del self._live[key]
-        self._device_now, self._host_now = device, host
+        self._device_now = self._device_bound = device
+        self._host_now = self._host_bound = host
 
     def _snapshot(self, device: bool, host: bool) -> None:
         if not (device or host):
@@ -212,7 +234,7 @@ class MemoryTracker(TorchDispatchMode):
         known = self.identify()
         default = ACTIVATIONS if self.phase in _RUNNING else OTHER
         kinds: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        for key, (ref, on_device, tag) in self._live.items():
+        for key, (ref, on_device, tag, _) in self._live.items():
             st = ref()
             if st is None or not st.nbytes():
                 continue
