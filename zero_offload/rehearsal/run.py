@@ -192,7 +192,7 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
                     engine.step()
                     tracker.end()
                 problems += device_problems(engine, "after the last step")
-                engine.close()
+                engine.close(hand_back=False)  # nothing to hand back: no values
             except Exception as exc:  # noqa: BLE001 - reported, with the phase it stopped in
                 tracker.end()
                 failure = f"{tracker.phase}: {type(exc).__name__}: {exc}"
