@@ -10,12 +10,13 @@ from .engine import Engine, initialize
 from .ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
 from .planner import estimate_memory, plan
+from .rehearsal import Rehearsal, rehearse
 from .stages.external import register_external_parameter
 from .stages.nvme_adam import IncompleteStepError
 from .swap import SwapIOError
 
 __all__ = ["ConfigError", "ZeroConfig", "build_config", "config_keys", "Engine", "initialize",
-           "MemoryReport", "estimate_memory", "plan", "consolidate_checkpoint",
-           "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError",
+           "MemoryReport", "estimate_memory", "plan", "rehearse", "Rehearsal",
+           "consolidate_checkpoint", "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError",
            "register_external_parameter", "IncompleteStepError"]
 __version__ = "0.1.0"

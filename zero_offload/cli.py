@@ -16,6 +16,8 @@ _COMMANDS = [
     (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
     (("bench", "step"), "zero_offload.bench.step", "one training step: I/O, Adam, overlap; prefetch-depth sweep"),
     (("plan",), "zero_offload.plan_cli", "which stage and offload fit your model and GPUs"),
+    (("rehearse",), "zero_offload.rehearsal.cli",
+     "run one training step on a simulated GPU: its measured memory, and whether it fits"),
     (("consolidate",), "zero_offload.checkpoint.cli",
      "one full-precision state dict from a sharded checkpoint"),
     (("convert-config",), "zero_offload.convert_cli",

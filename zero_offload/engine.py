@@ -66,7 +66,7 @@ class Engine:
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
-        self.streams = Streams(self.device)
+        self.streams = self._make_streams()
         # What must be released however this engine ends (close(), collection, exit, or an
         # error below); it holds nothing that refers back to the engine.
         self._leftovers = Leftovers()
@@ -151,6 +151,10 @@ class Engine:
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
+
+    def _make_streams(self) -> Streams:
+        """The side streams of this device (a rehearsal substitutes simulated ones)."""
+        return Streams(self.device)
 
     # -- the model's face ----------------------------------------------------------------------
     @property

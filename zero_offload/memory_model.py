@@ -24,20 +24,26 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError
-from .partition import SHARD_ALIGN
 from .stages.host_grads import STAGING_BUFFERS
 from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
+from .memory_sizes import activation_memory, describe_params
+from .memory_sizes import dtype_bytes as _dtype_bytes
+from .memory_sizes import dtype_name as _dtype_name
+from .memory_sizes import padded as _padded
+from .memory_sizes import pool_bytes as _pool
 from .stages.units import owning_modules, plan_units, trainable_numel
-from .swap.buffers import pool_footprint
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
-           "RESIDENT", "FORWARD_BACKWARD", "STEP", "MODEL_STATE", "BUFFER", "ACTIVATIONS"]
+           "RESIDENT", "FORWARD_BACKWARD", "REDUCE", "STEP", "INITIALIZE", "MODEL_STATE",
+           "BUFFER", "ACTIVATIONS"]
 
 # When a term is alive.
 RESIDENT = "resident"  # held between steps: what memory_report() shows after a step
 FORWARD_BACKWARD = "forward/backward"  # only while the model runs
-STEP = "step"  # only inside engine.step()
-PHASES = (RESIDENT, FORWARD_BACKWARD, STEP)
+REDUCE = "reduce"  # stages 0-1: autograd's gradients, from late in backward until reduced
+STEP = "step"  # only inside engine.step(), once the gradients are reduced
+INITIALIZE = "initialize"  # only inside initialize()
+PHASES = (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)
 # What a term is.
 MODEL_STATE = "model state"  # params, grads, optimizer state (ZeRO paper, Table 1)
 BUFFER = "buffer"  # engine working memory on top of the model states
@@ -55,7 +61,7 @@ class Term:
 
     name: str
     tier: str  # "device" (the GPU; the CPU when the engine runs on it), "host" or "nvme"
-    phase: str  # RESIDENT, FORWARD_BACKWARD or STEP
+    phase: str  # one of PHASES
     kind: str  # MODEL_STATE, BUFFER or ACTIVATIONS
     bytes: int
     formula: str  # how it is computed, for people reading the table
@@ -124,8 +130,10 @@ def _is_count(value: Any) -> bool:
 class MemoryEstimate:
     """Bytes per rank per tier for one configuration, and the terms that make them.
 
-    Peak of a tier = its resident terms + the larger of its forward/backward and its step
-    terms. ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
+    Peak of a tier = its resident terms + the largest of its other phases' terms: the
+    terms of one phase are alive together, those of two phases are not (activations shrink
+    as backward goes on while stage 0-1 gradients grow: their sum peaks at either end).
+    ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
     (``ranks_per_node`` ranks share a node's host memory and disk).
     """
 
@@ -154,7 +162,7 @@ class MemoryEstimate:
     def peak_bytes(self, tier: str) -> int:
         phase = {p: sum(t.bytes for t in self.terms if t.tier == tier and t.phase == p)
                  for p in PHASES}
-        return phase[RESIDENT] + max(phase[FORWARD_BACKWARD], phase[STEP])
+        return phase[RESIDENT] + max(phase[p] for p in PHASES if p != RESIDENT)
 
     @property
     def gpu_bytes(self) -> int:
@@ -215,51 +223,6 @@ class MemoryEstimate:
         return "\n".join([head, *rows])
 
 
-def describe_params(num_params: int, trainable_params: int, always: bool = False) -> str:
-    """'13.00B params', or '13.00B params (50.0M trainable)' when not all train (or
-    ``always``)."""
-    text = f"{num_params / 1e9:.2f}B params"
-    if always or trainable_params != num_params:
-        count = (f"{trainable_params / 1e9:.2f}B" if trainable_params >= 1e9 else
-                 f"{trainable_params / 1e6:.1f}M")
-        text += f" ({count} trainable)"
-    return text
-
-
-def activation_memory(*, seq: int, batch: int, width: int, layers: int,
-                      dtype: torch.dtype = torch.bfloat16, checkpointing: bool = True) -> int:
-    """A rough per-GPU activation figure for a transformer: with activation checkpointing
-    2 × seq × batch × width × layers elements (each block's input kept, plus as much again for
-    the block being recomputed and the logits); without, 17 × that count (Korthikanti et al.,
-    no attention-score term: SDPA/flash attention does not store it)."""
-    per = 2 if checkpointing else 17
-    return per * seq * batch * width * layers * _dtype_bytes(dtype)
-
-
-def _dtype_bytes(dtype: torch.dtype | str) -> int:
-    from .config import PrecisionConfig  # accepts the same names initialize() accepts
-    return torch.empty(0, dtype=PrecisionConfig(dtype=dtype).dtype).element_size()
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    from .config import PrecisionConfig
-    return str(PrecisionConfig(dtype=dtype).dtype).removeprefix("torch.")
-
-
-def _padded(numel: int, shards: int) -> int:
-    """A unit's padded size: the engine's ``build_layout`` arithmetic."""
-    unit = shards * SHARD_ALIGN
-    return max(unit, math.ceil(numel / unit) * unit)
-
-
-def _pool(buffer_bytes: int, wanted: int, budget: int | None) -> int:
-    """Host bytes of a swap pool: ``wanted`` buffers, fewer if the budget holds fewer (the
-    pool's own rule), each rounded as the pool rounds it."""
-    each = pool_footprint(buffer_bytes)
-    count = wanted if budget is None else max(1, min(wanted, budget // each))
-    return count * each
-
-
 def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3")
@@ -312,13 +275,16 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         if stage == 3 and largest_layer_params is not None:
             largest = _padded(largest_layer_params, shards)
         # gradients are reduced, and stepped, for trainable units only
-        largest_t = max((p.layout.padded_numel for p in plans if not p.frozen), default=0)
+        trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
+        largest_t = trained[0] if trained else 0
+        inflight = sum(trained[:_INFLIGHT_REDUCTIONS])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
     else:
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
                    if stage == 3 else min(reduce_bucket_size, psi))
         largest_t = min(largest, psi_t)
+        inflight = _INFLIGHT_REDUCTIONS * largest_t
         s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
     # Ψt in the formulas: trainable params (written Ψ when all of them train)
     T = "Ψ" if psi_t == psi else "Ψt"
@@ -353,21 +319,35 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
     if grads_on_disk:
         g_tier = "nvme"
     if stage < 2:
-        add("grads", "device", FORWARD_BACKWARD, MODEL_STATE, b * psi_t,
+        add("grads", "device", REDUCE, MODEL_STATE, b * psi_t,
             f"{b}{T}: autograd's full gradients until the step")
         add("reduced grad shard", g_tier, RESIDENT, BUFFER, g_bytes * s_t,
             f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}")
-        add("grad bucket", "device", STEP, BUFFER, b * largest_t, "one bucket flattened")
+        add("grad bucket", "device", REDUCE, BUFFER,
+            b * (largest_t + (math.ceil(largest_t / shards) if stage else 0)),
+            "one bucket flattened" + (" and its reduced shard" if stage else ""))
     else:
         add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s_t, f"{g_bytes}{T}/N")
         add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
-            _INFLIGHT_REDUCTIONS * largest_t * b,
-            f"{_INFLIGHT_REDUCTIONS} × largest {'unit' if T == 'Ψ' else 'trainable unit'}")
+            inflight * b,
+            f"the {_INFLIGHT_REDUCTIONS} largest {'units' if T == 'Ψ' else 'trainable units'}")
     if offload_optimizer != "none" and not on_cpu and largest_t:
         add("grad staging", "host", RESIDENT, BUFFER,
             STAGING_BUFFERS * b * math.ceil(largest_t / shards),
             f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
             "device-to-host copies of reduced gradients")
+    if offload_optimizer != "none" and stage < 3 and not on_cpu and largest_t:
+        add("updated params copied in", "device", STEP, BUFFER,
+            b * math.ceil(largest_t / shards),
+            "a unit's new shard, on its way to the all-gather")
+    # initialize() makes one unit at a time on the device: its fp32 values and master, the
+    # compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient shard
+    # (counted as resident) are allocated only later, so they make room for it.
+    making = (8 + (b if b != 4 else 0)) * largest + 4 * math.ceil(largest / shards)
+    later = (8 + b) * s_t if offload_optimizer == "none" else 0
+    add("unit being made", "device", INITIALIZE, BUFFER, max(0, making - later),
+        f"(8{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
+        + (f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""))
     if offload_optimizer == "none" and b != 4 and not on_cpu:
         add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t,
             f"4{T}/N, for torch's fused AdamW")

@@ -314,7 +314,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         return
     hyper = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
                  eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw))
-    k = get_kernel()
+    # a tensor without memory (a rehearsal's fake tensor) must not reach the C kernel
+    k = get_kernel() if param.untyped_storage().data_ptr() else None
     if k is not None:
         threads = default_num_threads() if num_threads is None else int(num_threads)
         if threads < 1:

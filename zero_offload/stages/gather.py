@@ -46,6 +46,12 @@ __all__ = ["ParamGatherer"]
 log = logging.getLogger(__name__)
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Which storage a tensor views: the storage object itself, not its memory address (a
+    freed unit has none, and tensors without memory, as in a rehearsal, all share 0)."""
+    return tensor.untyped_storage()._cdata
+
+
 class _Saved:
     """A saved tensor that lives in a stage-3 unit: the unit must be gathered to read it."""
 
@@ -194,7 +200,7 @@ class ParamGatherer:
         if unit.state is GatherState.FREE:
             shard, copied = self.store.load(unit)
             unit.gather(self.comm, shard, async_op=not wait, streams=self.streams, after=copied)
-            self._by_ptr[unit.full.untyped_storage().data_ptr()] = unit
+            self._by_ptr[_storage_key(unit.full)] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         if wait:
@@ -202,7 +208,7 @@ class ParamGatherer:
 
     def release(self, unit: FlatUnit) -> None:
         if unit.state is not GatherState.FREE and unit.sharded_params:
-            self._by_ptr.pop(unit.full.untyped_storage().data_ptr(), None)
+            self._by_ptr.pop(_storage_key(unit.full), None)
             unit.free()
             self.gathered_bytes -= unit.full_bytes
 
@@ -328,7 +334,7 @@ class ParamGatherer:
     # -- saved tensors (backward) -------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._by_ptr:
-            unit = self._by_ptr.get(tensor.untyped_storage().data_ptr())
+            unit = self._by_ptr.get(_storage_key(tensor))
             if unit is not None:
                 return _Saved(unit, tensor)
         return tensor

@@ -1,0 +1,236 @@
+"""What a rehearsal found: device bytes per phase and kind, the planner's figures beside them,
+a verdict against the GPU size, and what to change when it does not fit."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..memory_model import (FORWARD_BACKWARD, INITIALIZE, REDUCE, RESIDENT, STEP, MemoryEstimate,
+                            ModelShape, describe_params)
+from .tracker import ACTIVATIONS, KINDS, PhaseMemory
+
+__all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY"]
+
+PHASES = ("initialize", "forward", "backward", "step")
+HONESTY = ("simulated: the GPU is torch's meta device under FakeTensorMode and the other "
+           "ranks torch's fake process group; host memory is fake CPU tensors (sizes tracked, "
+           "no data); the NVMe tier is not simulated. Device bytes are counted per allocation "
+           "(torch.cuda.max_memory_allocated), without the CUDA context (~0.5-1 GB) and the "
+           "caching allocator's slack: the headroom is for those. Values are not simulated: "
+           "norms read 0, so no overflow or clipping is seen.")
+
+
+def _tier_of(offload: str) -> str:
+    return "cpu" if offload != "none" else "device"
+
+
+def device_problems(engine: Any, when: str) -> list[str]:
+    """Tensors on the wrong side of the PCIe link: the engine's state must be where its
+    configuration puts it (the device unless offloaded), and the model's parameters and
+    buffers on the device."""
+    sim = engine.device.type
+    out = []
+
+    def check(what: str, t: torch.Tensor | None, want: str) -> None:
+        if t is None:
+            return
+        want_type = sim if want == "device" else "cpu"
+        if t.device.type != want_type:
+            out.append(f"{when}: {what} is on {t.device.type}, expected "
+                       f"{'the GPU' if want == 'device' else 'the host'}")
+
+    cfg = engine.config
+    for name, p in engine.module.named_parameters():
+        check(f"parameter {name}", p, "device")
+    for name, b in engine.module.named_buffers():
+        check(f"buffer {name}", b, "device")
+    for u in engine.units:
+        check(f"unit {u.index}'s flat parameters", u.full, "device")
+    check("the gradient shard", engine.grads, _tier_of(cfg.offload.optimizer))
+    if engine.param_store is not None:
+        check("the parameter shards", engine.param_store.resident, _tier_of(cfg.offload.param))
+    check("the fp32 master", getattr(engine.stepper.updater, "master", None),
+          _tier_of(cfg.offload.optimizer))
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}" if abs(n) >= 1e8 or n == 0 else f"{n / 1e9:.4f}"
+
+
+@dataclass
+class Rehearsal:
+    """The outcome of :func:`~zero_offload.rehearsal.rehearse`. ``phases``: measured
+    :class:`~.tracker.PhaseMemory` per phase; ``activation_bytes``: the activations measured
+    at the forward/backward peak (pass it to ``zo.plan(..., activation_bytes=...)``);
+    ``estimate``: ``estimate_memory`` for the same configuration with those activations."""
+
+    model: str
+    num_params: int
+    world_size: int
+    gpu_memory: int
+    headroom: float
+    host_memory: int | None
+    engine_kwargs: dict[str, Any]
+    micro_batch: tuple[int, int] | None
+    checkpointing: bool
+    phases: dict[str, PhaseMemory]
+    activation_bytes: int
+    estimate: MemoryEstimate
+    shape: ModelShape = field(repr=False)
+    estimate_kwargs: dict[str, Any] = field(repr=False)
+    problems: tuple[str, ...] = ()
+    failure: str | None = None
+    wall_s: float = 0.0
+    max_rss_bytes: int = 0
+
+    # -- figures ----------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        """The largest device peak of any phase: what max_memory_allocated would report."""
+        return max((m.device_peak for m in self.phases.values()), default=0)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p].device_peak)
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory * (1 - self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.failure is None and not self.problems and \
+            self.peak_bytes <= self.usable_bytes
+
+    @property
+    def device_clean(self) -> bool:
+        return not self.problems
+
+    def estimated_phase_bytes(self) -> dict[str, int]:
+        """The estimate's device bytes in each measured phase: initialize, the model's
+        forward/backward, and ``engine.step()`` (stage 0-1 reductions, then the update)."""
+        e = self.estimate
+        by = {p: sum(t.bytes for t in e.terms if t.tier == "device" and t.phase == p)
+              for p in (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)}
+        return {"initialize": by[RESIDENT] + by[INITIALIZE],
+                "forward/backward": by[RESIDENT] + by[FORWARD_BACKWARD],
+                "step": by[RESIDENT] + max(by[REDUCE], by[STEP])}
+
+    def measured_phase_bytes(self) -> dict[str, int]:
+        def peak(*phases: str) -> int:
+            return max((self.phases[p].device_peak for p in phases if p in self.phases),
+                       default=0)
+        return {"initialize": peak("initialize"), "forward/backward": peak("forward", "backward"),
+                "step": peak("step")}
+
+    @property
+    def estimate_error(self) -> float:
+        """(estimate - measured) / measured of the peak."""
+        return (self.estimate.gpu_bytes - self.peak_bytes) / max(self.peak_bytes, 1)
+
+    # -- advice -----------------------------------------------------------------------------
+    def suggestions(self) -> list[str]:
+        """What would fit, when it does not."""
+        if self.fits or self.failure is not None:
+            return []
+        over = self.peak_bytes - self.usable_bytes
+        out = []
+        acts = self.activation_bytes
+        if self.micro_batch and acts > over and self.micro_batch[0] > 1:
+            b, s = self.micro_batch
+            per = acts / b
+            fit = int(b - -(-over // per))
+            if fit >= 1:
+                out.append(f"a micro-batch of {fit} × {s} tokens (activations scale with it; "
+                           f"raise gradient_accumulation_steps to keep the global batch)")
+        if acts and not self.checkpointing:
+            out.append("activation checkpointing (checkpointing=True / --checkpointing) keeps "
+                       "only each layer's input through the forward")
+        host = self.host_memory if self.host_memory is not None else 2**62
+        from ..planner import plan
+        advice = plan(self.shape, num_gpus=self.world_size, gpu_memory=self.gpu_memory,
+                      host_memory=host, activation_bytes=acts or None,
+                      headroom=self.headroom, dtype=self.estimate_kwargs["dtype"],
+                      prefetch_depth=self.estimate_kwargs["prefetch_depth"])
+        current = (self.estimate.stage, self.estimate.offload_optimizer,
+                   self.estimate.offload_param)
+        if advice.choice is not None and (advice.choice.stage, advice.choice.offload_optimizer,
+                                          advice.choice.offload_param) != current:
+            args = ", ".join(f"{k}={v!r}" for k, v in advice.kwargs.items())
+            out.append(f"the planner, given the measured activations, recommends {args}")
+        elif advice.choice is None:
+            out.append("the planner finds no stage × offload that fits with the measured "
+                       "activations: " + advice.explanation.splitlines()[-1])
+        return out
+
+    def verdict(self) -> str:
+        peak, usable = self.peak_bytes, self.usable_bytes
+        if self.problems:
+            return "NOT DEVICE-CLEAN: " + "; ".join(self.problems[:5])
+        if self.failure is not None:
+            return f"FAILED in {self.failure}"
+        if peak <= usable:
+            return (f"FITS: peak {_gb(peak)} GB ({self.peak_phase}) of {_gb(self.gpu_memory)} "
+                    f"GB per GPU, {_gb(usable - peak)} GB below the {self.headroom:.0%} "
+                    "headroom")
+        return (f"DOES NOT FIT: peak {_gb(peak)} GB ({self.peak_phase}) exceeds the "
+                f"{_gb(usable)} GB usable of {_gb(self.gpu_memory)} GB per GPU by "
+                f"{_gb(peak - usable)} GB")
+
+    # -- output -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "num_params": self.num_params, "world_size": self.world_size,
+            "gpu_memory": self.gpu_memory, "headroom": self.headroom,
+            "engine_kwargs": {k: str(v) if isinstance(v, torch.dtype) else v
+                              for k, v in self.engine_kwargs.items()},
+            "micro_batch": list(self.micro_batch) if self.micro_batch else None,
+            "checkpointing": self.checkpointing, "peak_bytes": self.peak_bytes,
+            "fits": self.fits, "verdict": self.verdict(), "problems": list(self.problems),
+            "failure": self.failure, "activation_bytes": self.activation_bytes,
+            "estimate_gpu_bytes": self.estimate.gpu_bytes,
+            "estimate_error": self.estimate_error, "suggestions": self.suggestions(),
+            "phases": {p: vars(m) for p, m in self.phases.items()},
+            "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes,
+            "simulated": HONESTY,
+        }
+
+    def __str__(self) -> str:
+        kw = ", ".join(f"{k}={v!r}" for k, v in self.engine_kwargs.items())
+        mb = (f", micro-batch {self.micro_batch[0]} × {self.micro_batch[1]} tokens"
+              if self.micro_batch else "")
+        lines = [f"rehearsal: {self.model} ({describe_params(self.num_params, self.num_params)})"
+                 f", rank 0 of {self.world_size}, {_gb(self.gpu_memory)} GB GPUs{mb}"
+                 f"{', activation checkpointing' if self.checkpointing else ''}",
+                 f"  initialize({kw})", "",
+                 "GPU GB per phase (peak, and what it held then):",
+                 f"  {'phase':<10} {'peak':>7}  " + "  ".join(f"{k[:11]:>11}" for k in KINDS)
+                 + f"  {'host peak':>9} {'H2D':>7} {'D2H':>7}"]
+        for p in PHASES:
+            m = self.phases.get(p)
+            if m is None:
+                continue
+            lines.append(f"  {p:<10} {_gb(m.device_peak):>7}  "
+                         + "  ".join(f"{_gb(m.device_kinds.get(k, 0)):>11}" for k in KINDS)
+                         + f"  {_gb(m.host_peak):>9} {_gb(m.h2d_bytes):>7} "
+                         f"{_gb(m.d2h_bytes):>7}")
+        est, meas = self.estimated_phase_bytes(), self.measured_phase_bytes()
+        lines += ["", f"planner (estimate_memory, activations as measured: "
+                  f"{_gb(self.activation_bytes)} GB):"]
+        for p in ("initialize", "forward/backward", "step"):
+            diff = (est[p] - meas[p]) / max(meas[p], 1)
+            lines.append(f"  {p:<17} estimated {_gb(est[p]):>7} GB, measured "
+                         f"{_gb(meas[p]):>7} GB ({diff:+.1%})")
+        for t in sorted((t for t in self.estimate.terms if t.tier == "device"),
+                        key=lambda t: -t.bytes):
+            lines.append(f"    {_gb(t.bytes):>7} GB  {t.name} [{t.phase}] ({t.formula})")
+        lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]
+        lines += [f"  {p}" for p in self.problems]
+        lines += [f"verdict: {self.verdict()}"]
+        lines += [f"  try: {s}" for s in self.suggestions()]
+        lines += ["", f"rehearsed in {self.wall_s:.0f} s, max RSS "
+                  f"{self.max_rss_bytes / 2**30:.2f} GiB", f"note: {HONESTY}"]
+        return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""Rehearse a run: this rank's ``initialize``, forward, backward and step on a simulated GPU.
+
+The engine's own code runs, down its CUDA paths, with fake tensors (see ``simulate``): every
+byte it would put on the GPU is counted by the ``tracker`` as it is allocated and freed, so a
+stray full-size copy shows up as it would in ``torch.cuda.max_memory_allocated``. The result
+is set beside ``estimate_memory`` for the same configuration (with the measured activations)
+in a :class:`~.report.Rehearsal`.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+import warnings
+from concurrent.futures import Executor, Future
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..config import build_config
+from ..engine import Engine
+from ..memory_model import ModelShape, estimate_memory
+from ..stages.streams import Streams
+from ..stages.update_api import adam_kwargs
+from ..stages.updaters import DeviceAdam
+from .models import build_model, causal_lm_batch, prepare_meta_model
+from .report import Rehearsal, device_problems
+from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
+from .tracker import COMM, GATHERED, GRADS, OPTIMIZER, PARAMS, MemoryTracker
+
+__all__ = ["rehearse"]
+
+log = logging.getLogger(__name__)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
+    """What each storage the engine holds is, read from the engine at the moment asked."""
+    def identify() -> dict[int, str]:
+        engine = holder.get("engine")
+        if engine is None:
+            return {}
+        out: dict[int, str] = {}
+        for u in engine.units:
+            out[_key(u.full)] = GATHERED if u.sharded_params else PARAMS
+            for p in u.params:
+                if p.grad is not None:
+                    out[_key(p.grad)] = GRADS
+        if engine.param_store is not None and engine.param_store.resident is not None:
+            out[_key(engine.param_store.resident)] = PARAMS
+        if engine.grads is not None:
+            out[_key(engine.grads)] = GRADS
+        updater = engine.stepper.updater
+        master = getattr(updater, "master", None)
+        if master is not None:
+            out[_key(master)] = OPTIMIZER
+            state = updater.optimizer.state.get(updater.param, {})  # type: ignore[attr-defined]
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in state:
+                    out[_key(state[name])] = OPTIMIZER
+            grad = updater.param.grad  # type: ignore[attr-defined]
+            if grad is not None:
+                out[_key(grad)] = GRADS  # the fp32 copy a device step makes
+        for _unit, flat, reduced, _handle in engine.reducer._inflight:
+            out[_key(flat)] = COMM
+            out[_key(reduced)] = COMM
+        return out
+    return identify
+
+
+def _engine_class(tracker: MemoryTracker) -> type[Engine]:
+    class RehearsalEngine(Engine):
+        def _make_streams(self) -> Streams:
+            return SimulatedStreams(self.device, on_transfer=lambda t: tracker.tag(t, COMM))
+    return RehearsalEngine
+
+
+def _fused_device_adam(engine: Engine) -> None:
+    """On CUDA the device optimizer is torch's fused AdamW; give the simulation the same."""
+    updater = engine.stepper.updater
+    if isinstance(updater, DeviceAdam):
+        opt = SimulatedFusedAdamW([updater.param], **adam_kwargs(engine.config))
+        updater.optimizer = opt
+        engine.stepper.optimizer = opt
+
+
+class _Inline(Executor):
+    """Runs each task at once in the caller's thread: fake tensors are not thread-safe."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as a pool would
+            fut.set_exception(exc)
+        return fut
+
+
+def _inline_workers(engine: Engine) -> None:
+    """The host-side gradient sums run in the main thread (same tensors, same sizes)."""
+    if engine.grad_queue is not None:
+        engine.grad_queue._worker.shutdown()
+        engine.grad_queue._worker = _Inline()
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output if output.numel() == 1 else output.float().mean()
+    if loss is None:
+        raise ValueError("cannot find a loss in the model's output: pass loss_fn")
+    return loss
+
+
+def _call(engine: Engine, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return engine(**batch)
+    if isinstance(batch, (tuple, list)):
+        return engine(*batch)
+    return engine(batch)
+
+
+def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
+             micro_batch: tuple[int, int] | None = None,
+             batch: Callable[[], Any] | None = None,
+             loss_fn: Callable[[Any], torch.Tensor] | None = None,
+             checkpointing: bool = False, iterations: int = 2, headroom: float = 0.1,
+             host_memory: int | None = None, **engine_kwargs: Any) -> Rehearsal:
+    """Run rank 0's ``initialize`` and ``iterations`` forward/backward/step rounds of a
+    ``world_size``-rank run on a simulated GPU and report the device bytes per phase and
+    kind, beside ``estimate_memory``'s and the GPU size (``gpu_memory`` bytes, of which
+    ``headroom`` is kept free for the CUDA context and the allocator's slack).
+
+    ``model``: a module on the meta device (used up: the engine takes its parameters), or a
+    built-in name (``llama-7b``, ``llama-13b``, ``llama-70b``) or Hugging Face config folder.
+    ``micro_batch``: (sequences, tokens) of one rank's micro-batch, for a causal LM; or give
+    ``batch``, a function returning the model's inputs (called under fake tensors: their
+    shapes matter, not values) and ``loss_fn`` (output -> scalar loss; default ``.loss`` or
+    the output's mean). ``checkpointing``: a named model recomputes its layers in backward.
+    ``host_memory`` (bytes per node) is only used for the planner's advice. Other keywords go
+    to ``initialize`` (stage, offload_optimizer, offload_param, dtype, prefetch_depth, ...).
+    The NVMe tier is not simulated.
+    """
+    name = model if isinstance(model, str) else type(model).__name__
+    if isinstance(model, str):
+        model = build_model(model, checkpointing=checkpointing)
+    if batch is None:
+        if micro_batch is None:
+            raise ValueError("give micro_batch=(sequences, tokens) or a batch function")
+        b, s = micro_batch
+        batch = lambda: causal_lm_batch(b, s)  # noqa: E731
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    config = build_config(None, device=DEVICE, **engine_kwargs)
+    if "nvme" in (config.offload.optimizer, config.offload.param):
+        raise ValueError("the rehearsal does not simulate the NVMe tier: rehearse with "
+                         "offload 'cpu' (the GPU holds the same) or 'none'")
+    shape = ModelShape.of(model)
+    loss_fn = loss_fn or _default_loss
+    holder: dict[str, Engine] = {}
+    tracker = MemoryTracker(DEVICE.type, _identify(holder))
+    problems: list[str] = []
+    failure: str | None = None
+    start = time.perf_counter()
+    with fake_world(world_size), warnings.catch_warnings():
+        # the engine compares storages by data_ptr(), which fake tensors answer with 0
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+        prepare_meta_model(model)
+        with tracker:
+            try:
+                tracker.begin("initialize")
+                engine = _engine_class(tracker)(model, config)
+                tracker.end()
+                holder["engine"] = engine
+                _fused_device_adam(engine)
+                _inline_workers(engine)
+                problems += device_problems(engine, "after initialize")
+                for _ in range(iterations):
+                    inputs = batch()
+                    tracker.begin("forward")
+                    loss = loss_fn(_call(engine, inputs))
+                    tracker.end()
+                    tracker.begin("backward")
+                    engine.backward(loss)
+                    del loss
+                    tracker.end()
+                    tracker.begin("step")
+                    engine.step()
+                    tracker.end()
+                problems += device_problems(engine, "after the last step")
+                engine.close(hand_back=False)  # nothing to hand back: no values
+            except Exception as exc:  # noqa: BLE001 - reported, with the phase it stopped in
+                tracker.end()
+                failure = f"{tracker.phase}: {type(exc).__name__}: {exc}"
+                log.warning("rehearsal failed", exc_info=True)
+                if "Mismatch" in type(exc).__name__:
+                    problems.append(f"{tracker.phase}: an operation mixed host and device "
+                                    f"tensors ({exc})")
+    wall = time.perf_counter() - start
+    measured = dict(tracker.phases)
+    acts = max((measured[p].device_kinds.get("activations", 0)
+                for p in ("forward", "backward") if p in measured), default=0)
+    est_kwargs = dict(num_gpus=world_size, stage=config.stage,
+                      offload_optimizer=config.offload.optimizer,
+                      offload_param=config.offload.param, dtype=config.precision.dtype,
+                      prefetch_depth=config.prefetch_depth,
+                      reduce_bucket_size=config.reduce_bucket_size,
+                      sub_group_size=config.offload.sub_group_size,
+                      host_memory_limit=config.offload.host_memory_limit)
+    estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
+    return Rehearsal(
+        model=name, num_params=shape.num_params, world_size=world_size,
+        gpu_memory=int(gpu_memory), headroom=headroom, host_memory=host_memory,
+        engine_kwargs={k: v for k, v in engine_kwargs.items()},
+        micro_batch=micro_batch, checkpointing=checkpointing, phases=measured,
+        activation_bytes=acts, estimate=estimate, shape=shape, estimate_kwargs=est_kwargs,
+        problems=tuple(problems), failure=failure, wall_s=wall,
+        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
