@@ -36,7 +36,7 @@ from .stages.streams import Streams
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
-from .swap.budget import host_memory_budget, split_host_budget
+from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
 from .swap.swapper import Swapper
 from .step_stats import StepClock, summarize
 from .weights import load_buffers, open_pretrained
@@ -268,6 +268,8 @@ class Engine:
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
+        return_freed_memory()  # before the reads ahead for the next step take fresh blocks
+        if self.gatherer:
             self.gatherer.prefetch_first()
         return applied
 
