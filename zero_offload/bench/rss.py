@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import psutil
 import torch
 
 import zero_offload as zo
+
 from .gpt import GPT, synthetic_batch
 from .io import parse_size
 from .step import DEFAULT_VOCAB, HEAD_DIM, model_config
