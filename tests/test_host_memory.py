@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.stages.nvme_adam import FULL_SPEED_GROUP, nvme_sizing
+from zero_offload.stages.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
 
