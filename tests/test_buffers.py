@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from zero_offload.swap import buffers as buffers_mod
+from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.buffers import HUGE_PAGE, BufferBudgetError, BufferPool, HostBuffer
 
 T = 10.0
@@ -54,8 +54,10 @@ def test_budget_error_names_limit_and_minimum() -> None:
     assert err.required == 12 * MiB
 
 
-def test_default_budget_is_half_of_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(buffers_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=9 * MiB))
+def test_default_budget_is_the_ranks_host_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half of the available memory, for a node running one rank (swap.budget)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(budget_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=9 * MiB))
     with pytest.raises(BufferBudgetError, match="host_memory_limit=4718592"):
         BufferPool(2 * MiB, needed=4, minimum=3)
     with BufferPool(2 * MiB, needed=4) as pool:

@@ -252,7 +252,9 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
         3 * 2 * largest + 3 * 2 * pt, 10 * largest + 4 * (largest // n) - 10 * pt // n)
     assert e.gpu_bytes < 10e9 and e.host_bytes_per_node == 0 and e.nvme_bytes_per_node == 0
     f = full.choice.estimate
-    assert f.host_bytes_per_node > 60e9 and f.nvme_bytes_per_node == 12 * psi  # 156 GB
+    # host: per rank the fp32 gradient shard (13 GB, within the default budget of 128 GB / 2 /
+    # 4 ranks) and small buffers sized to the sub-group, not the state
+    assert 52e9 < f.host_bytes_per_node < 56e9 and f.nvme_bytes_per_node == 12 * psi  # 156 GB
     assert "13.00B params (50.0M trainable)" in lora.explanation
     assert "trainable_params" in lora.explanation and "trainable" not in full.explanation
     # Stage 3 with the optimizer on the host: 16Ψ/N -> 18Ψt/N of host memory per rank, plus

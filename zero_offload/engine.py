@@ -30,12 +30,13 @@ from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.build import build_units
 from .stages.handback import Leftovers, check_parameters, hand_back_parameters
 from .stages.stepper import ShardStepper
-from .stages.host_grads import HostGradQueue
-from .stages.param_store import ParamStore
+from .stages.host_grads import STAGING_BUFFERS, HostGradQueue
+from .stages.param_store import ParamStore, param_pool_bytes
 from .stages.streams import Streams
-from .stages.units import FlatUnit, persistent_buffers, plan_units, trainable_numel
+from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
+from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
 from .swap.swapper import Swapper
 from .step_stats import StepClock, summarize
 from .weights import load_buffers, open_pretrained
@@ -45,13 +46,19 @@ __all__ = ["Engine", "initialize", "persistent_buffers"]
 log = logging.getLogger(__name__)
 
 
-def _split_host_budget(config: ZeroConfig) -> tuple[int | None, int | None]:
-    """``host_memory_limit`` is one budget for the swap pools: split evenly when both the
-    parameters and the optimizer state are on NVMe."""
-    limit = config.offload.host_memory_limit
-    if limit is None or config.offload.param != "nvme" or config.offload.optimizer != "nvme":
-        return limit, limit
-    return limit // 2, limit - limit // 2
+def _split_host_budget(config: ZeroConfig, plans: list[UnitPlan], device: torch.device,
+                       dtype: torch.dtype) -> tuple[int, int]:
+    """This rank's one host budget (``swap.budget``): the gradient staging buffers first
+    (CUDA), then the NVMe parameter pool (at most half of the rest when it shares with the
+    NVMe optimizer), the rest for the optimizer with its gradients."""
+    off = config.offload
+    staging = 0
+    if off.optimizer != "none" and device.type == "cuda":
+        largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
+        staging = STAGING_BUFFERS * largest * torch.empty(0, dtype=dtype).element_size()
+    pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
+    return split_host_budget(host_memory_budget(off.host_memory_limit), pool, off.param,
+                             off.optimizer, staging)
 
 
 class Engine:
@@ -88,7 +95,8 @@ class Engine:
         self._weights = open_pretrained(config.init_weights, model, plans) \
             if config.init_weights else None
         shard_numel = sum(p.shard_numel for p in plans)
-        param_budget, optimizer_budget = _split_host_budget(config)
+        param_budget, optimizer_budget = _split_host_budget(config, plans, self.device,
+                                                            self.dtype)
         self.param_store = (ParamStore(config, shard_numel,
                                        max((p.shard_numel for p in plans), default=0),
                                        self.dtype, self.device, self.comm.rank, param_budget,
@@ -262,6 +270,8 @@ class Engine:
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
+        return_freed_memory()  # before the reads ahead for the next step take fresh blocks
+        if self.gatherer:
             self.gatherer.prefetch_first()
         return applied
 

@@ -25,13 +25,14 @@ import torch.nn as nn
 
 from .config import ConfigError
 from .stages.host_grads import STAGING_BUFFERS
-from .stages.nvme_adam import grads_fit_in_host, sub_group_numel
 from .memory_sizes import activation_memory, describe_params
 from .memory_sizes import dtype_bytes as _dtype_bytes
 from .memory_sizes import dtype_name as _dtype_name
 from .memory_sizes import padded as _padded
 from .memory_sizes import pool_bytes as _pool
+from .stages.nvme_sizing import nvme_sizing
 from .stages.units import owning_modules, plan_units, trainable_numel
+from .swap.budget import host_memory_budget, split_host_budget
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
            "RESIDENT", "FORWARD_BACKWARD", "REDUCE", "STEP", "INITIALIZE", "MODEL_STATE",
@@ -50,7 +51,6 @@ BUFFER = "buffer"  # engine working memory on top of the model states
 ACTIVATIONS = "activations"
 
 TIERS = ("device", "host", "nvme")
-_NVME_BUFFERS = 3  # NvmeAdam's pool: read ahead, compute, write back
 _INFLIGHT_REDUCTIONS = 3  # GradReducer keeps 2 reductions in flight, plus the one being issued
 _DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
 
@@ -243,7 +243,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
                     activation_bytes: int | None = None,
                     reduce_bucket_size: int = 25_000_000, sub_group_size: int = 100_000_000,
                     host_memory_limit: int | None = None, device: str = "cuda",
-                    trainable_params: int | float | None = None) -> MemoryEstimate:
+                    trainable_params: int | float | None = None,
+                    host_available: int | None = None) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -255,6 +256,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
     ``trainable_params``: with a parameter count, how many train (default: all; a LoRA run
     trains a few million of billions); a model says it by ``requires_grad``. Only those have
     optimizer state and gradients; frozen ones keep their compute-dtype params.
+    ``host_available``: the node's host memory the default ``host_memory_limit`` is taken
+    from (default: this machine's available memory now), as ``swap.budget`` says.
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -294,6 +297,15 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
     def add(name: str, tier: str, phase: str, kind: str, nbytes: int, formula: str) -> None:
         terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
 
+    # One host budget per rank, split between the pools as the engine splits it.
+    budget = host_memory_budget(host_memory_limit, available=host_available,
+                                ranks=gpus_per_node or min(num_gpus, 8))
+    staging = (STAGING_BUFFERS * b * math.ceil(largest_t / shards)
+               if offload_optimizer != "none" and not on_cpu else 0)
+    param_budget, opt_budget = split_host_budget(budget, _pool(
+        b * math.ceil(largest / shards), prefetch_depth + 2, None), offload_param,
+        offload_optimizer, staging)
+    sizing = nvme_sizing(s_t, sub_group_size, opt_budget, b)
     # Parameters.
     if stage < 3:
         add("params", "device", RESIDENT, MODEL_STATE, b * full, f"{b}Ψ: a full copy per GPU")
@@ -303,18 +315,12 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
         add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
             (prefetch_depth + 1) * largest * b, "(prefetch_depth + 1) × largest module")
         if offload_param == "nvme":
-            param_budget = host_memory_limit
-            if host_memory_limit is not None and offload_optimizer == "nvme":
-                param_budget = host_memory_limit // 2  # the engine splits it between pools
             add("param swap buffers", "host", RESIDENT, BUFFER,
                 _pool(b * math.ceil(largest / shards), prefetch_depth + 2, param_budget),
                 "(prefetch_depth + 2) × largest module's shard, as the pool rounds it")
     # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
     # budget too small for the fp32 shard, they go to files beside the optimizer state.
-    opt_budget = host_memory_limit
-    if host_memory_limit is not None and offload_optimizer == "nvme" and offload_param == "nvme":
-        opt_budget = host_memory_limit - host_memory_limit // 2
-    grads_on_disk = offload_optimizer == "nvme" and not grads_fit_in_host(s_t, opt_budget)
+    grads_on_disk = offload_optimizer == "nvme" and sizing.grads_on_disk
     g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else ("host", 4)
     if grads_on_disk:
         g_tier = "nvme"
@@ -356,17 +362,15 @@ def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: i
     add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s_t,
         f"12{T}/N: fp32 master, m, v")
     if offload_optimizer == "nvme":
-        group = sub_group_numel(sub_group_size, opt_budget, s_t, grads_on_disk)
-        grad_pool = _pool(4 * group, _NVME_BUFFERS, None) if grads_on_disk else 0
-        state_budget = None if opt_budget is None else opt_budget - grad_pool
-        add("optimizer swap buffers", "host", RESIDENT, BUFFER,
-            _pool(12 * group, _NVME_BUFFERS, state_budget),
-            "3 sub-groups × 12 bytes, as the pool rounds them")
+        group, count = sizing.group, sizing.buffers
+        add("optimizer swap buffers", "host", RESIDENT, BUFFER, _pool(12 * group, count, None),
+            f"{count} sub-groups × 12 bytes, as the pool rounds them")
         if grads_on_disk:
-            add("grad swap buffers", "host", RESIDENT, BUFFER, grad_pool,
-                "3 sub-groups × 4 bytes, as the pool rounds them")
-        add("param staging", "host", RESIDENT, BUFFER, b * group,
-            f"{b} bytes × one sub-group: CPU Adam's output")
+            add("grad swap buffers", "host", RESIDENT, BUFFER, _pool(4 * group, count, None),
+                f"{count} sub-groups × 4 bytes, as the pool rounds them")
+        if b != 4:
+            add("param staging", "host", RESIDENT, BUFFER, b * group,
+                f"{b} bytes × one sub-group: CPU Adam's output")
     elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
         # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
         # shards are themselves in host memory.

@@ -197,7 +197,7 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
         "nvme": None if nvme_bytes is None else nvme_bytes * keep}
     est_kwargs = dict(gpus_per_node=gpus_per_node, dtype=dtype, prefetch_depth=prefetch_depth,
                       largest_layer_params=largest_layer_params,
-                      activation_bytes=activation_bytes)
+                      activation_bytes=activation_bytes, host_available=host_memory)
     cands = _evaluate(shape, limits, num_gpus, est_kwargs)
     notes = []
     if activation_bytes is None:

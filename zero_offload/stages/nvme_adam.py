@@ -1,9 +1,9 @@
 """``offload_optimizer="nvme"``: the optimizer state in files, stepped as a pipeline.
 
-The rank-flat state is cut into sub-groups of ``sub_group_size`` parameters (shrunk to fit
-``host_memory_limit``); sub-group k's [master | m | v] is one file. A step reads group k+1
-while the CPU Adam updates group k in its host buffer and group k−1 is written back, so the
-disk and the CPU work at the same time.
+The rank-flat state is cut into sub-groups (sized to the shard and the host budget by
+:mod:`.nvme_sizing`, at most ``sub_group_size`` parameters); sub-group k's [master | m | v]
+is one file. A step reads group k+1 while the CPU Adam updates group k in its host buffer
+and group k−1 is written back, so the disk and the CPU work at the same time.
 
 A step is all-or-nothing from the caller's view. The step counter moves only once every
 sub-group is written back. A step that fails before any sub-group changed leaves the state
@@ -12,11 +12,11 @@ sub-groups and not others: their files are dropped, and every later step or stat
 :class:`IncompleteStepError` until the whole state is loaded again (``load_checkpoint`` or
 ``optimizer.load_state_dict``).
 
-The fp32 gradient shard stays in host memory when it fits the host budget. When it does not
-(an explicit ``host_memory_limit`` smaller than twice the shard), gradients go to files too:
-reduced pieces are summed into a sub-group's buffer as backward produces them, a complete
-sub-group is written out (its sum of squares and finiteness noted for clipping and overflow
-checks, so the step needs no extra pass), and the step reads it back beside the state.
+The fp32 gradient shard stays in host memory when it fits the host budget beside the
+pipeline buffers. When it does not, gradients go to files too: reduced pieces are summed
+into a sub-group's buffer as backward produces them, a complete sub-group is written out (its
+sum of squares and finiteness noted for clipping and overflow checks, so the step needs no
+extra pass), and the step reads it back beside the state.
 """
 from __future__ import annotations
 
@@ -32,73 +32,53 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from ..swap.budget import host_memory_budget
 from ..swap.buffers import HostBuffer, pool_footprint as _footprint
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
+from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
+from .nvme_sizing import PIPELINE_BUFFERS, nvme_sizing
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
-__all__ = ["IncompleteStepError", "NvmeAdam", "grads_fit_in_host", "sub_group_numel"]
+__all__ = ["IncompleteStepError", "NvmeAdam"]
 
 log = logging.getLogger(__name__)
-
-_PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
-
 
 class IncompleteStepError(RuntimeError):
     """An optimizer step on NVMe failed halfway: the state is partly updated and unusable
     until it is loaded again (``engine.load_checkpoint``)."""
 
 
-def grads_fit_in_host(numel: int, host_memory_limit: int | None) -> bool:
-    """Keep the fp32 gradient shard in host memory unless an explicit budget is too small
-    for it (half the budget; the other half is for the swap buffers)."""
-    return host_memory_limit is None or 4 * numel <= host_memory_limit // 2
-
-
-def sub_group_numel(sub_group_size: int, host_memory_limit: int | None, numel: int,
-                    grads_on_disk: bool) -> int:
-    """Params per sub-group: ``sub_group_size``, shrunk until the buffers (three of 12 bytes
-    a param, three more of 4 with gradients on disk, as the pool rounds them) fit the
-    budget."""
-    size = max(_PAGE_ELEMS, min(sub_group_size, numel) // _PAGE_ELEMS * _PAGE_ELEMS)
-    if host_memory_limit is None:
-        return size
-
-    def need(n: int) -> int:
-        grads = _footprint(4 * n) if grads_on_disk else 0
-        return NvmeAdam.BUFFERS * (_footprint(12 * n) + grads)
-    while size > _PAGE_ELEMS and need(size) > host_memory_limit:
-        size = max(_PAGE_ELEMS, min(size - _PAGE_ELEMS,
-                                    size * host_memory_limit // need(size)
-                                    // _PAGE_ELEMS * _PAGE_ELEMS))
-    return size
-
-
 class NvmeAdam:
     """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
 
-    BUFFERS = 3  # one being read ahead, one computing, one being written back
+    BUFFERS = PIPELINE_BUFFERS
 
     def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
                  host_memory_limit: int | None) -> None:
         off = cfg.offload
         self.numel = numel
-        self.grads_on_disk = not grads_fit_in_host(numel, host_memory_limit)
-        self.group = sub_group_numel(off.sub_group_size, host_memory_limit, numel,
-                                     self.grads_on_disk)
+        budget = host_memory_budget(host_memory_limit)
+        dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+        self.sizing = nvme_sizing(numel, off.sub_group_size, budget, dtype_bytes)
+        self.grads_on_disk = self.sizing.grads_on_disk
+        self.group = self.sizing.group
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
-        state_budget = grad_budget = host_memory_limit
-        if host_memory_limit is not None and self.grads_on_disk:
-            grad_budget = self.BUFFERS * _footprint(4 * self.group)
-            state_budget = host_memory_limit - grad_budget
+        need = self.sizing.host_bytes(numel, dtype_bytes)
+        if need > budget:
+            raise BufferBudgetError(budget, need, 1)
+        count = self.sizing.buffers
+        grad_budget = count * _footprint(4 * self.group) if self.grads_on_disk else 0
+        out_bytes = dtype_bytes * self.group if dtype != torch.float32 else 0
+        state_budget = budget - out_bytes - (grad_budget if self.grads_on_disk else 4 * numel)
         self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
-                               buffer_count=self.BUFFERS, min_buffers=2,
+                               buffer_count=count, min_buffers=2,
                                host_memory_limit=state_budget,
                                expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank,
                                # the master crosses PCIe only as fp32 compute's new params
                                pin=pins(crosses_pcie=dtype == torch.float32))
         self.grad_swapper = (Swapper(off.nvme_path, buffer_bytes=4 * self.group,
-                                     buffer_count=self.BUFFERS, min_buffers=2,
+                                     buffer_count=count, min_buffers=2,
                                      host_memory_limit=grad_budget, rank=rank,
                                      engine=self.swapper.engine,
                                      pin=pins(crosses_pcie=False))  # summed on the host
@@ -107,7 +87,8 @@ class NvmeAdam:
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
-        self.out = host_empty(self.group, dtype,  # a sub-group's new params (not fp32: the master)
+        # a sub-group's new params (none in fp32: the master is what is written)
+        self.out = host_empty(self.group if dtype != torch.float32 else 0, dtype,
                               crosses_pcie=dtype != torch.float32)
         self.steps = 0
         self.last_timings = StepTimings()
@@ -367,7 +348,7 @@ class NvmeAdam:
                 pending = self._read(i + 1, timings)
             t0 = time.perf_counter()
             changed.append(i)  # from here on, sub-group i (and its gradients) change
-            out = None if self.out.dtype == torch.float32 else self.out[:hi - lo]
+            out = None if self.out.numel() == 0 else self.out[:hi - lo]
             done = lo
             for a, b, count in ranges:
                 a, b = max(a, lo), min(b, hi)

@@ -16,12 +16,22 @@ import torch
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
+from ..swap.buffers import pool_footprint
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .streams import Streams
 from .units import FlatUnit
 
-__all__ = ["ParamStore"]
+__all__ = ["ParamStore", "param_pool_bytes"]
+
+
+def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) -> int:
+    """Host bytes the NVMe parameter pool wants (0 off NVMe): ``prefetch_depth + 2`` buffers
+    of the largest unit's shard, as the pool rounds them; its share of the host budget."""
+    if cfg.offload.param != "nvme" or largest_shard <= 0:
+        return 0
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return (cfg.prefetch_depth + 2) * pool_footprint(largest_shard * itemsize)
 
 
 class ParamStore:

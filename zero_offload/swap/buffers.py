@@ -25,9 +25,9 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 
-import psutil
 import torch
 
+from .budget import host_memory_budget
 from .errors import BufferBudgetError
 
 __all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBuffer", "BufferPool", "BufferBudgetError", "round_up"]
@@ -38,8 +38,6 @@ ALIGNMENT = 4096
 """Address, offset and size granularity of direct I/O."""
 HUGE_PAGE = 2 * 1024 * 1024
 """Transparent huge page size on x86-64 / most arm64 kernels."""
-DEFAULT_HOST_FRACTION = 0.5
-"""Share of currently available host memory a pool may take when no limit is given."""
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module
 
 
@@ -148,8 +146,9 @@ class BufferPool:
     """A fixed set of equal-size :class:`HostBuffer` s; ``acquire`` blocks while all are out.
 
     Count = ``min(needed, host_memory_limit // footprint)``; fewer than ``minimum`` raises
-    :class:`BufferBudgetError`. ``host_memory_limit`` defaults to 50% of the host memory
-    available now.
+    :class:`BufferBudgetError`. ``host_memory_limit`` defaults to the rank's whole host budget
+    (:func:`~zero_offload.swap.budget.host_memory_budget`); the engine passes each pool its
+    share.
     """
 
     def __init__(
@@ -167,7 +166,7 @@ class BufferPool:
         if minimum < 1 or needed < minimum:
             raise ValueError(f"need 1 <= minimum <= needed, got minimum={minimum}, needed={needed}")
         if host_memory_limit is None:
-            host_memory_limit = int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+            host_memory_limit = host_memory_budget()
         self.buffer_bytes = round_up(int(buffer_bytes), ALIGNMENT)
         # A buffer smaller than a huge page gains nothing from one and would waste the rest.
         huge_pages = huge_pages and self.buffer_bytes >= HUGE_PAGE

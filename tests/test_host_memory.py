@@ -1,0 +1,146 @@
+"""Host memory: one budget per rank shared by every pool, buffers sized to the need, a flat
+working set over a run, and an ``initialize`` that peaks no higher than training."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import zero_offload as zo
+from zero_offload.stages.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
+from zero_offload.swap import budget as budget_mod
+from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
+
+from models import TinyGPT, batch, loss_fn
+
+
+def test_default_budget_is_the_nodes_available_memory_shared_by_its_ranks(monkeypatch):
+    gib = 2**30
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert host_memory_budget(available=16 * gib) == int(16 * gib * DEFAULT_HOST_FRACTION)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_memory_budget(available=16 * gib) == int(16 * gib * DEFAULT_HOST_FRACTION) // 4
+    assert host_memory_budget(3 * gib, available=16 * gib) == 3 * gib  # explicit: per rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    assert host_memory_budget(available=16 * gib) == int(16 * gib * DEFAULT_HOST_FRACTION)
+
+
+def test_split_gives_the_param_pool_its_need_up_to_half():
+    assert split_host_budget(100, 30, "nvme", "nvme") == (30, 70)
+    assert split_host_budget(100, 80, "nvme", "nvme") == (50, 50)
+    assert split_host_budget(100, 30, "nvme", "nvme", staging_bytes=40) == (30, 30)
+    assert split_host_budget(100, 30, "nvme", "cpu") == (100, 0)
+    assert split_host_budget(100, 0, "none", "nvme") == (0, 100)
+
+
+def test_nvme_buffers_are_sized_to_the_shard_not_to_sub_group_size():
+    """The default sub_group_size (1e8) above the shard used to give three buffers each of
+    the whole optimizer state; now three buffers hold at most a few sub-groups."""
+    numel, budget = 200_000_000, 8 * 2**30
+    s = nvme_sizing(numel, 100_000_000, budget, 2)
+    assert s.group == FULL_SPEED_GROUP and not s.grads_on_disk and s.buffers == 3
+    assert s.buffers * 12 * s.group < 12 * numel / 6  # 13% of the state, was 150%
+    small = nvme_sizing(1_000_000, 100_000_000, budget, 2)
+    assert small.buffers * 12 * small.group <= 12 * 1_000_000  # not 3 x the shard
+    # a budget that cannot hold the fp32 gradient shard beside the pipeline sends it to disk
+    tight = nvme_sizing(numel, 100_000_000, 4 * numel // 2, 2)
+    assert tight.grads_on_disk and tight.host_bytes(numel, 2) <= 4 * numel // 2
+    # one that can, after shrinking the sub-groups a little, keeps it in host memory
+    roomy = nvme_sizing(numel, 100_000_000, 4 * numel + 3 * 2**25, 2)
+    assert not roomy.grads_on_disk and roomy.group < FULL_SPEED_GROUP
+    assert roomy.host_bytes(numel, 2) <= 4 * numel + 3 * 2**25
+
+
+def _train_pools(tmp_path, monkeypatch, ranks: int) -> SimpleNamespace:
+    available = 64 * 2**20
+    monkeypatch.setattr(budget_mod.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=available))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(width=256), stage=3, lr=1e-2, offload_param="nvme",
+                           offload_optimizer="nvme", nvme_path=tmp_path / str(ranks),
+                           dtype=torch.bfloat16, sub_group_size=4096)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = batch("gpt", 4, gen)
+        engine.backward(loss_fn("gpt", engine(x), y))
+        engine.step()
+    out = SimpleNamespace(host=engine.memory_report().total("host"),
+                          budget=int(available * DEFAULT_HOST_FRACTION) // ranks,
+                          grads_on_disk=engine.grads is None, state=engine.full_state_dict())
+    engine.close()
+    return out
+
+
+def test_four_ranks_on_a_node_each_keep_every_pool_within_a_quarter(tmp_path, monkeypatch):
+    """LOCAL_WORLD_SIZE=4: the default budget is a quarter of one rank's, and the parameter
+    pool, the optimizer's buffers and the gradients together stay within it (the ledger)."""
+    alone = _train_pools(tmp_path, monkeypatch, 1)
+    shared = _train_pools(tmp_path, monkeypatch, 4)
+    assert shared.budget == alone.budget // 4
+    assert alone.host <= alone.budget and shared.host <= shared.budget
+    assert not alone.grads_on_disk and shared.grads_on_disk  # what lets the quarter hold
+    for name, value in alone.state.items():
+        assert torch.equal(value, shared.state[name]), name
+
+
+RUN = textwrap.dedent("""
+    import json, sys, torch
+    import zero_offload as zo
+    from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
+    from zero_offload.bench.rss import PeakSampler, rss
+    torch.set_num_threads(1)
+    cfg = GPTConfig(layers=4, width=384, heads=6, vocab=8192, seq=32)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sampler = PeakSampler(0.002)
+    engine = zo.initialize(model, stage=3, lr=1e-3, dtype=torch.bfloat16,
+                           offload_param="nvme", offload_optimizer="nvme",
+                           nvme_path=sys.argv[1])
+    init_peak = sampler.reset()
+    x, y = synthetic_batch(cfg, 2, torch.Generator().manual_seed(0))
+    after = []
+    for _ in range({steps}):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        after.append(rss())
+    train_peak = sampler.reset()
+    sampler.close()
+    print(json.dumps(dict(params=cfg.num_params, init_peak=init_peak, train_peak=train_peak,
+                          after=after, host=engine.memory_report().total("host"))))
+    engine.close()
+""")
+
+
+@pytest.fixture(scope="module")
+def fifty_steps(tmp_path_factory):
+    """One fresh process (no pytest memory in its RSS), no allocator environment variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    path = tmp_path_factory.mktemp("nvme")
+    proc = subprocess.run([sys.executable, "-c", RUN.format(steps=50), str(path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_rss_stays_flat_over_fifty_steps(fifty_steps):
+    """After step 5 every step ends within 2% of the RSS after step 5."""
+    after = fifty_steps["after"]
+    assert fifty_steps["params"] > 10_000_000
+    ref = after[5]
+    worst = max(abs(r - ref) for r in after[5:]) / ref
+    assert worst <= 0.02, [round(r / 2**20) for r in after]
+
+
+def test_initialize_peaks_no_higher_than_training(fifty_steps):
+    """A meta-device model is materialized unit by unit straight into its tiers."""
+    assert fifty_steps["init_peak"] <= fifty_steps["train_peak"], fifty_steps

@@ -1,0 +1,69 @@
+"""How the NVMe optimizer uses its share of the host budget: sized to the shard and the
+budget, not to the ``sub_group_size`` setting (``docs/host_memory.md``).
+
+Three pipeline buffers hold one sub-group's [master | m | v] each (one read ahead, one being
+stepped, one written back). With the old rule, a sub-group of ``sub_group_size`` (1e8) larger
+than the shard made each buffer the whole optimizer state; here the default sub-group is
+what keeps the disk busy, and the fp32 gradient shard shares the same budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..swap.buffers import pool_footprint as _footprint
+
+__all__ = ["FULL_SPEED_GROUP", "PIPELINE_BUFFERS", "NvmeSizing", "nvme_sizing"]
+
+PIPELINE_BUFFERS = 3  # one being read ahead, one computing, one being written back
+FULL_SPEED_GROUP = 1 << 23
+"""Default params per sub-group: 96 MiB of [master | m | v], twelve of the swap engine's
+8 MiB blocks, enough to keep its queue full; larger sub-groups only cost host memory."""
+_PAGE_ELEMS = 1024  # fp32 elements per 4 KiB: sub-groups start page-aligned in their files
+_SMALLEST_HOST_GRAD_GROUP = 1 << 20  # below this, gradients go to disk rather than shrink more
+_PIPELINE_GROUPS = 4  # a small shard is still cut in this many: three buffers, not three shards
+
+
+@dataclass(frozen=True)
+class NvmeSizing:
+    """How the NVMe optimizer uses its share of the host budget: params per sub-group,
+    whether the fp32 gradient shard is in files, and how many pipeline buffers it asks for."""
+
+    group: int
+    grads_on_disk: bool
+    buffers: int
+
+    def host_bytes(self, numel: int, dtype_bytes: int) -> int:
+        """What it holds in host memory, as the pools round it: the state pipeline, the
+        compute-dtype output of one sub-group, and the gradient shard or its pipeline."""
+        grads = (self.buffers * _footprint(4 * self.group) if self.grads_on_disk
+                 else 4 * numel)
+        out = dtype_bytes * self.group if dtype_bytes != 4 else 0
+        return self.buffers * _footprint(12 * self.group) + out + grads
+
+
+def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) -> NvmeSizing:
+    """Size the NVMe optimizer to its shard and budget, not the budget to the setting.
+
+    The sub-group is ``sub_group_size`` at most, :data:`FULL_SPEED_GROUP` by default, and a
+    quarter of a smaller shard. The fp32 gradient shard stays in host memory when it fits the
+    budget beside the pipeline (which may shrink to 1M-param sub-groups for it); otherwise
+    gradients go to files and the sub-group shrinks until everything fits."""
+    pages = -(-numel // _PAGE_ELEMS)
+    size = min(sub_group_size // _PAGE_ELEMS, FULL_SPEED_GROUP // _PAGE_ELEMS,
+               -(-pages // _PIPELINE_GROUPS))
+    size = max(1, size) * _PAGE_ELEMS
+
+    def sizing(n: int, on_disk: bool) -> NvmeSizing:
+        groups = -(-numel // n) if numel else 1
+        return NvmeSizing(n, on_disk, max(2, min(PIPELINE_BUFFERS, groups)))
+
+    def fit(n: int, on_disk: bool, floor: int) -> NvmeSizing:
+        while n > floor and sizing(n, on_disk).host_bytes(numel, dtype_bytes) > budget:
+            need = sizing(n, on_disk).host_bytes(numel, dtype_bytes)
+            n = max(floor, min(n - _PAGE_ELEMS, n * budget // need // _PAGE_ELEMS * _PAGE_ELEMS))
+        return sizing(n, on_disk)
+
+    in_host = fit(size, False, min(size, _SMALLEST_HOST_GRAD_GROUP))
+    if in_host.host_bytes(numel, dtype_bytes) <= budget:
+        return in_host
+    return fit(size, True, _PAGE_ELEMS)
