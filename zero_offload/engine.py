@@ -410,6 +410,22 @@ class Engine:
         self.stepper.updater.steps = value
 
     # -- read-only views for users, benchmarks and tests -------------------------------------
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
+        exp_avg_sq, the fp32 gradient a device step makes); empty with the state on NVMe."""
+        resident = getattr(self.stepper.updater, "resident_tensors", None)
+        return resident() if resident is not None else {}
+
+    def reductions_in_flight(self) -> list[torch.Tensor]:
+        """The buffers of gradient reductions not yet waited for (flat input and output)."""
+        return self.reducer.inflight_buffers()
+
+    def _replace_device_optimizer(self, make: Any) -> None:
+        """A simulation's stand-in for the device AdamW (see ``zero_offload.rehearsal``)."""
+        replace = getattr(self.stepper.updater, "replace_optimizer", None)
+        if replace is not None:
+            self.stepper.optimizer = replace(make)
+
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (None without ``max_grad_norm``)."""

@@ -51,7 +51,7 @@ def device_problems(engine: Any, when: str) -> list[str]:
     check("the gradient shard", engine.grads, _tier_of(cfg.offload.optimizer))
     if engine.param_store is not None:
         check("the parameter shards", engine.param_store.resident, _tier_of(cfg.offload.param))
-    check("the fp32 master", getattr(engine.stepper.updater, "master", None),
+    check("the fp32 master", engine.optimizer_tensors().get("master"),
           _tier_of(cfg.offload.optimizer))
     return out
 

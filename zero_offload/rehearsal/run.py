@@ -23,7 +23,6 @@ from ..engine import Engine
 from ..memory_model import ModelShape, estimate_memory
 from ..stages.streams import Streams
 from ..stages.update_api import adam_kwargs
-from ..stages.updaters import DeviceAdam
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
@@ -54,20 +53,10 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
             out[_key(engine.param_store.resident)] = PARAMS
         if engine.grads is not None:
             out[_key(engine.grads)] = GRADS
-        updater = engine.stepper.updater
-        master = getattr(updater, "master", None)
-        if master is not None:
-            out[_key(master)] = OPTIMIZER
-            state = updater.optimizer.state.get(updater.param, {})  # type: ignore[attr-defined]
-            for name in ("exp_avg", "exp_avg_sq"):
-                if name in state:
-                    out[_key(state[name])] = OPTIMIZER
-            grad = updater.param.grad  # type: ignore[attr-defined]
-            if grad is not None:
-                out[_key(grad)] = GRADS  # the fp32 copy a device step makes
-        for _unit, flat, reduced, _handle in engine.reducer._inflight:
-            out[_key(flat)] = COMM
-            out[_key(reduced)] = COMM
+        for role, tensor in engine.optimizer_tensors().items():
+            out[_key(tensor)] = GRADS if role == "fp32 grads" else OPTIMIZER
+        for buffer in engine.reductions_in_flight():
+            out[_key(buffer)] = COMM
         return out
     return identify
 
@@ -81,11 +70,8 @@ def _engine_class(tracker: MemoryTracker) -> type[Engine]:
 
 def _fused_device_adam(engine: Engine) -> None:
     """On CUDA the device optimizer is torch's fused AdamW; give the simulation the same."""
-    updater = engine.stepper.updater
-    if isinstance(updater, DeviceAdam):
-        opt = SimulatedFusedAdamW([updater.param], **adam_kwargs(engine.config))
-        updater.optimizer = opt
-        engine.stepper.optimizer = opt
+    engine._replace_device_optimizer(
+        lambda params: SimulatedFusedAdamW(params, **adam_kwargs(engine.config)))
 
 
 class _Inline(Executor):

@@ -255,6 +255,10 @@ class GradReducer:
         self.had_grad = bytearray(len(self.slots))
         self.backwards = 0
 
+    def inflight_buffers(self) -> list[torch.Tensor]:
+        """Flat gradients and reduced shards of the reductions not yet waited for."""
+        return [t for _unit, flat, out, _handle in self._inflight for t in (flat, out)]
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -12,6 +12,7 @@ with gradients on NVMe) is raised by ``flush``, so ``engine.backward`` reports i
 """
 from __future__ import annotations
 
+import logging
 import queue
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from .grads import GradTarget
 from .streams import Streams
 
 __all__ = ["HostGradQueue", "STAGING_BUFFERS"]
+
+log = logging.getLogger(__name__)
 
 STAGING_BUFFERS = 3  # pieces in flight, each with a pinned staging buffer (CUDA)
 
@@ -89,7 +92,13 @@ class HostGradQueue:
         self.target.flush()
 
     def zero_grad(self) -> None:
-        self._wait()
+        """Drop the window. Pieces still queued belong to a backward that failed (a complete
+        backward flushes): they are waited for and their errors dropped with them, since
+        that backward raised its first failure already."""
+        try:
+            self._wait()
+        except Exception as err:  # noqa: BLE001 - see above
+            log.warning("zero_offload: dropped gradients of a failed backward: %s", err)
         self.target.zero_grad()
 
     def add_to(self, report: MemoryReport) -> None:

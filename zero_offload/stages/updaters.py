@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -99,6 +99,13 @@ class _ResidentAdam:
     def master_values(self) -> torch.Tensor:
         return self.master
 
+    def resident_tensors(self) -> dict[str, torch.Tensor]:
+        """The state tensors held in memory, by role (for tools that attribute memory)."""
+        state = self.optimizer.state.get(self.param, {})
+        found = {"master": self.master, "exp_avg": state.get("exp_avg"),
+                 "exp_avg_sq": state.get("exp_avg_sq"), "fp32 grads": self.param.grad}
+        return {k: v for k, v in found.items() if v is not None}
+
     def add_to(self, report: MemoryReport) -> None:
         state = self.optimizer.state.get(self.param, {})
         report.add(self.tier, "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
@@ -118,6 +125,13 @@ class DeviceAdam(_ResidentAdam):
         except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
             optimizer = torch.optim.AdamW([param], **adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
+
+    def replace_optimizer(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                          ) -> torch.optim.Optimizer:
+        """Step the master with the optimizer ``make`` builds (a simulation's stand-in for
+        torch's fused AdamW); returns it."""
+        self.optimizer = make([self.param])
+        return self.optimizer
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
                sink: Sink, ranges: list[tuple[int, int, int]] | None = None) -> None:
