@@ -388,7 +388,7 @@ def test_overwriting_a_tag_keeps_a_loadable_checkpoint_at_every_instant(tmp_path
         shutil.copytree(tmp_path / "template", folder)
         calls = []
 
-        def replace(src, dst):
+        def replace(src, dst, calls=calls, stopped_at=stopped_at):
             calls.append(dst)
             if len(calls) > stopped_at:
                 raise _Killed(dst)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import zero_offload as zo
-from models import MLP, TinyGPT, batch, loss_fn
+from models import MLP, batch, loss_fn
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent  # the zero_offload under test

@@ -4,7 +4,6 @@ rank; and pretrained files with buffers — any saved ``state_dict()``, or what
 ``consolidate_checkpoint`` writes — initialize a model, buffers included."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

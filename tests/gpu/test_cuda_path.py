@@ -118,7 +118,7 @@ def test_two_nccl_ranks_match_cpu_reference(tmp_path: Path) -> None:
                            nprocs=2, join=True, start_method="spawn")
         with open(os.path.join(tmp, "rank0.pkl"), "rb") as f:
             results = pickle.load(f)
-    for (stage, opt, param), info in results.items():
+    for (_stage, opt, _param), info in results.items():
         _check(info, opt)
 
 
@@ -136,7 +136,7 @@ def test_two_nccl_ranks_without_record_streams(tmp_path: Path) -> None:
                            nprocs=2, join=True, start_method="spawn")
         with open(os.path.join(tmp, "rank0.pkl"), "rb") as f:
             results = pickle.load(f)
-    for (stage, opt, param), info in results.items():
+    for (_stage, opt, _param), info in results.items():
         _check(info, opt)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..memory_model import (FORWARD_BACKWARD, INITIALIZE, REDUCE, RESIDENT, STEP, MemoryEstimate,
                             ModelShape, describe_params)
-from .tracker import ACTIVATIONS, KINDS, PhaseMemory
+from .tracker import KINDS, PhaseMemory
 
 __all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY"]
 
