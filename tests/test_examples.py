@@ -78,8 +78,10 @@ def test_finetune_13b_with_param_offload():
 
 
 def test_finetune_13b_stops_when_nothing_fits():
+    # (one 8 GB GPU with 16 GB of host memory fits now: stage 3 with everything on NVMe
+    # needs 2.7 GB of host buffers since they are sized to the shard)
     res = _run("examples/finetune_13b.py", "--scale", "0.01", "--gpus", "1",
-               "--gpu-memory", "8GB", "--host-memory", "16GB")
+               "--gpu-memory", "1GB", "--host-memory", "2GB")
     assert res.returncode == 1
     assert "nothing fits" in res.stdout and "nothing fits" in res.stderr
 

@@ -286,6 +286,11 @@ class NvmeAdam:
         self.steps += 1
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
 
+    def ensure_sound(self, what: str) -> None:
+        """Raise :class:`IncompleteStepError` when an earlier step left the state partly
+        updated (the engine asks before anything that would read or build on it)."""
+        self._check_sound(what)
+
     def _check_sound(self, what: str) -> None:
         if self._stale:
             raise IncompleteStepError(

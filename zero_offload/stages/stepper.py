@@ -21,6 +21,7 @@ import math
 from typing import Callable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Comm
 from ..config import ZeroConfig
@@ -141,6 +142,10 @@ class ShardStepper:
             vec[n] = self._local_sumsq().to(self.device)   # the whole gradient; rank 0's
         if self.stage > 0 or n:
             self.comm.all_reduce(vec)
+        if is_fake(vec):  # a rehearsal (zero_offload.rehearsal) has no values to read: every
+            # parameter had a gradient, none arrived late, and the norm reads 0
+            had = len(self._ranges)
+            return [1.0] * had + [0.0] * (n - had) + [0.0]
         return vec.tolist()
 
     def step(self, flags: torch.Tensor | None = None,
