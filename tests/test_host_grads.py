@@ -131,3 +131,22 @@ def test_disk_failure_while_gradients_go_to_nvme_is_raised_by_backward(tmp_path)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     engine.close()
     clean.close()
+
+
+def test_worker_thread_uses_the_engine_device(monkeypatch):
+    """On CUDA the worker thread makes the engine's GPU current before it touches the
+    runtime (event waits): otherwise a thread's first CUDA call creates a context on GPU 0,
+    in every rank."""
+    import types
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made_current.append(
+        (threading.current_thread().name, torch.device(device))))
+    streams = types.SimpleNamespace(cuda=False, device=torch.device("cuda", 1))
+    grads = torch.zeros(8)
+    q = HostGradQueue(ResidentGrads(grads), streams, largest_piece=8, dtype=torch.float32)
+    q.accumulate_grad(0, torch.ones(8), final=True)
+    q.flush()
+    q.close()
+    assert torch.equal(grads, torch.ones(8))
+    assert [(name.startswith("zo-host-grads"), dev) for name, dev in made_current] == \
+        [(True, torch.device("cuda", 1))]

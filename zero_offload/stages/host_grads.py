@@ -41,7 +41,13 @@ class HostGradQueue:
         self.streams = streams
         self.depth = depth
         self._pending: deque[Future] = deque()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-host-grads")
+        # On CUDA the worker makes the engine's GPU current first: a thread's first runtime
+        # call would otherwise create a context on GPU 0 (in every rank).
+        on_gpu = streams.device.type == "cuda"
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zo-host-grads",
+            initializer=torch.cuda.set_device if on_gpu else None,
+            initargs=(streams.device,) if on_gpu else ())
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._staging_bytes = self._pinned_bytes = 0
         self._staging: list[torch.Tensor] = []
