@@ -12,10 +12,10 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 import transformers
 from transformers import Trainer, TrainingArguments
 
+from distributed import finish_torchrun_worker
 from zero_offload.integrations.hf import ZeroOffloadTrainer
 
 LR, CLIP, VOCAB, SEQ, SAMPLES, STEPS = 1e-2, 0.05, 128, 16, 32, 4
@@ -112,20 +112,8 @@ def main() -> None:
     results = []
     for i, (name, config) in enumerate(cases):
         results.append(run_case(root, i, name, config, int(os.environ.get("RANK", 0))))
-    if int(os.environ.get("RANK", 0)) == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_torchrun_worker(results, out, int(os.environ.get("RANK", 0)))
 
 
 if __name__ == "__main__":
     main()
-    status = 0
-    # A finished multi-rank run can still abort in interpreter teardown ("terminate called
-    # without an active exception", about 1 run in 30 here, after destroy_process_group):
-    # everything is closed and flushed by now, so skip that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
 import zero_offload.integrations.lightning  # noqa: F401  (registers the strategy names)
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
 
+from distributed import finish_torchrun_worker
 from models import batch, loss_fn, make
 
 LR, WD, CLIP, SAMPLES, PER_DEVICE, ACCUMULATE = 1e-2, 0.1, 0.05, 16, 2, 2
@@ -107,20 +107,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     results = [run_case(root, i, case, rank) for i, case in enumerate(cases)]
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_torchrun_worker(results, out, rank)
 
 
 if __name__ == "__main__":
     main()
-    status = 0
-    # A finished multi-rank run can still abort in interpreter teardown ("terminate called
-    # without an active exception", about 1 run in 30 here, after destroy_process_group):
-    # everything is closed and flushed by now, so skip that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
