@@ -119,9 +119,9 @@ class Engine:
             self._weights[0].close()
             self._weights = None
         self.grad_queue: HostGradQueue | None = None
-        if getattr(updater, "grads_on_disk", False):
+        if updater.disk_grads is not None:
             self.grads = None  # the optimizer keeps them in files beside its state
-            host_target: GradTarget = updater  # type: ignore[assignment]
+            host_target: GradTarget = updater.disk_grads
         elif config.offload.optimizer == "none":
             self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
         else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32

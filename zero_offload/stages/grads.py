@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class GradTarget(Protocol):
     """Where reduced gradient shards are summed: memory (:class:`ResidentGrads`) or files
-    (:class:`~.nvme_adam.NvmeAdam`)."""
+    (:class:`~.disk_grads.DiskGrads`)."""
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None: ...
     def zero_grad(self) -> None: ...

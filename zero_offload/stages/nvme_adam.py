@@ -13,10 +13,8 @@ sub-groups and not others: their files are dropped, and every later step or stat
 ``optimizer.load_state_dict``).
 
 The fp32 gradient shard stays in host memory when it fits the host budget beside the
-pipeline buffers. When it does not, gradients go to files too: reduced pieces are summed
-into a sub-group's buffer as backward produces them, a complete sub-group is written out (its
-sum of squares and finiteness noted for clipping and overflow checks, so the step needs no
-extra pass), and the step reads it back beside the state.
+pipeline buffers. When it does not, gradients go to files too (:class:`~.disk_grads.DiskGrads`,
+the same sub-groups), and the step reads each sub-group's back beside its state.
 """
 from __future__ import annotations
 
@@ -33,10 +31,11 @@ from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.budget import host_memory_budget
-from ..swap.buffers import HostBuffer, pool_footprint as _footprint
+from ..swap.buffers import HostBuffer
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
+from .disk_grads import DiskGrads
 from .nvme_sizing import PIPELINE_BUFFERS, nvme_sizing
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
@@ -61,28 +60,25 @@ class NvmeAdam:
         budget = host_memory_budget(host_memory_limit)
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
         self.sizing = nvme_sizing(numel, off.sub_group_size, budget, dtype_bytes)
-        self.grads_on_disk = self.sizing.grads_on_disk
         self.group = self.sizing.group
         self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
         need = self.sizing.host_bytes(numel, dtype_bytes)
         if need > budget:
             raise BufferBudgetError(budget, need, 1)
         count = self.sizing.buffers
-        grad_budget = count * _footprint(4 * self.group) if self.grads_on_disk else 0
+        on_disk = self.sizing.grads_on_disk
+        grad_budget = DiskGrads.host_bytes(self.group, count) if on_disk else 4 * numel
         out_bytes = dtype_bytes * self.group if dtype != torch.float32 else 0
-        state_budget = budget - out_bytes - (grad_budget if self.grads_on_disk else 4 * numel)
+        state_budget = budget - out_bytes - grad_budget
         self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
                                buffer_count=count, min_buffers=2,
                                host_memory_limit=state_budget,
-                               expected_bytes=(12 + 4 * self.grads_on_disk) * numel, rank=rank,
+                               expected_bytes=(12 + 4 * on_disk) * numel, rank=rank,
                                # the master crosses PCIe only as fp32 compute's new params
                                pin=pins(crosses_pcie=dtype == torch.float32))
-        self.grad_swapper = (Swapper(off.nvme_path, buffer_bytes=4 * self.group,
-                                     buffer_count=count, min_buffers=2,
-                                     host_memory_limit=grad_budget, rank=rank,
-                                     engine=self.swapper.engine,
-                                     pin=pins(crosses_pcie=False))  # summed on the host
-                             if self.grads_on_disk else None)
+        # the gradient shard in files (None: the engine keeps it in host memory)
+        self.disk_grads = (DiskGrads(off.nvme_path, numel, self.group, count, rank,
+                                     engine=self.swapper.engine) if on_disk else None)
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -96,29 +92,16 @@ class NvmeAdam:
         self._stale: set[int] = set()
         self._stale_cause = ""
         self._loading: tuple[int, HostBuffer] | None = None
-        # gradients on disk: sub-groups being summed (in buffers, oldest first), elements
-        # summed so far per sub-group this backward, and what was written this window
-        self._filling: dict[int, HostBuffer] = {}
-        self._covered: dict[int, int] = {}
-        self._written: set[int] = set()
-        # per sub-group written: (sum of squares, all finite) of its sum so far; each write
-        # replaces its entry, so the step sees the norm of the summed gradient however many
-        # backwards (and flushes) the window had
-        self._stats: dict[int, tuple[float, bool]] = {}
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
         log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB"
                  "%s", len(self.bounds), self.group, self.swapper.pool.count,
-                 12 * self.group / 2**20, "; gradients on NVMe too" if self.grads_on_disk else "")
+                 12 * self.group / 2**20, "; gradients on NVMe too" if on_disk else "")
 
     @staticmethod
     def _key(i: int) -> str:
         return f"adam.{i}"
-
-    @staticmethod
-    def _grad_key(i: int) -> str:
-        return f"grad.{i}"
 
     # -- state in -------------------------------------------------------------------------
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
@@ -150,92 +133,6 @@ class NvmeAdam:
                     self._loading = None
                 self._stale.discard(i)
 
-    # -- gradients on disk ----------------------------------------------------------------
-    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
-        """Add a reduced gradient piece for rank-flat [offset, offset + n); a sub-group is
-        written out (its norm and finiteness noted) once every element of it came in this
-        backward. ``final`` is not needed: a backward is not always followed by a step."""
-        values = values.to("cpu")
-        pos = 0
-        while pos < values.numel():
-            start = offset + pos
-            i = start // self.group
-            lo, hi = self.bounds[i]
-            take = min(hi - start, values.numel() - pos)
-            grad = self._grad_buffer(i)
-            grad[start - lo:start - lo + take].add_(values[pos:pos + take])
-            pos += take
-            self._covered[i] = self._covered.get(i, 0) + take
-            if self._covered[i] == hi - lo:
-                self._flush_grad(i)
-
-    def _grad_buffer(self, i: int) -> torch.Tensor:
-        """Sub-group i's gradient sum in a host buffer: zeros, or what an earlier micro-step
-        (or an eviction) wrote. With every buffer taken by sub-groups still waiting for
-        pieces, the oldest is written out and read back when its next piece comes."""
-        assert self.grad_swapper is not None
-        lo, hi = self.bounds[i]
-        if i in self._filling:
-            self._filling[i] = self._filling.pop(i)  # most recently used last
-            return self._filling[i].view(torch.float32, (hi - lo,))
-        pool = self.grad_swapper.pool
-        while pool.available < 2 and self._filling:  # keep one spare for unaligned I/O
-            self._evict(next(iter(self._filling)))
-        buf = pool.acquire(timeout=self.grad_swapper.acquire_timeout)
-        grad = buf.view(torch.float32, (hi - lo,))
-        try:
-            if i in self._written:
-                self.grad_swapper.swap_in(self._grad_key(i), grad).result()
-            else:
-                grad.zero_()
-        except BaseException:
-            pool.release(buf)
-            raise
-        self._filling[i] = buf
-        return grad
-
-    def _evict(self, i: int) -> None:
-        assert self.grad_swapper is not None
-        lo, hi = self.bounds[i]
-        buf = self._filling.pop(i)
-        try:
-            self.grad_swapper.swap_out(self._grad_key(i),
-                                       buf.view(torch.float32, (hi - lo,))).result()
-            self._written.add(i)
-        finally:
-            self.grad_swapper.pool.release(buf)
-
-    def _flush_grad(self, i: int) -> None:
-        assert self.grad_swapper is not None
-        lo, hi = self.bounds[i]
-        grad = self._grad_buffer(i)
-        self._stats[i] = (float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
-                          bool(torch.isfinite(grad).all()))
-        del self._covered[i]
-        self._evict(i)
-
-    def flush(self) -> None:
-        """Write out the sub-groups that got only some pieces since their last write (late
-        pieces reduced at the step; after a whole backward every sub-group is complete)."""
-        for i in list(self._covered):
-            self._flush_grad(i)
-
-    def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, all finite) of the summed gradients."""
-        self.flush()
-        sumsq = sum(sq for sq, _ in self._stats.values())
-        return sumsq, all(finite for _, finite in self._stats.values())
-
-    def zero_grad(self) -> None:
-        """Start a new accumulation window (the files are overwritten, not read)."""
-        for buf in self._filling.values():
-            assert self.grad_swapper is not None
-            self.grad_swapper.pool.release(buf)
-        self._filling.clear()
-        self._covered.clear()
-        self._written.clear()
-        self._stats.clear()
-
     # -- the step -------------------------------------------------------------------------
     def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
         """Add the request's duration (submit to completion) to ``timings.<kind>``, and the
@@ -259,17 +156,17 @@ class NvmeAdam:
 
     def _read(self, i: int, timings: StepTimings) -> tuple[Future, Future | None]:
         lo, hi = self.bounds[i]
-        timings.bytes_read += (12 + 4 * self.grads_on_disk) * (hi - lo)
+        timings.bytes_read += (12 + 4 * (self.disk_grads is not None)) * (hi - lo)
         state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
         grad = None
-        if self.grad_swapper is not None:
-            grad = self._timed(self.grad_swapper.prefetch(self._grad_key(i)), "read_s", timings)
+        if self.disk_grads is not None:
+            grad = self._timed(self.disk_grads.prefetch(i), "read_s", timings)
         return state, grad
 
     def _release(self, i: int) -> None:
         self.swapper.release(self._key(i))
-        if self.grad_swapper is not None:
-            self.grad_swapper.release(self._grad_key(i))
+        if self.disk_grads is not None:
+            self.disk_grads.release(i)
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
                ranges: list[tuple[int, int, int]] | None = None) -> None:
@@ -313,8 +210,8 @@ class NvmeAdam:
                     self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
                 else:
                     self.swapper.release(self._key(i))
-                if self.grad_swapper is not None:
-                    self.grad_swapper.release(self._grad_key(i))
+                if self.disk_grads is not None:
+                    self.disk_grads.release(i)
             except OSError as err:  # the disk may be gone; the state is marked already
                 log.warning("cleaning up after the failed step: %s", err)
         if not changed:
@@ -343,7 +240,7 @@ class NvmeAdam:
             self.last_timings = timings
             return
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
-            self.grad_swapper is None or self.grad_swapper.pool.count >= self.BUFFERS)
+            self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS)
         writes: list[Future] = []
         pending = self._read(0, timings)
         for i, (lo, hi) in enumerate(self.bounds):
@@ -412,13 +309,11 @@ class NvmeAdam:
         report.add("host", "optimizer", self.swapper.host_buffer_nbytes
                    + self.out.numel() * self.out.element_size(),
                    pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out))
-        if self.grad_swapper is not None:
-            report.add("nvme", "grads", 4 * self.numel)
-            report.add("host", "grads", self.grad_swapper.host_buffer_nbytes,
-                       pinned=self.grad_swapper.pool.pinned_nbytes)
+        if self.disk_grads is not None:
+            self.disk_grads.add_to(report)
 
     def close(self) -> None:
         unpin(self.out)
-        if self.grad_swapper is not None:
-            self.grad_swapper.close()
+        if self.disk_grads is not None:
+            self.disk_grads.close()
         self.swapper.close()

@@ -121,8 +121,8 @@ class ShardStepper:
         (so that the per-sub-group sums of gradients in files and the sum over a resident
         shard agree far below the fp32 clip factor's last bit), without a copy of the shard
         and without a wait; infinite or NaN when a gradient is (the overflow check)."""
-        if self.grads is None:
-            sumsq, finite = self.updater.grad_stats()  # type: ignore[attr-defined]
+        if self.updater.disk_grads is not None:
+            sumsq, finite = self.updater.disk_grads.stats()
             return torch.tensor(sumsq if finite else math.inf, dtype=torch.float64)
         return torch.linalg.vector_norm(self.grads, dtype=torch.float64).square()
 

@@ -4,12 +4,15 @@ own so that none of them imports another to get it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
+
+if TYPE_CHECKING:
+    from .disk_grads import DiskGrads
 
 __all__ = ["Sink", "StateChunk", "StepTimings", "Updater", "adam_hyperparameters",
            "adam_kwargs"]
@@ -49,6 +52,9 @@ class Updater(Protocol):
     optimizer: torch.optim.Optimizer
     steps: int
     last_timings: StepTimings
+    disk_grads: "DiskGrads | None"
+    """The gradient shard in files, summed there during backward (NVMe optimizer whose host
+    budget cannot hold it); None: the engine holds the gradients."""
 
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...

@@ -27,6 +27,7 @@ from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
+from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
 from .update_api import (Sink, StateChunk, StepTimings, Updater, adam_hyperparameters,
                          adam_kwargs)
@@ -51,6 +52,7 @@ class _ResidentAdam:
     optimizer-state layout: ``optimizer.state[param]`` holds step, exp_avg, exp_avg_sq."""
 
     tier = "device"
+    disk_grads: DiskGrads | None = None  # the gradients stay in the engine's shard
 
     def __init__(self, master: torch.Tensor, optimizer: torch.optim.Optimizer,
                  param: nn.Parameter) -> None:

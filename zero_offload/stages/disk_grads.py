@@ -1,0 +1,161 @@
+"""The fp32 gradient shard in files, for an NVMe optimizer whose host budget cannot hold it.
+
+Reduced pieces are summed into a sub-group's host buffer as backward produces them; a
+sub-group is written out once every element of it came in (its sum of squares and
+finiteness noted for clipping and overflow checks, so the step needs no extra pass over the
+files), and the optimizer's step reads it back beside the state (:meth:`DiskGrads.prefetch`).
+With every buffer taken by sub-groups still waiting for pieces, the oldest is written out and
+read back when its next piece comes, so any arrival order fits a fixed number of buffers.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from ..ledger import MemoryReport
+from ..swap.buffers import HostBuffer, pool_footprint
+from ..swap.io import FileIOEngine
+from ..swap.pinned import pins
+from ..swap.swapper import Swapper
+
+__all__ = ["DiskGrads"]
+
+log = logging.getLogger(__name__)
+
+
+class DiskGrads:
+    """A :class:`~.grads.GradTarget` that sums the gradient shard sub-group by sub-group in
+    host buffers and keeps the sums in files (``grad.<i>``), one per sub-group of ``bounds``."""
+
+    @staticmethod
+    def host_bytes(group: int, buffers: int) -> int:
+        """Host memory it holds, as the pool rounds it: ``buffers`` fp32 sub-groups."""
+        return buffers * pool_footprint(4 * group)
+
+    def __init__(self, path: str | Path, numel: int, group: int, buffers: int, rank: int,
+                 engine: FileIOEngine | None = None) -> None:
+        self.numel = numel
+        self.group = group
+        self.bounds = [(lo, min(lo + group, numel)) for lo in range(0, numel, group)]
+        self.swapper = Swapper(path, buffer_bytes=4 * group, buffer_count=buffers,
+                               min_buffers=2, host_memory_limit=self.host_bytes(group, buffers),
+                               rank=rank, engine=engine,
+                               pin=pins(crosses_pcie=False))  # summed on the host
+        # sub-groups being summed (in buffers, oldest first), elements summed so far per
+        # sub-group this backward, and what was written this window
+        self._filling: dict[int, HostBuffer] = {}
+        self._covered: dict[int, int] = {}
+        self._written: set[int] = set()
+        # per sub-group written: (sum of squares, all finite) of its sum so far; each write
+        # replaces its entry, so the step sees the norm of the summed gradient however many
+        # backwards (and flushes) the window had
+        self._stats: dict[int, tuple[float, bool]] = {}
+
+    @staticmethod
+    def _key(i: int) -> str:
+        return f"grad.{i}"
+
+    @property
+    def buffers(self) -> int:
+        """Host buffers the pool got (the step reads ahead only with a full pipeline)."""
+        return self.swapper.pool.count
+
+    # -- backward: the GradTarget face ----------------------------------------------------
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        """Add a reduced gradient piece for rank-flat [offset, offset + n); a sub-group is
+        written out (its norm and finiteness noted) once every element of it came in this
+        backward. ``final`` is not needed: a backward is not always followed by a step."""
+        values = values.to("cpu")
+        pos = 0
+        while pos < values.numel():
+            start = offset + pos
+            i = start // self.group
+            lo, hi = self.bounds[i]
+            take = min(hi - start, values.numel() - pos)
+            grad = self._buffer(i)
+            grad[start - lo:start - lo + take].add_(values[pos:pos + take])
+            pos += take
+            self._covered[i] = self._covered.get(i, 0) + take
+            if self._covered[i] == hi - lo:
+                self._write(i)
+
+    def flush(self) -> None:
+        """Write out the sub-groups that got only some pieces since their last write (late
+        pieces reduced at the step; after a whole backward every sub-group is complete)."""
+        for i in list(self._covered):
+            self._write(i)
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation window (the files are overwritten, not read)."""
+        for buf in self._filling.values():
+            self.swapper.pool.release(buf)
+        self._filling.clear()
+        self._covered.clear()
+        self._written.clear()
+        self._stats.clear()
+
+    def stats(self) -> tuple[float, bool]:
+        """(sum of squares, all finite) of the summed gradients."""
+        self.flush()
+        sumsq = sum(sq for sq, _ in self._stats.values())
+        return sumsq, all(finite for _, finite in self._stats.values())
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        """Sub-group i's gradient sum in a host buffer: zeros, or what an earlier micro-step
+        (or an eviction) wrote. With every buffer taken by sub-groups still waiting for
+        pieces, the oldest is written out and read back when its next piece comes."""
+        lo, hi = self.bounds[i]
+        if i in self._filling:
+            self._filling[i] = self._filling.pop(i)  # most recently used last
+            return self._filling[i].view(torch.float32, (hi - lo,))
+        pool = self.swapper.pool
+        while pool.available < 2 and self._filling:  # keep one spare for unaligned I/O
+            self._evict(next(iter(self._filling)))
+        buf = pool.acquire(timeout=self.swapper.acquire_timeout)
+        grad = buf.view(torch.float32, (hi - lo,))
+        try:
+            if i in self._written:
+                self.swapper.swap_in(self._key(i), grad).result()
+            else:
+                grad.zero_()
+        except BaseException:
+            pool.release(buf)
+            raise
+        self._filling[i] = buf
+        return grad
+
+    def _evict(self, i: int) -> None:
+        lo, hi = self.bounds[i]
+        buf = self._filling.pop(i)
+        try:
+            self.swapper.swap_out(self._key(i), buf.view(torch.float32, (hi - lo,))).result()
+            self._written.add(i)
+        finally:
+            self.swapper.pool.release(buf)
+
+    def _write(self, i: int) -> None:
+        grad = self._buffer(i)
+        self._stats[i] = (float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
+                          bool(torch.isfinite(grad).all()))
+        del self._covered[i]
+        self._evict(i)
+
+    # -- the step -------------------------------------------------------------------------
+    def prefetch(self, i: int) -> "Future[torch.Tensor]":
+        """Start reading sub-group i's summed gradient into a pool buffer."""
+        return self.swapper.prefetch(self._key(i))
+
+    def release(self, i: int) -> None:
+        """Give back the buffer :meth:`prefetch` filled (the file stays)."""
+        self.swapper.release(self._key(i))
+
+    def add_to(self, report: MemoryReport) -> None:
+        report.add("nvme", "grads", 4 * self.numel)
+        report.add("host", "grads", self.swapper.host_buffer_nbytes,
+                   pinned=self.swapper.pool.pinned_nbytes)
+
+    def close(self) -> None:
+        self.swapper.close()
