@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import torch
 
@@ -128,8 +128,8 @@ def bucketize(sizes: Sequence[int], bucket_size: int) -> list[list[int]]:
     return buckets
 
 
-def mismatch_message(source: str, missing: Sequence[str], unexpected: Sequence[str],
-                     shapes: Sequence[str]) -> str | None:
+def mismatch_message(source: str, missing: Collection[str], unexpected: Collection[str],
+                     shapes: Collection[str]) -> str | None:
     """One sentence listing every tensor that does not line up between ``source`` (a file or
     checkpoint) and the model; None when all do."""
     parts = [f"missing from the {source}: {sorted(missing)}" if missing else "",

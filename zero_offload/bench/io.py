@@ -118,7 +118,7 @@ def _fio(path: Path, op: str, size: int) -> float:
 
 
 def _raw(path: Path, op: str, size: int, buf: HostBuffer) -> float:
-    view = memoryview(buf.tensor.numpy())
+    view = buf.tensor.numpy().data
     flags = (os.O_RDONLY if op == "read" else os.O_WRONLY | os.O_CREAT) | os.O_DIRECT
     call = os.preadv if op == "read" else os.pwritev
     fd = os.open(path, flags, 0o600)

@@ -17,6 +17,7 @@ converter and without the optimizer state.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zlib
@@ -162,9 +163,10 @@ def _numpy_rng_types() -> list[Any]:
     """What the numpy RNG state (an uint32 array) of older extra files needs unpickled: array
     reconstruction and dtypes, under numpy 1's and numpy 2's module names. None runs code."""
     try:
-        from numpy._core.multiarray import _reconstruct as rebuild  # numpy >= 2
+        multiarray = importlib.import_module("numpy._core.multiarray")  # numpy >= 2
     except ImportError:
-        from numpy.core.multiarray import _reconstruct as rebuild
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    rebuild = multiarray._reconstruct
     return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"),
             (rebuild, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype,
             type(np.dtype(np.uint32))]

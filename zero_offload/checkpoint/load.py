@@ -65,7 +65,7 @@ class _Reader:
         record = self.manifest.ranks[rank]
         if rank not in self._fds:
             self._fds[rank] = os.open(self.folder / record.file, os.O_RDONLY)
-        view = memoryview(out.numpy()).cast("B")
+        view = out.numpy().data.cast("B")
         offset = section_offset(record.numel, section, element)
         while view:
             got = os.preadv(self._fds[rank], [view], offset)

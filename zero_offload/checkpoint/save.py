@@ -51,7 +51,7 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
                 if values is None:
                     crcs[section] = _crc_zeros(4 * length, crcs[section])
                     continue
-                data = memoryview(values.contiguous().numpy()).cast("B")
+                data = values.contiguous().numpy().data.cast("B")
                 crcs[section] = zlib.crc32(data, crcs[section])
                 offset = section_offset(numel, section, lo)
                 while data:

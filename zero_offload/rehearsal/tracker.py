@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import FrameType
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -202,7 +203,7 @@ class MemoryTracker(TorchDispatchMode):
             self._host_bound += nbytes
 
     def _guess_kind(self) -> str | None:
-        frame = sys._getframe(3)
+        frame: FrameType | None = sys._getframe(3)
         while frame is not None:
             name = frame.f_globals.get("__name__", "")
             if name in _MODULE_KINDS and frame.f_code.co_name != "__torch_function__":

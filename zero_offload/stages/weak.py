@@ -15,7 +15,7 @@ __all__ = ["weak_hook"]
 
 def weak_hook(method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
     """``method(*bound, *args)`` while ``method``'s object lives; None after."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
 
     def hook(*args: Any, **kwargs: Any) -> Any:
         live = ref()

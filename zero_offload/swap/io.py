@@ -101,7 +101,7 @@ def as_byte_view(buf: Buffer, writable: bool) -> tuple[memoryview, int]:
         if not buf.is_contiguous():
             raise ValueError("file I/O needs a contiguous tensor")
         flat = buf.detach().reshape(-1).view(torch.uint8)
-        return memoryview(flat.numpy()), flat.data_ptr()
+        return flat.numpy().data, flat.data_ptr()
     if isinstance(buf, memoryview):
         if not buf.c_contiguous:
             raise ValueError("file I/O needs a C-contiguous memoryview")

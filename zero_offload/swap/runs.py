@@ -124,7 +124,7 @@ def _claimer_alive(folder: Path) -> bool:
 
 def _dead_rank_dirs(nvme_path: Path) -> list[tuple[Path, str]]:
     """Rank folders to remove, each with who left it."""
-    found = []
+    found: list[tuple[Path, str]] = []
     try:
         runs = [r for r in nvme_path.iterdir() if r.is_dir() and not r.is_symlink()]
     except OSError:
