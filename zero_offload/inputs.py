@@ -26,8 +26,9 @@ def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
         target = dtype if value.is_floating_point() else value.dtype
         return value.to(device=device, dtype=target)
     if isinstance(value, PackedSequence):  # batch_sizes stays on the host, as torch wants
-        data = value.data
-        return value.to(device=device, dtype=dtype if data.is_floating_point() else data.dtype)
+        target = dtype if value.data.is_floating_point() else value.data.dtype
+        # torch types PackedSequence.to as Tensor.to's first overload only (dtype, no device)
+        return value.to(device=device, dtype=target)  # type: ignore[call-arg]
     if isinstance(value, (list, tuple)):
         items = [move_inputs(v, device, dtype) for v in value]
         if all(a is b for a, b in zip(items, value)):
@@ -44,10 +45,10 @@ def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
         if all(moved[k] is v for k, v in value.items()):
             return value
         if isinstance(value, MutableMapping):  # dict, defaultdict, OrderedDict, UserDict…
-            out = copy.copy(value)
+            mutable = copy.copy(value)
             for k, v in moved.items():
-                out[k] = v
-            return out
+                mutable[k] = v
+            return mutable
         return moved  # a read-only mapping: a plain dict with the same items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {f.name: move_inputs(getattr(value, f.name), device, dtype)

@@ -79,8 +79,8 @@ def _variants(n: int, threads: int) -> list[Variant]:
     def ours(grad: torch.Tensor, out: torch.Tensor | None, openmp: bool | None = None) -> Callable[[], None]:
         def fn() -> None:
             step[0] += 1
-            hyper = dict(step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                         weight_decay=WD, adamw=True)
+            hyper = K.AdamHyper(step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                weight_decay=WD, adamw=True)
             k = K.get_kernel()
             if openmp is None or k is None:  # the public path (native, or torch fallback)
                 K.adam_update(p, grad, m, v, out=out, num_threads=threads, **hyper)

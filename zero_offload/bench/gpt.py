@@ -14,15 +14,6 @@ import torch.utils.checkpoint
 
 __all__ = ["GPTConfig", "GPT", "synthetic_batch"]
 
-_PRESETS = {
-    "tiny": dict(layers=2, width=64, heads=4, vocab=256, seq=32),
-    "small": dict(layers=6, width=384, heads=6, vocab=8192, seq=128),
-    "1b": dict(layers=24, width=2048, heads=16, vocab=32000, seq=2048),
-    "2.7b": dict(layers=32, width=2560, heads=32, vocab=32000, seq=2048),
-    "13b": dict(layers=40, width=5120, heads=40, vocab=32000, seq=2048),
-}
-
-
 @dataclass(frozen=True)
 class GPTConfig:
     layers: int = 2
@@ -36,12 +27,21 @@ class GPTConfig:
     def preset(cls, name: str, **overrides) -> "GPTConfig":
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
-        return replace(cls(**_PRESETS[name]), **overrides)
+        return replace(_PRESETS[name], **overrides)
 
     @property
     def num_params(self) -> int:
         block = 12 * self.width**2 + 13 * self.width
         return self.layers * block + (self.vocab + self.seq) * self.width + 2 * self.width
+
+
+_PRESETS = {
+    "tiny": GPTConfig(layers=2, width=64, heads=4, vocab=256, seq=32),
+    "small": GPTConfig(layers=6, width=384, heads=6, vocab=8192, seq=128),
+    "1b": GPTConfig(layers=24, width=2048, heads=16, vocab=32000, seq=2048),
+    "2.7b": GPTConfig(layers=32, width=2560, heads=32, vocab=32000, seq=2048),
+    "13b": GPTConfig(layers=40, width=5120, heads=40, vocab=32000, seq=2048),
+}
 
 
 class Linear(nn.Linear):

@@ -25,6 +25,7 @@ import os
 import platform
 import threading
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import psutil
@@ -52,6 +53,18 @@ ALIGN_ELEMS = 64
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NO_OUT = -1
+
+
+class AdamHyper(TypedDict):
+    """One step's hyperparameters, as :func:`adam_scalars` and :func:`torch_update` take them."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool
 
 
 @dataclass(frozen=True)
@@ -102,15 +115,15 @@ def default_num_threads() -> int:
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    hp = [ctypes.POINTER(f32), i32]
+    hp = ctypes.POINTER(f32)  # the hyperparameters: float[NUM_HP], then NUM_HP
     lib.zo_abi_version.restype = i32
     lib.zo_num_hp.restype = i32
     lib.zo_has_openmp.restype = i32
     lib.zo_vec_path.restype = ctypes.c_char_p
     lib.zo_adam_range.restype = i32
-    lib.zo_adam_range.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, i64] + hp
+    lib.zo_adam_range.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, i64, hp, i32]
     lib.zo_adam_omp.restype = i32
-    lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64] + hp + [i32]
+    lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, hp, i32, i32]
 
 
 def build_kernel(name: str = KERNEL_NAME, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -312,8 +325,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     n = param.numel()
     if n == 0:
         return
-    hyper = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-                 eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw))
+    hyper = AdamHyper(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                      eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw))
     # a tensor without memory (a rehearsal's fake tensor) must not reach the C kernel
     k = get_kernel() if param.untyped_storage().data_ptr() else None
     if k is not None:
