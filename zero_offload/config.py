@@ -61,6 +61,17 @@ def _number(key: str, value: Any, *, lo: float | None = None, hi: float | None =
     return int(value) if integer else float(value)
 
 
+def compute_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The ``dtype`` key's value (a torch dtype or its name) as a torch dtype."""
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise _bad("dtype", dtype, "expected float32, bfloat16 or float16")
+        dtype = _DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise _bad("dtype", dtype, "expected torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
 def _whole_numbers(section: Any) -> None:
     """Store every ``int``-typed field of a config dataclass as a real int.
 
@@ -77,10 +88,14 @@ def _whole_numbers(section: Any) -> None:
         value = getattr(section, f.name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             continue  # None, or a wrong type the field's own check names
-        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
+        if isinstance(value, numbers.Integral):
+            whole = int(value)
+        elif float(value).is_integer():
+            whole = int(float(value))
+        else:
             key = renamed.get(f.name, f.name)
             raise _bad(key, value, "expected an integer (a float must be whole, e.g. 8e9)")
-        object.__setattr__(section, f.name, int(value))
+        object.__setattr__(section, f.name, whole)
 
 
 @dataclass(frozen=True)
@@ -118,14 +133,7 @@ class PrecisionConfig:
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
-        dtype = self.dtype
-        if isinstance(dtype, str):
-            if dtype.removeprefix("torch.") not in _DTYPES:
-                raise _bad("dtype", dtype, "expected float32, bfloat16 or float16")
-            dtype = _DTYPES[dtype.removeprefix("torch.")]
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise _bad("dtype", dtype, "expected torch.float32, torch.bfloat16 or torch.float16")
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype", compute_dtype(self.dtype))
         _number("initial_loss_scale", self.initial_loss_scale, lo=0.0, lo_open=True)
         _number("loss_scale_window", self.loss_scale_window, lo=1, integer=True)
         _number("min_loss_scale", self.min_loss_scale, lo=0.0, lo_open=True)

@@ -35,13 +35,13 @@ def activation_memory(*, seq: int, batch: int, width: int, layers: int,
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
-    from .config import PrecisionConfig  # accepts the same names initialize() accepts
-    return torch.empty(0, dtype=PrecisionConfig(dtype=dtype).dtype).element_size()
+    from .config import compute_dtype  # accepts the same names initialize() accepts
+    return torch.empty(0, dtype=compute_dtype(dtype)).element_size()
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
-    from .config import PrecisionConfig
-    return str(PrecisionConfig(dtype=dtype).dtype).removeprefix("torch.")
+    from .config import compute_dtype
+    return str(compute_dtype(dtype)).removeprefix("torch.")
 
 
 def padded(numel: int, shards: int) -> int:
