@@ -74,14 +74,10 @@ class ModelShape:
     flags are read), so that the engine's ``plan_units`` lays out the units."""
 
     num_params: int
+    trainable_params: int
     module_sizes: tuple[int, ...] | None = None  # params each module owns
     param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
-    trainable_params: int | None = None  # None: all of them
     model: nn.Module | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.trainable_params is None:
-            object.__setattr__(self, "trainable_params", self.num_params)
 
     @classmethod
     def of(cls, model_or_num_params: nn.Module | int | float | "ModelShape",
@@ -101,9 +97,9 @@ class ModelShape:
             if not params:
                 raise ValueError("the model has no parameters")
             return cls(sum(p.numel() for p in params),
+                       sum(p.numel() for p in params if p.requires_grad),
                        tuple(sum(p.numel() for p in g) for g in groups),
-                       tuple(p.numel() for p in params),
-                       sum(p.numel() for p in params if p.requires_grad), model_or_num_params)
+                       tuple(p.numel() for p in params), model_or_num_params)
         if not _is_count(model_or_num_params):
             raise TypeError("expected a torch.nn.Module or a parameter count, got "
                             f"{type(model_or_num_params).__name__}")
@@ -111,7 +107,7 @@ class ModelShape:
         if n < 1:
             raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
         if trainable_params is None:
-            return cls(n)
+            return cls(n, n)
         if not _is_count(trainable_params):
             raise TypeError("trainable_params must be a parameter count, got "
                             f"{type(trainable_params).__name__}")
@@ -119,7 +115,7 @@ class ModelShape:
         if not 0 <= t <= n:
             raise ValueError(f"trainable_params must be between 0 and the parameter count "
                              f"({n}), got {trainable_params!r}")
-        return cls(n, trainable_params=t)
+        return cls(n, t)
 
 
 def _is_count(value: Any) -> bool:
@@ -235,7 +231,7 @@ def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> Non
         raise ConfigError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3")
 
 
-def estimate_memory(model_or_num_params: nn.Module | int | float, *, num_gpus: int,
+def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *, num_gpus: int,
                     gpus_per_node: int | None = None, stage: int,
                     offload_optimizer: str | None = None, offload_param: str | None = None,
                     dtype: torch.dtype | str = torch.bfloat16, prefetch_depth: int = 2,

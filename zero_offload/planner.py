@@ -7,6 +7,7 @@ does, says why and what would (more GPU memory, host memory, NVMe space or GPUs)
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -116,6 +117,11 @@ def _why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
     return text
 
 
+def _within(need: float, usable: float | None) -> bool:
+    """Whether ``need`` fits; ``usable`` None: a tier not measured (NVMe space)."""
+    return usable is None or need <= usable
+
+
 def _evaluate(shape: ModelShape, limits: dict[str, float | None], num_gpus: int,
               est_kwargs: dict[str, Any]) -> list[Candidate]:
     out = []
@@ -145,8 +151,7 @@ def _what_would_fit(cands: list[Candidate], limits: dict[str, float | None],
         best = None
         for c in cands:
             needs = c.needs()
-            others_fit = all(limits[t] is None or needs[t] <= limits[t]
-                             for t in needs if t != tier)
+            others_fit = all(_within(needs[t], limits[t]) for t in needs if t != tier)
             if others_fit and (best is None or needs[tier] < best.needs()[tier]):
                 best = c
         if best is not None and best.needs()[tier] > 0:
@@ -165,7 +170,7 @@ def _what_would_fit(cands: list[Candidate], limits: dict[str, float | None],
     return out
 
 
-def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_memory: int,
+def plan(model_or_num_params: nn.Module | int | float | ModelShape, *, num_gpus: int, gpu_memory: int,
          host_memory: int, nvme_bytes: int | None = None, activation_bytes: int | None = None,
          gpus_per_node: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
          prefetch_depth: int = 2, largest_layer_params: int | None = None,
@@ -192,8 +197,9 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
         nvme_bytes = shutil.disk_usage(nvme_path).free
     shape = ModelShape.of(model_or_num_params, trainable_params)
     keep = 1 - headroom
+    usable_gpu, usable_host = gpu_memory * keep, host_memory * keep
     limits: dict[str, float | None] = {
-        "device": gpu_memory * keep, "host": host_memory * keep,
+        "device": usable_gpu, "host": usable_host,
         "nvme": None if nvme_bytes is None else nvme_bytes * keep}
     est_kwargs = dict(gpus_per_node=gpus_per_node, dtype=dtype, prefetch_depth=prefetch_depth,
                       largest_layer_params=largest_layer_params,
@@ -210,9 +216,9 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
         trains = (f" {describe_params(shape.num_params, shape.trainable_params, always=True)}"
                   f": only the trainable ones ({source}) have optimizer state and gradients; "
                   f"the frozen ones hold just their {_dtype_name(dtype)} copy.")
-    common = dict(candidates=tuple(cands), gpu_memory=int(gpu_memory),
-                  host_memory=int(host_memory),
-                  nvme_bytes=None if nvme_bytes is None else int(nvme_bytes), headroom=headroom)
+    outcome = functools.partial(
+        Plan, candidates=tuple(cands), gpu_memory=int(gpu_memory), host_memory=int(host_memory),
+        nvme_bytes=None if nvme_bytes is None else int(nvme_bytes), headroom=headroom)
     if choice is None:
         lines = [f"nothing fits {num_gpus} × {_gb(gpu_memory)} GPUs with "
                  f"{_gb(host_memory)} host memory per node"
@@ -227,8 +233,8 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
             lines.append("What would fit: " + "; or ".join(would) + ".")
         if trains:
             lines.append(trains.strip())
-        return Plan(fits=False, kwargs={}, choice=None, explanation="\n".join(lines),
-                    notes=tuple(notes), **common)
+        return outcome(fits=False, kwargs={}, choice=None, explanation="\n".join(lines),
+                       notes=tuple(notes))
     kwargs: dict[str, Any] = {"stage": choice.stage, "offload_optimizer": choice.offload_optimizer,
                               "offload_param": choice.offload_param,
                               "dtype": _dtype_name(dtype)}
@@ -252,8 +258,8 @@ def plan(model_or_num_params: nn.Module | int | float, *, num_gpus: int, gpu_mem
     e = choice.estimate
     explanation = (f"stage {choice.stage}, optimizer {choice.offload_optimizer}, params "
                    f"{choice.offload_param} fits: GPU {_gb(e.gpu_bytes)} of "
-                   f"{_gb(limits['device'])} usable, host {_gb(e.host_bytes_per_node)} of "
-                   f"{_gb(limits['host'])} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
+                   f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} of "
+                   f"{_gb(usable_host)} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
                    f"node.{why}{trains}")
-    return Plan(fits=True, kwargs=kwargs, choice=choice, explanation=explanation,
-                notes=tuple(notes), **common)
+    return outcome(fits=True, kwargs=kwargs, choice=choice, explanation=explanation,
+                   notes=tuple(notes))

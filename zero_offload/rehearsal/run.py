@@ -190,13 +190,12 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
     measured = dict(tracker.phases)
     acts = max((measured[p].device_kinds.get("activations", 0)
                 for p in ("forward", "backward") if p in measured), default=0)
-    est_kwargs = dict(num_gpus=world_size, stage=config.stage,
-                      offload_optimizer=config.offload.optimizer,
-                      offload_param=config.offload.param, dtype=config.precision.dtype,
-                      prefetch_depth=config.prefetch_depth,
-                      reduce_bucket_size=config.reduce_bucket_size,
-                      sub_group_size=config.offload.sub_group_size,
-                      host_memory_limit=config.offload.host_memory_limit)
+    est_kwargs: dict[str, Any] = dict(
+        num_gpus=world_size, stage=config.stage, offload_optimizer=config.offload.optimizer,
+        offload_param=config.offload.param, dtype=config.precision.dtype,
+        prefetch_depth=config.prefetch_depth, reduce_bucket_size=config.reduce_bucket_size,
+        sub_group_size=config.offload.sub_group_size,
+        host_memory_limit=config.offload.host_memory_limit)
     estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
     return Rehearsal(
         model=name, num_params=shape.num_params, world_size=world_size,

@@ -12,10 +12,11 @@ with gradients on NVMe) is raised by ``flush``, so ``engine.backward`` reports i
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,10 +45,10 @@ class HostGradQueue:
         # On CUDA the worker makes the engine's GPU current first: a thread's first runtime
         # call would otherwise create a context on GPU 0 (in every rank).
         on_gpu = streams.device.type == "cuda"
-        self._worker = ThreadPoolExecutor(
+        self._worker: Executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zo-host-grads",
-            initializer=torch.cuda.set_device if on_gpu else None,
-            initargs=(streams.device,) if on_gpu else ())
+            initializer=functools.partial(torch.cuda.set_device, streams.device) if on_gpu
+            else None)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._staging_bytes = self._pinned_bytes = 0
         self._staging: list[torch.Tensor] = []
