@@ -58,6 +58,14 @@ def pool_footprint(buffer_bytes: int) -> int:
     return _footprint(nbytes, nbytes >= HUGE_PAGE)
 
 
+def _advise(mm: mmap.mmap, advice: int, offset: int, length: int) -> bool:
+    try:
+        mm.madvise(advice, offset, length)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 class HostBuffer:
     """One aligned host buffer, exposed as a flat ``torch.uint8`` tensor.
 
@@ -70,30 +78,24 @@ class HostBuffer:
             raise ValueError(f"HostBuffer nbytes must be positive, got {nbytes}")
         self.nbytes = round_up(int(nbytes), ALIGNMENT)
         self.footprint = _footprint(self.nbytes, huge_pages)
-        self._mmap = mmap.mmap(-1, self.footprint + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        probe = ctypes.c_char.from_buffer(self._mmap)
+        mm = mmap.mmap(-1, self.footprint + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mmap: mmap.mmap | None = mm  # None once closed
+        probe = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(probe)
         del probe  # release the buffer export so the mmap can be closed later
         offset = (-base) % HUGE_PAGE
-        self.huge_pages = huge_pages and self._advise(mmap.MADV_HUGEPAGE, offset, self.footprint)
+        self.huge_pages = huge_pages and _advise(mm, mmap.MADV_HUGEPAGE, offset, self.footprint)
         if not self.huge_pages and huge_pages:
             self.footprint = _footprint(self.nbytes, False)
         self._tensor: torch.Tensor | None = torch.frombuffer(
-            self._mmap, dtype=torch.uint8, count=self.nbytes, offset=offset)
-        if not self._advise(_MADV_POPULATE_WRITE, offset, self.nbytes):
+            mm, dtype=torch.uint8, count=self.nbytes, offset=offset)
+        if not _advise(mm, _MADV_POPULATE_WRITE, offset, self.nbytes):
             self.tensor[::ALIGNMENT].zero_()  # one write per 4 KiB page faults it in
         self.pinned = False
         if pin is None:
             pin = torch.cuda.is_available()
         if pin:
             self._pin()
-
-    def _advise(self, advice: int, offset: int, length: int) -> bool:
-        try:
-            self._mmap.madvise(advice, offset, length)
-            return True
-        except (OSError, ValueError):
-            return False
 
     def _pin(self) -> None:
         """Page-lock for asynchronous host<->device copies (CUDA only)."""
@@ -139,7 +141,7 @@ class HostBuffer:
             torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             self.pinned = False
         self._tensor = None
-        self._mmap = None  # type: ignore[assignment]
+        self._mmap = None
 
 
 class BufferPool:

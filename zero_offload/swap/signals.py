@@ -48,7 +48,7 @@ class _Cleanup:
     def __init__(self) -> None:
         self.folders: dict[int, tuple[int, Path]] = {}  # token -> (owner pid, rank folder)
         self.tokens = itertools.count()
-        self.replaced: dict[int, object] = {}  # signal -> disposition we replaced (SIG_DFL)
+        self.replaced: dict[int, signal.Handlers] = {}  # signal -> disposition we replaced (SIG_DFL)
         self.lock = threading.Lock()  # never taken in the handler: it may interrupt a holder
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
@@ -80,7 +80,7 @@ class _Cleanup:
             return  # left in place; with no folders it only re-raises the default action
         for sig, previous in list(self.replaced.items()):
             if signal.getsignal(sig) == self.handle:  # not if someone installed theirs since
-                signal.signal(sig, previous)  # type: ignore[arg-type]
+                signal.signal(sig, previous)
             del self.replaced[sig]
 
 

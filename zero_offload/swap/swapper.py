@@ -238,7 +238,8 @@ class Swapper:
                 fut.set_exception(exc)
                 return
             if out is None:
-                fut.set_result(buf.view(entry.dtype, entry.shape))  # type: ignore[union-attr]
+                assert buf is not None  # with no out, the read went into a pool buffer
+                fut.set_result(buf.view(entry.dtype, entry.shape))
                 return
             try:
                 if buf is not None:
