@@ -174,6 +174,14 @@ class OffloadConfig:
     def enabled(self) -> bool:
         return self.optimizer != "none" or self.param != "none"
 
+    @property
+    def nvme_dir(self) -> str:
+        """``nvme_path``, for a tier on NVMe (validation let that through only with one)."""
+        if not self.nvme_path:
+            raise ConfigError(
+                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'")
+        return self.nvme_path
+
 
 @dataclass(frozen=True)
 class ZeroConfig:

@@ -70,14 +70,14 @@ class NvmeAdam:
         grad_budget = DiskGrads.host_bytes(self.group, count) if on_disk else 4 * numel
         out_bytes = dtype_bytes * self.group if dtype != torch.float32 else 0
         state_budget = budget - out_bytes - grad_budget
-        self.swapper = Swapper(off.nvme_path, buffer_bytes=12 * self.group,
+        self.swapper = Swapper(off.nvme_dir, buffer_bytes=12 * self.group,
                                buffer_count=count, min_buffers=2,
                                host_memory_limit=state_budget,
                                expected_bytes=(12 + 4 * on_disk) * numel, rank=rank,
                                # the master crosses PCIe only as fp32 compute's new params
                                pin=pins(crosses_pcie=dtype == torch.float32))
         # the gradient shard in files (None: the engine keeps it in host memory)
-        self.disk_grads = (DiskGrads(off.nvme_path, numel, self.group, count, rank,
+        self.disk_grads = (DiskGrads(off.nvme_dir, numel, self.group, count, rank,
                                      engine=self.swapper.engine) if on_disk else None)
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
@@ -245,7 +245,11 @@ class NvmeAdam:
         pending = self._read(0, timings)
         for i, (lo, hi) in enumerate(self.bounds):
             state = pending[0].result().view(3, hi - lo)
-            grad = pending[1].result() if pending[1] is not None else grads[lo:hi]
+            if pending[1] is not None:  # read from the gradient files
+                grad = pending[1].result()
+            else:
+                assert grads is not None  # not in files: the host shard was passed
+                grad = grads[lo:hi]
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             t0 = time.perf_counter()

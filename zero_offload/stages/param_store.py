@@ -49,7 +49,7 @@ class ParamStore:
         self._bytes = numel * itemsize
         if self.tier == "nvme":
             self.swapper = Swapper(
-                cfg.offload.nvme_path, buffer_bytes=largest_shard * itemsize,
+                cfg.offload.nvme_dir, buffer_bytes=largest_shard * itemsize,
                 buffer_count=cfg.prefetch_depth + 2, min_buffers=1,
                 host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank,
                 pin=pins(crosses_pcie=True))
