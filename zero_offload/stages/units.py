@@ -200,10 +200,7 @@ def parameter_references(model: nn.Module) -> dict[int, list[tuple[nn.Module, st
 def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
     """Each parameter's starting value, where it is; a parameter on the meta device is made
     by its module's ``reset_parameters()`` on the CPU, one module at a time."""
-    values: list[torch.Tensor | None] = [None] * len(plan.params)
-    for i, p in enumerate(plan.params):
-        if not p.is_meta:
-            values[i] = p.detach()
+    values = {i: p.detach() for i, p in enumerate(plan.params) if not p.is_meta}
     for owner in {id(m): m for m, p in zip(plan.owners, plan.params) if p.is_meta}.values():
         reset = getattr(owner, "reset_parameters", None)
         if reset is None:
@@ -218,14 +215,14 @@ def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
         try:
             with torch.no_grad():
                 reset()
-            made = {name: owner._parameters[name] for name in saved}
+            made = {name: q for name, q in owner._parameters.items() if q is not None}
         finally:
             owner._parameters.update(saved)
         for i, (m, p) in enumerate(zip(plan.owners, plan.params)):
             if m is owner and p.is_meta:
                 name = next(n for n, q in saved.items() if q is p)
                 values[i] = made[name].detach()
-    return values  # type: ignore[return-value]
+    return [values[i] for i in range(len(plan.params))]
 
 
 def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,

@@ -49,18 +49,20 @@ StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Updater(Protocol):
-    optimizer: torch.optim.Optimizer
     steps: int
     last_timings: StepTimings
     disk_grads: "DiskGrads | None"
     """The gradient shard in files, summed there during backward (NVMe optimizer whose host
     budget cannot hold it); None: the engine holds the gradients."""
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch-facing optimizer (read-only here: an updater may hold a subclass)."""
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink, ranges: "list[tuple[int, int, int]] | None" = None) -> None:
+    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
+               ranges: "list[tuple[int, int, int]] | None" = None) -> None:
         """Step rank-flat ``ranges`` (lo, hi, Adam step count; None: everything at
         ``steps + 1``), leave the rest as it is, hand every value to ``sink``; ``steps``
         becomes ``steps + 1``."""

@@ -95,8 +95,8 @@ class _ResidentAdam:
         step = max(n, 1) if self.master.device.type == "cpu" else _CHUNK  # CPU: no copies
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            yield (lo, hi, *(t[lo:hi].cpu() for t in
-                             (self.master, state["exp_avg"], state["exp_avg_sq"])))
+            yield (lo, hi, self.master[lo:hi].cpu(), state["exp_avg"][lo:hi].cpu(),
+                   state["exp_avg_sq"][lo:hi].cpu())
 
     def master_values(self) -> torch.Tensor:
         return self.master
