@@ -119,17 +119,18 @@ class Engine:
             self._weights[0].close()
             self._weights = None
         self.grad_queue: HostGradQueue | None = None
-        if updater.disk_grads is not None:
-            self.grads = None  # the optimizer keeps them in files beside its state
-            host_target: GradTarget = updater.disk_grads
-        elif config.offload.optimizer == "none":
-            self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
-        else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-            self.grads = torch.zeros(trainable, dtype=torch.float32)  # never crosses PCIe
-            host_target = ResidentGrads(self.grads)
+        self.grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
+        target: GradTarget
         if config.offload.optimizer == "none":
-            target: GradTarget = ResidentGrads(self.grads)
+            self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
+            target = ResidentGrads(self.grads)
         else:  # copied and summed in the background while backward runs on
+            host_target: GradTarget
+            if updater.disk_grads is not None:  # in files beside the optimizer's state
+                host_target = updater.disk_grads
+            else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
+                self.grads = torch.zeros(trainable, dtype=torch.float32)  # never crosses PCIe
+                host_target = ResidentGrads(self.grads)
             self.grad_queue = HostGradQueue(
                 host_target, self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
@@ -332,7 +333,8 @@ class Engine:
                 self._hand_back()
         finally:
             self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
-            self.reducer = self.gatherer = self.stepper = self.param_store = None  # type: ignore
+            del self.reducer, self.stepper  # every use after this is behind _check_open
+            self.gatherer = self.param_store = None
             self.grads = self.grad_queue = None
             self.units = []
 
@@ -359,15 +361,16 @@ class Engine:
         self.close()
 
     # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
-    def state_chunks(self) -> Iterator[tuple[int, list[torch.Tensor | None]]]:
+    def state_chunks(self) -> Iterator[
+            tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
         """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
         offset order: the optimizer's state streamed from its tier, then each frozen unit's
         values with moments that are zero (None)."""
         self._check_open()
-        for lo, _hi, *arrays in self.stepper.updater.iter_state():
-            yield lo, list(arrays)
+        for lo, _hi, master, exp_avg, exp_avg_sq in self.stepper.updater.iter_state():
+            yield lo, (master, exp_avg, exp_avg_sq)
         for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
-            yield unit.shard_offset, [self.frozen_shard(unit), None, None]
+            yield unit.shard_offset, (self.frozen_shard(unit), None, None)
 
     def load_unit_state(self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor) -> None:

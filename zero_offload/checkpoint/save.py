@@ -46,7 +46,7 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for lo, arrays in engine.state_chunks():
-            length = arrays[0].numel()  # type: ignore[union-attr]
+            length = arrays[0].numel()
             for section, values in enumerate(arrays):
                 if values is None:
                     crcs[section] = _crc_zeros(4 * length, crcs[section])
@@ -68,7 +68,11 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
 def _numpy_rng() -> tuple:
     """numpy's RNG state with its uint32 key array as an int64 tensor: plain data that
     ``torch.load(weights_only=True)`` reads back."""
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = np.random.get_state(legacy=True)
+    if not isinstance(state, tuple):  # a dict: np.random was given another bit generator
+        raise CheckpointError("save_checkpoint stores numpy's global RNG as MT19937 state, but "
+                              "np.random.set_bit_generator replaced it; set an MT19937 one back")
+    name, keys, pos, has_gauss, cached = state
     return name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached
 
 
