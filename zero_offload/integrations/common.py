@@ -1,7 +1,7 @@
 """What every trainer integration hands its trainer: the engine as a torch optimizer."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable, NoReturn, overload
 
 import torch
 
@@ -18,19 +18,26 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.applied = True  # the last step updated the parameters (False: fp16 overflow)
 
+    # Read-only views where torch declares plain attributes: the engine's optimizer may
+    # replace its param_groups list (load_state_dict), and the state is not held here.
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
         return self.engine.optimizer.param_groups
 
     @property
-    def defaults(self) -> dict:
+    def defaults(self) -> dict:  # type: ignore[override]
         return self.engine.optimizer.defaults
 
     @property
-    def state(self) -> dict:
+    def state(self) -> dict:  # type: ignore[override]
         return {}
 
-    def step(self, closure: Any = None) -> None:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ValueError("zero_offload's optimizer step takes no closure")
         self.applied = self.engine.step()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -119,7 +119,13 @@ def engine_keywords(args: Any, model: nn.Module,
     return kw
 
 
-class ZeroOffloadMixin:
+if TYPE_CHECKING:  # the mixin is checked as the Trainer it goes before
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ZeroOffloadMixin(_TrainerBase):
     """The overrides that put a zero_offload engine under a ``Trainer`` (sub)class; mixed in
     before it (:class:`ZeroOffloadTrainer`, :func:`zero_offload_trainer`)."""
 
@@ -141,6 +147,9 @@ class ZeroOffloadMixin:
     # -- the engine in place of the optimizer and the wrapped model ---------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None:
+            if self.model is None:
+                raise ConfigError("ZeroOffloadTrainer needs the model before its optimizer: "
+                                  "pass model= (or model_init=) to the Trainer")
             kw = engine_keywords(self.args, self.model, self.zero_offload_config)
             self.engine = initialize(self.model, **kw)
             self._engine_module = EngineModule(self.engine)
@@ -166,6 +175,8 @@ class ZeroOffloadMixin:
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
+        if not isinstance(loss, torch.Tensor):  # a tuple comes only with return_outputs=True
+            raise TypeError(f"compute_loss returned a {type(loss).__name__}, not the loss")
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:  # normalized by num_items_in_batch already (Trainer's own rule)
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -112,7 +113,8 @@ class ZeroOffloadStrategy(DDPStrategy):
         return kw
 
     def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        assert self.accelerator is not None and self.model is not None and module is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.engine is None:
             self.setup_optimizers(trainer)  # configure_optimizers: the user's AdamW
@@ -120,7 +122,7 @@ class ZeroOffloadStrategy(DDPStrategy):
             if user_opt is None:
                 raise ConfigError("configure_optimizers must return exactly one optimizer")
             kw = self._keywords(trainer)
-            self.engine = initialize(self.lightning_module, **kw)
+            self.engine = initialize(module, **kw)
             log.info("ZeroOffloadStrategy: %s", kw)
             engine_opt = EngineOptimizer(self.engine)
             for key in ("initial_lr",):  # what schedulers built on the user's optimizer added
@@ -133,7 +135,8 @@ class ZeroOffloadStrategy(DDPStrategy):
             self.optimizers = [EngineOptimizer(self.engine)]
         self.setup_precision_plugin()
 
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    # DDPStrategy's returns the DistributedDataParallel wrapper, which this one never builds
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]
         return model  # no DDP: the engine reduces gradients itself
 
     @property
@@ -181,7 +184,8 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None,
                        **kwargs: Any) -> Any:
-        module = model if isinstance(model, torch.nn.Module) else self.lightning_module
+        module = model if isinstance(model, LightningModule) else self.lightning_module
+        assert module is not None
         self._final = True
         try:
             result = closure()  # training_step and backward of the window's last micro-batch
@@ -245,7 +249,7 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
-        names = {
+        names: dict[str, dict[str, Any]] = {
             "zero_offload": {},
             "zero_offload_stage2": dict(stage=2),
             "zero_offload_stage2_offload": dict(stage=2, offload_optimizer="cpu"),
