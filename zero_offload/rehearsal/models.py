@@ -25,8 +25,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8),
 }
-_LLAMA_COMMON = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False)
+_LLAMA_COMMON: dict[str, Any] = dict(vocab_size=32000, max_position_embeddings=4096,
+                                     rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
@@ -71,6 +71,7 @@ def prepare_meta_model(model: nn.Module) -> None:
     for module in model.modules():
         own_meta = any(p.is_meta for p in module.parameters(recurse=False))
         if own_meta and not callable(getattr(module, "reset_parameters", None)):
+            # torch types Module.__setattr__ for tensors and modules only; a function is fine
             module.reset_parameters = _no_values  # type: ignore[assignment]
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:

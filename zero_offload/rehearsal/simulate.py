@@ -12,7 +12,7 @@ which torch will not build for the meta device: one in-place kernel, no temporar
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, overload
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,13 @@ class SimulatedStreams(Streams):
         if self.on_transfer is not None:
             self.on_transfer(out)
         event = NoEvent()
-        self._last_h2d = event  # type: ignore[assignment]
+        self._last_h2d = event
         return out, event
 
     def copy_into(self, target: torch.Tensor, values: torch.Tensor) -> Any:
         target.copy_(values)
         event = NoEvent()
-        self._last_h2d = event  # type: ignore[assignment]
+        self._last_h2d = event
         return event
 
     def to_host(self, values: torch.Tensor, out: torch.Tensor) -> Any:
@@ -97,8 +97,17 @@ class SimulatedFusedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.defaults["fused"] = True  # the engine keeps the step count on the device then
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:  # as torch's optimizers: the closure recomputes the loss
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -114,6 +123,7 @@ class SimulatedFusedAdamW(torch.optim.AdamW):
                                     [], [state["step"]], lr=group["lr"], beta1=beta1,
                                     beta2=beta2, weight_decay=group["weight_decay"],
                                     eps=group["eps"], amsgrad=False, maximize=False)
+        return loss
 
 
 @contextlib.contextmanager

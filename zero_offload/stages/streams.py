@@ -24,7 +24,7 @@ this module runs the same logic on both.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -35,6 +35,12 @@ __all__ = ["Streams"]
 Event = torch.cuda.Event
 
 
+class Fence(Protocol):
+    """What the host can wait for: a CUDA event, or a rehearsal's stand-in for one."""
+
+    def synchronize(self) -> None: ...
+
+
 class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -42,7 +48,7 @@ class Streams:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.gather = torch.cuda.Stream(device) if self.cuda else None
-        self._last_h2d: Event | None = None  # the newest host-to-device copy not waited for
+        self._last_h2d: Fence | None = None  # the newest host-to-device copy not waited for
         self._convert: torch.Tensor | None = None  # page-locked staging for dtype conversions
         self._converted: Event | None = None  # the last copy that read ``_convert``
 
