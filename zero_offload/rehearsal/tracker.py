@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import sys
 import weakref
-from types import FrameType
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable
 
 import torch
