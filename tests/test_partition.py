@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from zero_offload.partition import SHARD_ALIGN, build_layout, bucketize
+from zero_offload.partition import SHARD_ALIGN, build_layout, bucketize, chunks, split_range
 
 SHAPES = [("a", (3, 5)), ("b", (7,)), ("c", (2, 2, 2)), ("d", (1,))]
 
@@ -56,3 +56,38 @@ def test_bad_sizes_are_rejected():
 def test_bucketize():
     assert bucketize([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
     assert bucketize([], 10) == []
+
+
+@pytest.mark.parametrize("numel,size", [(0, 4), (1, 4), (4, 4), (10, 4), (10, 1), (3, 8)])
+def test_chunks_cover_the_range_in_pieces_of_size(numel, size):
+    got = chunks(numel, size)
+    assert [lo for lo, _ in got] == list(range(0, numel, size))
+    assert all(hi - lo == size for lo, hi in got[:-1])
+    assert sum(hi - lo for lo, hi in got) == numel and (not got or got[-1][1] == numel)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 16])
+def test_split_range_cuts_exactly_at_chunk_bounds(size):
+    numel = 50
+    bounds = chunks(numel, size)
+    for start in range(numel + 1):
+        for end in range(start, numel + 1):
+            pieces = split_range(start, end, size)
+            if start == end:
+                assert pieces == []
+                continue
+            # contiguous, covering [start, end), each inside the chunk it names
+            assert [a for _, a, _ in pieces] == [start] + [b for _, _, b in pieces[:-1]]
+            assert pieces[-1][2] == end
+            for i, a, b in pieces:
+                lo, hi = bounds[i]
+                assert lo <= a < b <= hi
+            # cut only where chunks meet: one piece per chunk the range touches
+            assert [i for i, _, _ in pieces] == list(range(start // size, -(-end // size)))
+
+
+def test_chunk_size_must_be_positive():
+    with pytest.raises(ValueError, match="chunk size"):
+        chunks(10, 0)
+    with pytest.raises(ValueError, match="chunk size"):
+        split_range(0, 10, 0)

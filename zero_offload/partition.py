@@ -13,7 +13,8 @@ from typing import Collection, Iterable, Sequence
 
 import torch
 
-__all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize", "mismatch_message"]
+__all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize", "chunks",
+           "split_range", "mismatch_message"]
 
 SHARD_ALIGN = 64  # elements: every shard (and so every rank's slice) starts 256-byte aligned in fp32
 
@@ -126,6 +127,29 @@ def bucketize(sizes: Sequence[int], bucket_size: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def chunks(numel: int, size: int) -> list[tuple[int, int]]:
+    """[0, numel) cut into [lo, hi) pieces of ``size`` elements, the last one possibly
+    shorter: NVMe sub-groups, a unit's shards."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
+
+
+def split_range(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
+    """[start, end) cut where the :func:`chunks` of ``size`` meet: (chunk index, lo, hi) for
+    each piece, in order (a piece of a gradient or a state load falling across sub-groups, a
+    parameter's elements across ranks' shards)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    out = []
+    while start < end:
+        i = start // size
+        hi = min(end, (i + 1) * size)
+        out.append((i, start, hi))
+        start = hi
+    return out
 
 
 def mismatch_message(source: str, missing: Collection[str], unexpected: Collection[str],

@@ -28,6 +28,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..partition import split_range
+
 __all__ = ["FORMAT_VERSION", "CheckpointError", "SlotRecord", "UnitRecord", "RankRecord",
            "Manifest", "read_manifest", "pieces", "verify_rank_file",
            "write_atomically", "fsync_dir", "SECTIONS", "load_plain"]
@@ -123,11 +125,8 @@ def pieces(unit: UnitRecord, slot: SlotRecord, start: int, end: int
     if unit.num_shards == 1:  # stage 0: every rank holds the whole unit; read rank 0's
         return [(0, unit.shard_offset + lo, hi - lo, 0)]
     size = unit.shard_numel
-    out = []
-    for shard in range(lo // size, (hi - 1) // size + 1):
-        a, b = max(lo, shard * size), min(hi, (shard + 1) * size)
-        out.append((shard, unit.shard_offset + a - shard * size, b - a, a - lo))
-    return out
+    return [(shard, unit.shard_offset + a - shard * size, b - a, a - lo)
+            for shard, a, b in split_range(lo, hi, size)]
 
 
 def section_offset(numel: int, section: int, element: int) -> int:

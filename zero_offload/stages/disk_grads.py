@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..ledger import MemoryReport
+from ..partition import chunks, split_range
 from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
@@ -39,7 +40,7 @@ class DiskGrads:
                  engine: FileIOEngine | None = None) -> None:
         self.numel = numel
         self.group = group
-        self.bounds = [(lo, min(lo + group, numel)) for lo in range(0, numel, group)]
+        self.bounds = chunks(numel, group)
         self.swapper = Swapper(path, buffer_bytes=4 * group, buffer_count=buffers,
                                min_buffers=2, host_memory_limit=self.host_bytes(group, buffers),
                                rank=rank, engine=engine,
@@ -69,16 +70,10 @@ class DiskGrads:
         written out (its norm and finiteness noted) once every element of it came in this
         backward. ``final`` is not needed: a backward is not always followed by a step."""
         values = values.to("cpu")
-        pos = 0
-        while pos < values.numel():
-            start = offset + pos
-            i = start // self.group
+        for i, a, b in split_range(offset, offset + values.numel(), self.group):
             lo, hi = self.bounds[i]
-            take = min(hi - start, values.numel() - pos)
-            grad = self._buffer(i)
-            grad[start - lo:start - lo + take].add_(values[pos:pos + take])
-            pos += take
-            self._covered[i] = self._covered.get(i, 0) + take
+            self._buffer(i)[a - lo:b - lo].add_(values[a - offset:b - offset])
+            self._covered[i] = self._covered.get(i, 0) + b - a
             if self._covered[i] == hi - lo:
                 self._write(i)
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from ..partition import chunks, split_range
 from ..swap.budget import host_memory_budget
 from ..swap.buffers import HostBuffer
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
@@ -61,7 +62,7 @@ class NvmeAdam:
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
         self.sizing = nvme_sizing(numel, off.sub_group_size, budget, dtype_bytes)
         self.group = self.sizing.group
-        self.bounds = [(lo, min(lo + self.group, numel)) for lo in range(0, numel, self.group)]
+        self.bounds = chunks(numel, self.group)
         need = self.sizing.host_bytes(numel, dtype_bytes)
         if need > budget:
             raise BufferBudgetError(budget, need, 1)
@@ -109,23 +110,18 @@ class NvmeAdam:
         """Store state given in increasing, gap-free ``offset`` order (moments default to
         zeros); each sub-group is written as [master | m | v] once it is complete."""
         values = (master, exp_avg, exp_avg_sq)
-        pos = 0
-        while pos < master.numel():
-            start = offset + pos
-            i = start // self.group
+        for i, a, b in split_range(offset, offset + master.numel(), self.group):
             lo, hi = self.bounds[i]
             if self._loading is None:
                 buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
                 buf.view(torch.float32, (3, hi - lo))[1:].zero_()
                 self._loading = (i, buf)
             buf = self._loading[1]
-            take = min(hi - start, master.numel() - pos)
             state = buf.view(torch.float32, (3, hi - lo))
             for row, src in enumerate(values):
                 if src is not None:
-                    state[row, start - lo:start - lo + take].copy_(src[pos:pos + take])
-            pos += take
-            if start + take == hi:
+                    state[row, a - lo:b - lo].copy_(src[a - offset:b - offset])
+            if b == hi:
                 try:
                     self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
                 finally:

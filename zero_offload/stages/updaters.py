@@ -26,6 +26,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
 from ..optim import CPUAdam, adam_update
+from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
@@ -93,8 +94,7 @@ class _ResidentAdam:
         state = self._moments()
         n = self.master.numel()
         step = max(n, 1) if self.master.device.type == "cpu" else _CHUNK  # CPU: no copies
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
+        for lo, hi in chunks(n, step):
             yield (lo, hi, self.master[lo:hi].cpu(), state["exp_avg"][lo:hi].cpu(),
                    state["exp_avg_sq"][lo:hi].cpu())
 
