@@ -30,7 +30,7 @@ from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.build import build_units
 from .stages.handback import Leftovers, check_parameters, hand_back_parameters
 from .stages.stepper import ShardStepper
-from .stages.host_grads import STAGING_BUFFERS, HostGradQueue
+from .stages.host_grads import HostGradQueue, staging_bytes
 from .stages.param_store import ParamStore, param_pool_bytes
 from .stages.streams import Streams
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
@@ -55,7 +55,7 @@ def _split_host_budget(config: ZeroConfig, plans: list[UnitPlan], device: torch.
     staging = 0
     if off.optimizer != "none" and device.type == "cuda":
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
-        staging = STAGING_BUFFERS * largest * torch.empty(0, dtype=dtype).element_size()
+        staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
     pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
     return split_host_budget(host_memory_budget(off.host_memory_limit), pool, off.param,
                              off.optimizer, staging)

@@ -3,7 +3,10 @@
 The estimate follows the engine's own arithmetic (``Engine.memory_report`` counts the same
 buffers from real tensors), so it can be checked against the ledger: every unit is padded to a
 multiple of ``num_shards × SHARD_ALIGN`` elements, the fp32 master + Adam m + v are 12 bytes per
-element of the rank's shard ``S``, offloaded gradients are fp32 on the host, and so on. Each
+element of the rank's shard ``S``, offloaded gradients are fp32 on the host, and so on. Every
+count and rule the engine has (buffers per pool, reductions in flight, padding, the host budget
+split, how a pool fits its budget) comes from the component that owns it: its sizing function
+or constant, which its constructor calls too; this module only adds them up. Each
 term says which tier it lives in, when it is alive (held between steps, or only during
 forward/backward or the step) and whether it is one of ZeRO's *model states* (params, grads,
 optimizer state: the paper's arithmetic) or an engine buffer / activations on top.
@@ -24,14 +27,17 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError
-from .stages.host_grads import STAGING_BUFFERS
 from .memory_sizes import activation_memory, describe_params
 from .memory_sizes import dtype_bytes as _dtype_bytes
 from .memory_sizes import dtype_name as _dtype_name
-from .memory_sizes import padded as _padded
 from .memory_sizes import pool_bytes as _pool
+from .partition import padded_numel
+from .stages.gather import gathered_units
+from .stages.grads import reductions_alive
+from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import nvme_sizing
-from .stages.units import owning_modules, plan_units, trainable_numel
+from .stages.param_store import param_pool_buffers
+from .stages.units import owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
@@ -51,7 +57,6 @@ BUFFER = "buffer"  # engine working memory on top of the model states
 ACTIVATIONS = "activations"
 
 TIERS = ("device", "host", "nvme")
-_INFLIGHT_REDUCTIONS = 3  # GradReducer keeps 2 reductions in flight, plus the one being issued
 _DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
 
 
@@ -272,18 +277,18 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
         if stage == 3 and largest_layer_params is not None:
-            largest = _padded(largest_layer_params, shards)
+            largest = padded_numel(largest_layer_params, shards)
         # gradients are reduced, and stepped, for trainable units only
         trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
         largest_t = trained[0] if trained else 0
-        inflight = sum(trained[:_INFLIGHT_REDUCTIONS])
+        inflight = sum(trained[:reductions_alive()])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
     else:
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
                    if stage == 3 else min(reduce_bucket_size, psi))
         largest_t = min(largest, psi_t)
-        inflight = _INFLIGHT_REDUCTIONS * largest_t
+        inflight = reductions_alive() * largest_t
         s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
     # Ψt in the formulas: trainable params (written Ψ when all of them train)
     T = "Ψ" if psi_t == psi else "Ψt"
@@ -296,11 +301,11 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     # One host budget per rank, split between the pools as the engine splits it.
     budget = host_memory_budget(host_memory_limit, available=host_available,
                                 ranks=gpus_per_node or min(num_gpus, 8))
-    staging = (STAGING_BUFFERS * b * math.ceil(largest_t / shards)
+    staging = (staging_bytes(math.ceil(largest_t / shards), b)
                if offload_optimizer != "none" and not on_cpu else 0)
-    param_budget, opt_budget = split_host_budget(budget, _pool(
-        b * math.ceil(largest / shards), prefetch_depth + 2, None), offload_param,
-        offload_optimizer, staging)
+    param_pool = _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth), None)
+    param_budget, opt_budget = split_host_budget(budget, param_pool, offload_param,
+                                                 offload_optimizer, staging)
     sizing = nvme_sizing(s_t, sub_group_size, opt_budget, b)
     # Parameters.
     if stage < 3:
@@ -309,10 +314,11 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
         add("param shards", tier, RESIDENT, MODEL_STATE, b * s, f"{b}Ψ/N")
         add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
-            (prefetch_depth + 1) * largest * b, "(prefetch_depth + 1) × largest module")
+            gathered_units(prefetch_depth) * largest * b, "(prefetch_depth + 1) × largest module")
         if offload_param == "nvme":
             add("param swap buffers", "host", RESIDENT, BUFFER,
-                _pool(b * math.ceil(largest / shards), prefetch_depth + 2, param_budget),
+                _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth),
+                      param_budget),
                 "(prefetch_depth + 2) × largest module's shard, as the pool rounds it")
     # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
     # budget too small for the fp32 shard, they go to files beside the optimizer state.
@@ -332,10 +338,9 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s_t, f"{g_bytes}{T}/N")
         add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
             inflight * b,
-            f"the {_INFLIGHT_REDUCTIONS} largest {'units' if T == 'Ψ' else 'trainable units'}")
+            f"the {reductions_alive()} largest {'units' if T == 'Ψ' else 'trainable units'}")
     if offload_optimizer != "none" and not on_cpu and largest_t:
-        add("grad staging", "host", RESIDENT, BUFFER,
-            STAGING_BUFFERS * b * math.ceil(largest_t / shards),
+        add("grad staging", "host", RESIDENT, BUFFER, staging,
             f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
             "device-to-host copies of reduced gradients")
     if offload_optimizer != "none" and stage < 3 and not on_cpu and largest_t:
@@ -345,7 +350,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     # initialize() makes one unit at a time on the device: its fp32 values and master, the
     # compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient shard
     # (counted as resident) are allocated only later, so they make room for it.
-    making = (8 + (b if b != 4 else 0)) * largest + 4 * math.ceil(largest / shards)
+    making = unit_build_bytes(largest, math.ceil(largest / shards), b)
     later = (8 + b) * s_t if offload_optimizer == "none" else 0
     add("unit being made", "device", INITIALIZE, BUFFER, max(0, making - later),
         f"(8{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
@@ -358,14 +363,14 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s_t,
         f"12{T}/N: fp32 master, m, v")
     if offload_optimizer == "nvme":
-        group, count = sizing.group, sizing.buffers
-        add("optimizer swap buffers", "host", RESIDENT, BUFFER, _pool(12 * group, count, None),
+        count = sizing.buffers
+        add("optimizer swap buffers", "host", RESIDENT, BUFFER, sizing.state_bytes(),
             f"{count} sub-groups × 12 bytes, as the pool rounds them")
         if grads_on_disk:
-            add("grad swap buffers", "host", RESIDENT, BUFFER, _pool(4 * group, count, None),
+            add("grad swap buffers", "host", RESIDENT, BUFFER, sizing.grad_bytes(s_t),
                 f"{count} sub-groups × 4 bytes, as the pool rounds them")
-        if b != 4:
-            add("param staging", "host", RESIDENT, BUFFER, b * group,
+        if sizing.out_bytes(b):
+            add("param staging", "host", RESIDENT, BUFFER, sizing.out_bytes(b),
                 f"{b} bytes × one sub-group: CPU Adam's output")
     elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
         # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's

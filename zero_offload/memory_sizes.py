@@ -1,16 +1,12 @@
-"""Small sizing helpers of the memory model: dtype sizes, the engine's padding and pool
-rounding, the rough activation rule, and how parameter counts are written."""
+"""Small sizing helpers of the memory model: dtype sizes, a pool's size under a budget (the
+pool's own rule), the rough activation rule, and how parameter counts are written."""
 from __future__ import annotations
-
-import math
 
 import torch
 
-from .partition import SHARD_ALIGN
-from .swap.buffers import pool_footprint
+from .swap.buffers import pool_count, pool_footprint
 
-__all__ = ["describe_params", "activation_memory", "dtype_bytes", "dtype_name", "padded",
-           "pool_bytes"]
+__all__ = ["describe_params", "activation_memory", "dtype_bytes", "dtype_name", "pool_bytes"]
 
 
 def describe_params(num_params: int, trainable_params: int, always: bool = False) -> str:
@@ -44,15 +40,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(compute_dtype(dtype)).removeprefix("torch.")
 
 
-def padded(numel: int, shards: int) -> int:
-    """A unit's padded size: the engine's ``build_layout`` arithmetic."""
-    unit = shards * SHARD_ALIGN
-    return max(unit, math.ceil(numel / unit) * unit)
-
-
 def pool_bytes(buffer_bytes: int, wanted: int, budget: int | None) -> int:
     """Host bytes of a swap pool: ``wanted`` buffers, fewer if the budget holds fewer (the
     pool's own rule), each rounded as the pool rounds it."""
     each = pool_footprint(buffer_bytes)
-    count = wanted if budget is None else max(1, min(wanted, budget // each))
+    count = wanted if budget is None else max(1, pool_count(each, wanted, budget))
     return count * each

@@ -14,7 +14,7 @@ from typing import Collection, Iterable, Sequence
 import torch
 
 __all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize", "chunks",
-           "split_range", "mismatch_message"]
+           "padded_numel", "split_range", "mismatch_message"]
 
 SHARD_ALIGN = 64  # elements: every shard (and so every rank's slice) starts 256-byte aligned in fp32
 
@@ -107,9 +107,14 @@ def build_layout(named_shapes: Iterable[tuple[str, torch.Size]], num_shards: int
         shape = torch.Size(shape)
         slots.append(Slot(name, shape, offset, shape.numel()))
         offset += shape.numel()
+    return FlatLayout(tuple(slots), offset, padded_numel(offset, num_shards, align), num_shards)
+
+
+def padded_numel(numel: int, num_shards: int, align: int = SHARD_ALIGN) -> int:
+    """A unit of ``numel`` elements padded to ``num_shards`` equal ``align``-sized shards
+    (one such row at least): the size of its flat buffer."""
     unit = num_shards * align
-    padded = max(unit, math.ceil(offset / unit) * unit)
-    return FlatLayout(tuple(slots), offset, padded, num_shards)
+    return max(unit, math.ceil(numel / unit) * unit)
 
 
 def bucketize(sizes: Sequence[int], bucket_size: int) -> list[list[int]]:

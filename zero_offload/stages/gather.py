@@ -41,9 +41,15 @@ from .param_store import ParamStore
 from .units import FlatUnit, GatherState
 from .weak import weak_hook
 
-__all__ = ["ParamGatherer"]
+__all__ = ["ParamGatherer", "gathered_units"]
 
 log = logging.getLogger(__name__)
+
+
+def gathered_units(prefetch_depth: int) -> int:
+    """Units gathered at once, at most, as modules run one after another: the running
+    module's and ``prefetch_depth`` gathered ahead of it."""
+    return prefetch_depth + 1
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

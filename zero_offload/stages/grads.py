@@ -34,9 +34,18 @@ from ..comm import Comm, Handle
 from .units import FlatUnit
 from .weak import weak_hook
 
-__all__ = ["GradReducer", "GradTarget", "ResidentGrads", "trainable_slots"]
+__all__ = ["GradReducer", "GradTarget", "MAX_INFLIGHT", "ResidentGrads", "reductions_alive",
+           "trainable_slots"]
 
 log = logging.getLogger(__name__)
+
+MAX_INFLIGHT = 2  # reductions left in flight while backward goes on (stages 2-3)
+
+
+def reductions_alive(max_inflight: int = MAX_INFLIGHT) -> int:
+    """Reductions whose flat gradients and reduced shards are alive at once: the ones left in
+    flight and the one being issued (it is queued before the oldest is waited for)."""
+    return max_inflight + 1
 
 
 class GradTarget(Protocol):
@@ -87,7 +96,7 @@ def _check_frozen(unit: FlatUnit) -> None:
 class GradReducer:
     def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, target: GradTarget, *,
                  on_reduced: Callable[[FlatUnit], None] | None = None,
-                 max_inflight: int = 2) -> None:
+                 max_inflight: int = MAX_INFLIGHT) -> None:
         self.units = units
         self.comm = comm
         self.stage = stage

@@ -25,11 +25,18 @@ from ..swap.pinned import pinned_nbytes, unpin
 from .grads import GradTarget
 from .streams import Streams
 
-__all__ = ["HostGradQueue", "STAGING_BUFFERS"]
+__all__ = ["HostGradQueue", "STAGING_BUFFERS", "staging_bytes"]
 
 log = logging.getLogger(__name__)
 
 STAGING_BUFFERS = 3  # pieces in flight, each with a pinned staging buffer (CUDA)
+
+
+def staging_bytes(largest_piece: int, dtype_bytes: int, depth: int = STAGING_BUFFERS) -> int:
+    """Host bytes of the pinned staging buffers a CUDA device's queue holds (none on a CPU
+    device): ``depth`` buffers of the largest reduced shard, in the compute dtype. They are
+    taken from the host budget first."""
+    return depth * largest_piece * dtype_bytes
 
 
 class HostGradQueue:

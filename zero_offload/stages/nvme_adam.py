@@ -68,9 +68,7 @@ class NvmeAdam:
             raise BufferBudgetError(budget, need, 1)
         count = self.sizing.buffers
         on_disk = self.sizing.grads_on_disk
-        grad_budget = DiskGrads.host_bytes(self.group, count) if on_disk else 4 * numel
-        out_bytes = dtype_bytes * self.group if dtype != torch.float32 else 0
-        state_budget = budget - out_bytes - grad_budget
+        state_budget = budget - self.sizing.out_bytes(dtype_bytes) - self.sizing.grad_bytes(numel)
         self.swapper = Swapper(off.nvme_dir, buffer_bytes=12 * self.group,
                                buffer_count=count, min_buffers=2,
                                host_memory_limit=state_budget,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..swap.buffers import pool_footprint as _footprint
+from .disk_grads import DiskGrads
 
 __all__ = ["FULL_SPEED_GROUP", "PIPELINE_BUFFERS", "NvmeSizing", "nvme_sizing"]
 
@@ -35,10 +36,20 @@ class NvmeSizing:
     def host_bytes(self, numel: int, dtype_bytes: int) -> int:
         """What it holds in host memory, as the pools round it: the state pipeline, the
         compute-dtype output of one sub-group, and the gradient shard or its pipeline."""
-        grads = (self.buffers * _footprint(4 * self.group) if self.grads_on_disk
-                 else 4 * numel)
-        out = dtype_bytes * self.group if dtype_bytes != 4 else 0
-        return self.buffers * _footprint(12 * self.group) + out + grads
+        return self.state_bytes() + self.out_bytes(dtype_bytes) + self.grad_bytes(numel)
+
+    def state_bytes(self) -> int:
+        """The pipeline buffers of [master | m | v], as the pool rounds them."""
+        return self.buffers * _footprint(12 * self.group)
+
+    def out_bytes(self, dtype_bytes: int) -> int:
+        """One sub-group's new parameters in the compute dtype (none in fp32: the master)."""
+        return dtype_bytes * self.group if dtype_bytes != 4 else 0
+
+    def grad_bytes(self, numel: int) -> int:
+        """The fp32 gradient shard in host memory, or the buffers of its files."""
+        return DiskGrads.host_bytes(self.group, self.buffers) if self.grads_on_disk \
+            else 4 * numel
 
 
 def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) -> NvmeSizing:

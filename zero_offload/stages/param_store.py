@@ -22,16 +22,22 @@ from ..swap.swapper import Swapper
 from .streams import Streams
 from .units import FlatUnit
 
-__all__ = ["ParamStore", "param_pool_bytes"]
+__all__ = ["ParamStore", "param_pool_buffers", "param_pool_bytes"]
+
+
+def param_pool_buffers(prefetch_depth: int) -> int:
+    """Host buffers the NVMe parameter pool wants: one per read ahead, the one being
+    gathered, and one for a write-back after the step."""
+    return prefetch_depth + 2
 
 
 def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) -> int:
-    """Host bytes the NVMe parameter pool wants (0 off NVMe): ``prefetch_depth + 2`` buffers
-    of the largest unit's shard, as the pool rounds them; its share of the host budget."""
+    """Host bytes the NVMe parameter pool wants (0 off NVMe): :func:`param_pool_buffers` of
+    the largest unit's shard, as the pool rounds them; its share of the host budget."""
     if cfg.offload.param != "nvme" or largest_shard <= 0:
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return (cfg.prefetch_depth + 2) * pool_footprint(largest_shard * itemsize)
+    return param_pool_buffers(cfg.prefetch_depth) * pool_footprint(largest_shard * itemsize)
 
 
 class ParamStore:
@@ -50,7 +56,7 @@ class ParamStore:
         if self.tier == "nvme":
             self.swapper = Swapper(
                 cfg.offload.nvme_dir, buffer_bytes=largest_shard * itemsize,
-                buffer_count=cfg.prefetch_depth + 2, min_buffers=1,
+                buffer_count=param_pool_buffers(cfg.prefetch_depth), min_buffers=1,
                 host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank,
                 pin=pins(crosses_pcie=True))
         else:

@@ -20,7 +20,7 @@ from ..partition import FlatLayout, bucketize, build_layout
 from . import placement
 from .streams import Streams
 
-__all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit",
+__all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit", "unit_build_bytes",
            "owning_modules", "parameter_references", "persistent_buffers", "trainable_numel"]
 
 
@@ -265,6 +265,12 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
                     views=views, frozen=plan.frozen)
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, master[lo:hi].clone()
+
+
+def unit_build_bytes(padded_numel: int, shard_numel: int, dtype_bytes: int) -> int:
+    """Device bytes :func:`make_unit` holds while it makes one unit: its fp32 values and
+    master, the compute-dtype copy (the master itself in fp32), and this rank's fp32 shard."""
+    return (8 + (dtype_bytes if dtype_bytes != 4 else 0)) * padded_numel + 4 * shard_numel
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ import torch
 from .budget import host_memory_budget
 from .errors import BufferBudgetError
 
-__all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBuffer", "BufferPool", "BufferBudgetError", "round_up"]
+__all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBuffer", "BufferPool", "BufferBudgetError", "pool_count",
+           "pool_footprint", "round_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,13 @@ def pool_footprint(buffer_bytes: int) -> int:
     2 MiB up, whole huge pages then), for callers that size buffers to a budget."""
     nbytes = round_up(int(buffer_bytes), ALIGNMENT)
     return _footprint(nbytes, nbytes >= HUGE_PAGE)
+
+
+def pool_count(footprint: int, needed: int, host_memory_limit: int) -> int:
+    """Buffers of ``footprint`` bytes a pool that wants ``needed`` gets under
+    ``host_memory_limit``: as many as fit, at most ``needed`` (the pool refuses to run on fewer
+    than its minimum)."""
+    return min(needed, int(host_memory_limit) // footprint)
 
 
 def _advise(mm: mmap.mmap, advice: int, offset: int, length: int) -> bool:
@@ -174,7 +182,7 @@ class BufferPool:
         huge_pages = huge_pages and self.buffer_bytes >= HUGE_PAGE
         footprint = _footprint(self.buffer_bytes, huge_pages)
         self.host_memory_limit = int(host_memory_limit)
-        count = min(needed, self.host_memory_limit // footprint)
+        count = pool_count(footprint, needed, self.host_memory_limit)
         if count < minimum:
             raise BufferBudgetError(self.host_memory_limit, footprint, minimum)
         if count < needed:
