@@ -33,6 +33,7 @@ from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue, staging_bytes
 from .stages.param_store import ParamStore, param_pool_bytes
 from .stages.streams import Streams
+from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
@@ -137,12 +138,13 @@ class Engine:
             self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue
         self.shard_numel = shard_numel
-        self.gatherer = (ParamGatherer(model, self.units, self.comm, self.param_store,
+        self.unit_states = UnitStates(self.units, self.comm, self.streams)
+        self.gatherer = (ParamGatherer(model, self.units, self.unit_states, self.param_store,
                                        prefetch_depth=config.prefetch_depth,
                                        prefetch_bytes=config.prefetch_bytes)
                          if self.param_store else None)
         self.reducer = GradReducer(
-            self.units, self.comm, self.stage, target,
+            self.units, self.unit_states, self.comm, self.stage, target,
             on_reduced=self.gatherer.release if self.gatherer else None)
         self._leftovers.closers[:0] = [self.reducer.remove_hooks] + \
             ([self.gatherer.remove_hooks] if self.gatherer else [])
@@ -351,8 +353,8 @@ class Engine:
             self.param_store.flush()
         if self.config.broadcast_buffers:
             broadcast_buffers(self._module, self.comm)
-        hand_back_parameters(self._module, self.units, self.stage, self.comm,
-                             self.param_store, self.streams)
+        hand_back_parameters(self._module, self.units, self.stage, self.unit_states,
+                             self.param_store)
 
     def __enter__(self) -> "Engine":
         return self

@@ -44,7 +44,8 @@ def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, com
         if store is not None:
             lo, hi = unit.layout.shard_range(comm.rank)
             store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now
-            unit.free()
+            if unit.sharded_params:  # released (UnitStates starts such units FREE)
+                unit.full.untyped_storage().resize_(0)
         units.append(unit)
     if store is not None:
         store.flush()

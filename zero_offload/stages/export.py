@@ -13,7 +13,8 @@ import torch
 from ..ledger import MemoryReport
 from . import placement
 from .buffer_sync import rank0_values
-from .units import FlatUnit, GatherState, persistent_buffers
+from .unit_state import GatherState
+from .units import FlatUnit, persistent_buffers
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -65,7 +66,7 @@ def memory_report(engine: "Engine") -> MemoryReport:
             rep.add("device", "params", u.full_bytes)
             if engine.stage == 3:
                 rep.persistent_param_bytes += u.full_bytes
-        elif u.state is not GatherState.FREE:
+        elif engine.unit_states.gather_state(u) is not GatherState.FREE:
             rep.add("device", "params", u.full_bytes)
         for p in u.params:
             if p.grad is not None:

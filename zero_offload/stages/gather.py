@@ -34,11 +34,11 @@ import torch
 from torch.profiler import record_function
 import torch.nn as nn
 
-from ..comm import Comm
 from .external import ReleasedAccess, declared_external
 from .order import MODULE, UNIT, OrderCheck
 from .param_store import ParamStore
-from .units import FlatUnit, GatherState
+from .unit_state import GatherState, UnitStates
+from .units import FlatUnit
 from .weak import weak_hook
 
 __all__ = ["ParamGatherer", "gathered_units"]
@@ -130,9 +130,9 @@ def _check_not_capturing() -> None:
 
 
 class ParamGatherer:
-    def __init__(self, model: nn.Module, units: list[FlatUnit], comm: Comm, store: ParamStore, *,
-                 prefetch_depth: int, prefetch_bytes: int | None) -> None:
-        self.comm = comm
+    def __init__(self, model: nn.Module, units: list[FlatUnit], states: UnitStates,
+                 store: ParamStore, *, prefetch_depth: int, prefetch_bytes: int | None) -> None:
+        self.states = states  # each unit's gather state, and the engine's pass
         self.store = store
         self.streams = store.streams
         self.prefetch_depth = prefetch_depth
@@ -171,8 +171,6 @@ class ParamGatherer:
         self.order_changes = 0
         self.on_demand = 0  # gathers a torch call on a released parameter asked for
         self._warned = False
-        self.in_backward = False
-        self._in_forward = False
         self._frames: list[_Frame] = []
         self._access = ReleasedAccess(self._is_released, self._on_access)
         self._access_on = False
@@ -184,7 +182,7 @@ class ParamGatherer:
                   or next(m.parameters(), None) is not None]
         self._module_id = {m: i for i, m in enumerate(model.modules())}
         self._modules = list(model.modules())
-        self.order = OrderCheck(comm, self.streams.device, self._describe)
+        self.order = OrderCheck(states.comm, self.streams.device, self._describe)
         self._hooks = []
         for module in hooked:  # weak: a hook must not keep the engine alive
             self._hooks.append(module.register_forward_pre_hook(weak_hook(self._pre_forward),
@@ -203,19 +201,19 @@ class ParamGatherer:
     @record_function("zero_offload.gather")
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
-        if unit.state is GatherState.FREE:
+        if self.states.gather_state(unit) is GatherState.FREE:
             shard, copied = self.store.load(unit)
-            unit.gather(self.comm, shard, async_op=not wait, streams=self.streams, after=copied)
+            self.states.gather(unit, shard, wait=wait, after=copied)
             self._by_ptr[_storage_key(unit.full)] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         if wait:
-            unit.wait()
+            self.states.wait(unit)
 
     def release(self, unit: FlatUnit) -> None:
-        if unit.state is not GatherState.FREE and unit.sharded_params:
+        if self.states.gather_state(unit) is not GatherState.FREE and unit.sharded_params:
             self._by_ptr.pop(_storage_key(unit.full), None)
-            unit.free()
+            self.states.free(unit)
             self.gathered_bytes -= unit.full_bytes
 
     def release_all(self) -> None:
@@ -234,7 +232,8 @@ class ParamGatherer:
         gathers = 0 if reads_only else self.prefetch_depth - self.store.reads_from_disk
         for taken, index in enumerate(candidates[:self.prefetch_depth]):
             unit = self.units[index]
-            if unit.state is not GatherState.FREE or (self.in_backward and unit.grads_reduced):
+            if self.states.gather_state(unit) is not GatherState.FREE or (
+                    self.states.in_backward and self.states.grads_reduced(unit)):
                 continue
             if budget is not None:
                 if unit.full_bytes > budget:
@@ -271,16 +270,16 @@ class ParamGatherer:
             self._access.__enter__()
             self._access_on = frame.entered = True
         units = self.module_units.get(module, []) + self.declared.get(module, [])
-        if self.in_backward:  # recomputation: what the module used in forward, at once
+        if self.states.in_backward:  # recomputation: what the module used in forward, at once
             units += [u for u in self.learned.get(module, []) if u not in units]
         frame.units = units
-        if units and not self.in_backward and self._in_forward:  # not e.g. generate()
+        if units and self.states.in_forward:  # not recomputation, not e.g. generate()
             self.order.check(MODULE, self._module_id[module])
             self._note_use([u.index for u in units])
         for unit in units:
             self._fetch(unit, wait=True)
         frozen = [u for u in units if u.frozen]
-        if frozen and not self.in_backward and torch.is_grad_enabled():
+        if frozen and not self.states.in_backward and torch.is_grad_enabled():
             return _release_after_backward(self, frozen, args, kwargs)
         return None
 
@@ -289,7 +288,7 @@ class ParamGatherer:
         if not self._frames or self._frames[-1].module is not module:
             return  # the pre-hook raised before its frame was pushed
         frame = self._frames.pop()
-        if not self.in_backward:
+        if not self.states.in_backward:
             held = {id(u) for f in self._frames for u in f.units}
             for unit in frame.units + frame.borrowed:
                 if id(unit) not in held:
@@ -301,7 +300,7 @@ class ParamGatherer:
     # -- parameters used outside their module ------------------------------------------------
     def _is_released(self, key: int) -> bool:
         unit = self._param_unit.get(key)
-        return unit is not None and unit.state is not GatherState.GATHERED
+        return unit is not None and self.states.gather_state(unit) is not GatherState.GATHERED
 
     def _on_access(self, param: nn.Parameter) -> None:
         """A torch call is about to read ``param`` while its unit is not gathered: gather it
@@ -315,13 +314,13 @@ class ParamGatherer:
             if not known:
                 self.learned.setdefault(module, []).append(unit)
                 self._warn_external(module, param)
-        if not self.in_backward and self._in_forward:
+        if self.states.in_forward:
             self.order.check(UNIT, unit.index)
             self._note_use([unit.index])
-        if unit.state is GatherState.FREE:
+        if self.states.gather_state(unit) is GatherState.FREE:
             self.on_demand += 1
         self._fetch(unit, wait=True)
-        if frame is not None and not self.in_backward:
+        if frame is not None and not self.states.in_backward:
             frame.borrowed.append(unit)
 
     def _warn_external(self, module: nn.Module, param: nn.Parameter) -> None:
@@ -349,9 +348,9 @@ class ParamGatherer:
         if not isinstance(packed, _Saved):
             return packed
         unit = packed.unit
-        if unit.state is not GatherState.GATHERED:
+        if self.states.gather_state(unit) is not GatherState.GATHERED:
             self._fetch(unit, wait=True)
-            if self.in_backward and self._order_matches and self.recorded:
+            if self.states.in_backward and self._order_matches and self.recorded:
                 last = max(i for i, u in enumerate(self.recorded) if u == unit.index)
                 self._prefetch(self.recorded[:last][::-1])
         return packed.tensor
@@ -362,14 +361,14 @@ class ParamGatherer:
         _check_not_capturing()
         self._current = []
         self._order_matches = True
-        self._in_forward = True
+        self.states.begin_forward()
         ok = False
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
             ok = True
         finally:
-            self._in_forward = False
+            self.states.end_pass()
             if not self._order_matches or not self.recorded:
                 self.recorded = list(self._current)
             self.release_all()  # prefetched units the forward did not use after all
@@ -383,14 +382,14 @@ class ParamGatherer:
             self._prefetch(self.recorded, reads_only=True)
 
     def begin_backward(self) -> None:
+        """After the reducer's ``begin_backward``, which puts the units into BACKWARD."""
         _check_not_capturing()
-        self.in_backward = True
         if not self._access_on:  # recomputation and custom backward functions may read params
             self._access.__enter__()
             self._access_on = True
 
     def end_backward(self) -> None:
-        self.in_backward = False
+        self.states.end_pass()
         if self._access_on and not self._frames:
             self._access.__exit__(None, None, None)
             self._access_on = False

@@ -31,6 +31,7 @@ import torch
 from torch.profiler import record_function
 
 from ..comm import Comm, Handle
+from .unit_state import UnitStates
 from .units import FlatUnit
 from .weak import weak_hook
 
@@ -94,14 +95,14 @@ def _check_frozen(unit: FlatUnit) -> None:
 
 
 class GradReducer:
-    def __init__(self, units: list[FlatUnit], comm: Comm, stage: int, target: GradTarget, *,
-                 on_reduced: Callable[[FlatUnit], None] | None = None,
+    def __init__(self, units: list[FlatUnit], states: UnitStates, comm: Comm, stage: int,
+                 target: GradTarget, *, on_reduced: Callable[[FlatUnit], None] | None = None,
                  max_inflight: int = MAX_INFLIGHT) -> None:
         self.units = units
+        self.states = states  # gradients owed per unit, and whether this backward ends a window
         self.comm = comm
         self.stage = stage
         self.target = target
-        self.final = True  # this backward ends an accumulation window
         self.on_reduced = on_reduced  # a unit's backward is done on this rank (stage 3: free)
         self.max_inflight = max_inflight
         self.slots = trainable_slots(units)
@@ -140,22 +141,17 @@ class GradReducer:
 
     # -- stages 2-3 ------------------------------------------------------------------------
     def begin_backward(self, final: bool) -> None:
-        self.final = final
+        self.states.begin_backward(final)
         self.backwards += 1
         self._next = 0
         self._complete.clear()
         self._reduced.clear()
-        for unit in self.units:
-            unit.pending_grads = len(unit.trainable)
-            unit.grads_reduced = False
 
     def _on_grad(self, unit: FlatUnit, k: int, _param: torch.Tensor) -> None:
         self.had_grad[k] = 1
         if id(unit) in self._reduced:
             return  # a late piece (reentrant backward): it waits in .grad for the step
-        unit.pending_grads -= 1
-        if unit.pending_grads == 0 and not unit.grads_reduced:
-            unit.grads_reduced = True  # its backward is done on this rank
+        if self.states.grad_arrived(unit):  # its backward is done on this rank
             if self.on_reduced is not None:
                 self.on_reduced(unit)
             if id(unit) not in self._deferred:
@@ -184,7 +180,7 @@ class GradReducer:
             self._accumulate(unit, out)
 
     def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
-        self.target.accumulate_grad(unit.shard_offset, reduced, self.final)
+        self.target.accumulate_grad(unit.shard_offset, reduced, self.states.final)
 
     def end_backward(self) -> None:
         """Reduce the rest of the canonical order (a unit this rank did not use counts as
@@ -193,8 +189,7 @@ class GradReducer:
             for unit in self.units:
                 if unit.frozen:
                     _check_frozen(unit)
-                elif not unit.grads_reduced:
-                    unit.grads_reduced = True
+                elif self.states.mark_reduced(unit):
                     if self.on_reduced is not None:
                         self.on_reduced(unit)
             for unit in self.order[self._next:]:
@@ -202,6 +197,7 @@ class GradReducer:
             self._next = len(self.order)
             self._drain(0)
             self.target.flush()
+        self.states.end_pass()
 
     # -- the step --------------------------------------------------------------------------
     @record_function("zero_offload.reduce")
@@ -211,7 +207,7 @@ class GradReducer:
         some rank had it): per trainable parameter (:func:`trainable_slots` order) whether it
         had a gradient in this window, then (stages 2-3) per unit of :attr:`order` whether
         late pieces wait in ``param.grad`` (give the agreed ones to :meth:`reduce_late`)."""
-        self.final = True
+        self.states.begin_step()
         if self.stage < 2:
             for k, (unit, i) in enumerate(self.slots):
                 if unit.params[i].grad is not None:

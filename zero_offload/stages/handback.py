@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
 from .param_store import ParamStore
-from .streams import Streams
+from .unit_state import UnitStates
 from .units import FlatUnit
 
 __all__ = ["Leftovers", "check_parameters", "hand_back_parameters", "has_memory"]
@@ -92,8 +91,8 @@ def _own_copy(p: nn.Parameter, value: torch.Tensor, device: torch.device) -> Non
     p.grad = None
 
 
-def hand_back_parameters(model: nn.Module, units: list[FlatUnit], stage: int, comm: Comm,
-                         store: ParamStore | None, streams: Streams) -> None:
+def hand_back_parameters(model: nn.Module, units: list[FlatUnit], stage: int,
+                         states: UnitStates, store: ParamStore | None) -> None:
     """Give every parameter of ``units`` a tensor of its own with its current values (see the
     module docstring for where). Stage 3 gathers: collective, in unit order on every rank."""
     host = torch.device("cpu")
@@ -103,11 +102,11 @@ def hand_back_parameters(model: nn.Module, units: list[FlatUnit], stage: int, co
             if unit.sharded_params:
                 assert store is not None
                 shard, copied = store.load(unit)
-                unit.gather(comm, shard, async_op=False, streams=streams, after=copied)
+                states.gather(unit, shard, wait=True, after=copied)
             for p, view in zip(unit.params, unit.views):
                 _own_copy(p, view, target)
             if unit.sharded_params:
-                unit.free()
+                states.free(unit)
             unit.full = unit.full.new_empty(0)  # the engine keeps no copy of the values
             unit.views = []
         if stage == 3:

@@ -9,29 +9,25 @@ because they share the storage object, not its memory.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from ..comm import Comm, Handle
+from ..comm import Comm
 from ..partition import FlatLayout, bucketize, build_layout
 from . import placement
-from .streams import Streams
 
-__all__ = ["FlatUnit", "GatherState", "UnitPlan", "plan_units", "make_unit", "unit_build_bytes",
+__all__ = ["FlatUnit", "UnitPlan", "plan_units", "make_unit", "unit_build_bytes",
            "owning_modules", "parameter_references", "persistent_buffers", "trainable_numel"]
-
-
-class GatherState(enum.Enum):
-    FREE = "free"
-    PENDING = "pending"  # all-gather issued, not waited for
-    GATHERED = "gathered"
 
 
 @dataclass(eq=False)
 class FlatUnit:
+    """A unit's data: its parameters, their layout in the flat buffer, the buffer itself and
+    where its shard sits in the rank-flat order. What it is doing (gathered or not, gradients
+    owed) is kept by :class:`~.unit_state.UnitStates`."""
+
     index: int
     params: list[nn.Parameter]
     names: list[str]
@@ -39,12 +35,6 @@ class FlatUnit:
     full: torch.Tensor  # padded flat params, compute dtype, on the device
     shard_offset: int  # where this unit's shard starts in the rank's flat shard buffers
     sharded_params: bool  # stage 3 and not persistent: ``full`` is only there while gathered
-    state: GatherState = GatherState.GATHERED
-    handle: Handle | None = None
-    ready: "torch.cuda.Event | None" = None  # CUDA: the gather stream's event for this gather
-    ready_streams: Streams | None = None  # whose compute stream waits for ``ready``
-    pending_grads: int = 0  # grads still to arrive in this backward (stages 2-3)
-    grads_reduced: bool = False  # this backward's gradients were reduced already
     views: list[torch.Tensor] = field(default_factory=list)
     frozen: bool = False  # no parameter trained at initialize: no gradients, no update
 
@@ -59,51 +49,6 @@ class FlatUnit:
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]
-
-
-    # -- stage 3: gather / free ------------------------------------------------------------
-    def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool,
-               streams: "Streams | None" = None, after: "torch.cuda.Event | None" = None) -> bool:
-        """Start filling ``full`` from every rank's ``shard``; True if work was issued. With
-        CUDA ``streams`` the all-gather runs on the gather stream once ``after`` (the shard's
-        copy to the device) has fired; :meth:`wait` then orders the compute stream after it
-        without blocking the host."""
-        if self.state is not GatherState.FREE:
-            return False
-        self.full.untyped_storage().resize_(self.full_bytes)  # allocated on the compute stream
-        if streams is not None and streams.cuda:
-            with streams.on_gather(after):
-                comm.all_gather(self.full, shard, async_op=True).wait()  # a stream wait
-                self.ready = streams.finish_gather(shard, self.full)
-                self.ready_streams = streams
-        else:
-            self.handle = comm.all_gather(self.full, shard, async_op=async_op)
-        self.state = GatherState.PENDING
-        if not async_op:
-            self.wait()
-        return True
-
-    def wait(self) -> None:
-        """The gathered parameters may be used after this (by work queued after it)."""
-        if self.state is GatherState.PENDING:
-            if self.ready is not None:
-                assert self.ready_streams is not None
-                self.ready_streams.wait(self.ready)
-                self.ready = None
-            else:
-                assert self.handle is not None
-                self.handle.wait()
-                self.handle = None
-            self.state = GatherState.GATHERED
-
-    def free(self) -> bool:
-        """Release ``full``'s memory (stage 3 units only); True if memory was released."""
-        if not self.sharded_params or self.state is GatherState.FREE:
-            return False
-        self.wait()
-        self.full.untyped_storage().resize_(0)
-        self.state = GatherState.FREE
-        return True
 
 
 def owning_modules(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
