@@ -148,6 +148,10 @@ class OffloadConfig:
     nvme_path: str | None = None
     host_memory_limit: int | None = None  # bytes of pinned host buffers; None: sized from free RAM
     sub_group_size: int = 100_000_000  # params stepped at a time when the optimizer is on NVMe
+    # key: offload_optimizer_fraction. With offload_optimizer="nvme": the share of the
+    # optimizer state in files (0..1), the leading sub-groups staying in host memory; "auto"
+    # fills the host budget first; None: all of it (1.0)
+    optimizer_fraction: float | str | None = None
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -169,6 +173,26 @@ class OffloadConfig:
         if self.host_memory_limit is not None:
             _number("host_memory_limit", self.host_memory_limit, lo=1, integer=True)
         _number("sub_group_size", self.sub_group_size, lo=1, integer=True)
+        self._check_fraction()
+
+    def _check_fraction(self) -> None:
+        value = self.optimizer_fraction
+        if value is None:
+            return
+        if value != "auto":
+            if isinstance(value, str):
+                raise _bad("offload_optimizer_fraction", value,
+                           "expected a number in [0, 1] (the share on NVMe) or 'auto'")
+            value = _number("offload_optimizer_fraction", value, lo=0.0, hi=1.0)
+            if value != value:  # nan passes both bounds
+                raise _bad("offload_optimizer_fraction", value, "expected a number in [0, 1]")
+            object.__setattr__(self, "optimizer_fraction", value)
+        if self.optimizer != "nvme":
+            raise ConfigError(
+                f"offload_optimizer_fraction={value!r} splits the optimizer state between host "
+                f"memory and NVMe, so it needs offload_optimizer='nvme' (got "
+                f"{self.optimizer!r}); set offload_optimizer='nvme' and nvme_path, or drop "
+                "offload_optimizer_fraction")
 
     @property
     def enabled(self) -> bool:
@@ -240,7 +264,8 @@ class ZeroConfig:
 
 # Flat user-facing key -> (section attribute or None for top level, field name).
 _SECTIONS = {"optimizer": OptimizerConfig, "precision": PrecisionConfig, "offload": OffloadConfig}
-_RENAMES = {"offload_optimizer": ("offload", "optimizer"), "offload_param": ("offload", "param")}
+_RENAMES = {"offload_optimizer": ("offload", "optimizer"), "offload_param": ("offload", "param"),
+            "offload_optimizer_fraction": ("offload", "optimizer_fraction")}
 
 
 def _flat_keys() -> dict[str, tuple[str | None, str]]:

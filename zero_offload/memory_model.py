@@ -35,7 +35,7 @@ from .partition import padded_numel
 from .stages.gather import gathered_units
 from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
-from .stages.nvme_sizing import nvme_sizing
+from .stages.nvme_sizing import optimizer_split
 from .stages.param_store import param_pool_buffers
 from .stages.units import owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
@@ -150,6 +150,10 @@ class MemoryEstimate:
     trainable_shard_numel: int  # its trainable prefix: what the optimizer state covers
     device: str  # "cuda" or "cpu" (the engine on a CPU-only machine)
     terms: tuple[Term, ...]
+    # the optimizer on NVMe: the share of its state in files (the rest in host memory),
+    # and the bytes it moves to and from disk per step and rank; else None and 0
+    nvme_fraction: float | None = None
+    disk_bytes_per_step: int = 0
 
     @property
     def ranks_per_node(self) -> int:
@@ -210,6 +214,8 @@ class MemoryEstimate:
             "gpu_bytes": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
             "model_state_gpu_bytes": self.model_state_bytes("device"),
+            "offload_optimizer_fraction": self.nvme_fraction,
+            "disk_bytes_per_step_per_node": self.ranks_per_node * self.disk_bytes_per_step,
             "terms": [vars(t) for t in self.terms],
         }
 
@@ -218,7 +224,10 @@ class MemoryEstimate:
                 f"{self.stage}, optimizer "
                 f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
                 f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
-                f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node")
+                f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node"
+                + (f"; {self.nvme_fraction:.0%} of the optimizer state in files, "
+                   f"{self.ranks_per_node * self.disk_bytes_per_step / 1e9:.2f} GB/node of "
+                   "disk traffic per step" if self.nvme_fraction is not None else ""))
         rows = [f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
                 for t in self.terms]
         return "\n".join([head, *rows])
@@ -245,7 +254,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
                     reduce_bucket_size: int = 25_000_000, sub_group_size: int = 100_000_000,
                     host_memory_limit: int | None = None, device: str = "cuda",
                     trainable_params: int | float | None = None,
-                    host_available: int | None = None) -> MemoryEstimate:
+                    host_available: int | None = None,
+                    offload_optimizer_fraction: float | str | None = None) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -259,6 +269,9 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     optimizer state and gradients; frozen ones keep their compute-dtype params.
     ``host_available``: the node's host memory the default ``host_memory_limit`` is taken
     from (default: this machine's available memory now), as ``swap.budget`` says.
+    ``offload_optimizer_fraction``: with the optimizer on NVMe, the share of its state in
+    files (the leading sub-groups stay in host memory), or "auto" (fill the optimizer's
+    share of the host budget first), as the engine places it.
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -306,7 +319,9 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     param_pool = _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth), None)
     param_budget, opt_budget = split_host_budget(budget, param_pool, offload_param,
                                                  offload_optimizer, staging)
-    sizing = nvme_sizing(s_t, sub_group_size, opt_budget, b)
+    split = optimizer_split(s_t, sub_group_size, opt_budget, b,
+                            offload_optimizer_fraction if offload_optimizer == "nvme" else None)
+    sizing = split.sizing
     # Parameters.
     if stage < 3:
         add("params", "device", RESIDENT, MODEL_STATE, b * full, f"{b}Ψ: a full copy per GPU")
@@ -360,8 +375,14 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
             f"4{T}/N, for torch's fused AdamW")
     # Optimizer state: fp32 master + Adam m + v, of the trainable params only.
     o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
-    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * s_t,
-        f"12{T}/N: fp32 master, m, v")
+    on_nvme = split.nvme_numel if offload_optimizer == "nvme" else s_t
+    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * on_nvme,
+        f"12{T}/N: fp32 master, m, v" if on_nvme == s_t else
+        f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files")
+    if on_nvme != s_t:
+        add("optimizer state (host part)", "host", RESIDENT, MODEL_STATE,
+            split.host_state_bytes, f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
+            "the leading sub-groups, in host memory")
     if offload_optimizer == "nvme":
         count = sizing.buffers
         add("optimizer swap buffers", "host", RESIDENT, BUFFER, sizing.state_bytes(),
@@ -388,4 +409,6 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         gpus_per_node=gpus_per_node or min(num_gpus, 8), stage=stage,
         offload_optimizer=offload_optimizer, offload_param=offload_param,
         dtype=_dtype_name(dtype), shard_numel=s, trainable_shard_numel=s_t, device=device,
-        terms=tuple(terms))
+        terms=tuple(terms),
+        nvme_fraction=split.nvme_fraction if offload_optimizer == "nvme" else None,
+        disk_bytes_per_step=split.disk_bytes_per_step() if offload_optimizer == "nvme" else 0)

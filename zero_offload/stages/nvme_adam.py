@@ -5,6 +5,12 @@ The rank-flat state is cut into sub-groups (sized to the shard and the host budg
 is one file. A step reads group k+1 while the CPU Adam updates group k in its host buffer
 and group k−1 is written back, so the disk and the CPU work at the same time.
 
+``offload_optimizer_fraction`` keeps the leading sub-groups' state in host memory instead
+(:func:`.nvme_sizing.optimizer_split`). A step starts reading the first sub-group in files,
+then steps the host ones while that read is in flight: the host part hides the disk's latency
+rather than adding a phase. Every sub-group runs the same kernel on the same elements, so
+where a sub-group lives changes no bit.
+
 A step is all-or-nothing from the caller's view. The step counter moves only once every
 sub-group is written back. A step that fails before any sub-group changed leaves the state
 as it was (a retry runs the same update). One that fails after that has changed some
@@ -37,7 +43,7 @@ from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
-from .nvme_sizing import PIPELINE_BUFFERS, nvme_sizing
+from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
 from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
@@ -60,9 +66,14 @@ class NvmeAdam:
         self.numel = numel
         budget = host_memory_budget(host_memory_limit)
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-        self.sizing = nvme_sizing(numel, off.sub_group_size, budget, dtype_bytes)
+        self.split = optimizer_split(numel, off.sub_group_size, budget, dtype_bytes,
+                                     off.optimizer_fraction)
+        self.sizing = self.split.sizing
         self.group = self.sizing.group
         self.bounds = chunks(numel, self.group)
+        # the leading sub-groups whose [master | m | v] stay in host memory, back to back
+        self.host_groups = -(-self.split.host_numel // self.group)
+        self.host_state = torch.zeros(3 * self.split.host_numel, dtype=torch.float32)
         need = self.sizing.host_bytes(numel, dtype_bytes)
         if need > budget:
             raise BufferBudgetError(budget, need, 1)
@@ -72,7 +83,8 @@ class NvmeAdam:
         self.swapper = Swapper(off.nvme_dir, buffer_bytes=12 * self.group,
                                buffer_count=count, min_buffers=2,
                                host_memory_limit=state_budget,
-                               expected_bytes=(12 + 4 * on_disk) * numel, rank=rank,
+                               expected_bytes=12 * self.split.nvme_numel + 4 * on_disk * numel,
+                               rank=rank,
                                # the master crosses PCIe only as fp32 compute's new params
                                pin=pins(crosses_pcie=dtype == torch.float32))
         # the gradient shard in files (None: the engine keeps it in host memory)
@@ -94,13 +106,21 @@ class NvmeAdam:
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
-        log.info("NVMe optimizer state: %d sub-groups of %d params, %d host buffers of %.1f MiB"
-                 "%s", len(self.bounds), self.group, self.swapper.pool.count,
-                 12 * self.group / 2**20, "; gradients on NVMe too" if on_disk else "")
+        log.info("NVMe optimizer state: %d sub-groups of %d params (%d in host memory), %d host "
+                 "buffers of %.1f MiB%s", len(self.bounds), self.group, self.host_groups,
+                 self.swapper.pool.count, 12 * self.group / 2**20,
+                 "; gradients on NVMe too" if on_disk else "")
 
     @staticmethod
     def _key(i: int) -> str:
         return f"adam.{i}"
+
+    def _host(self, i: int) -> torch.Tensor | None:
+        """Sub-group i's [master | m | v] as a (3, n) view when it lives in host memory."""
+        if i >= self.host_groups:
+            return None
+        lo, hi = self.bounds[i]
+        return self.host_state[3 * lo:3 * hi].view(3, hi - lo)
 
     # -- state in -------------------------------------------------------------------------
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
@@ -110,6 +130,17 @@ class NvmeAdam:
         values = (master, exp_avg, exp_avg_sq)
         for i, a, b in split_range(offset, offset + master.numel(), self.group):
             lo, hi = self.bounds[i]
+            resident = self._host(i)
+            if resident is not None:  # in host memory: copied in place, moments default to 0
+                for row, src in enumerate(values):
+                    part = resident[row, a - lo:b - lo]
+                    if src is None:
+                        part.zero_()
+                    else:
+                        part.copy_(src[a - offset:b - offset])
+                if b == hi:
+                    self._stale.discard(i)
+                continue
             if self._loading is None:
                 buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
                 buf.view(torch.float32, (3, hi - lo))[1:].zero_()
@@ -148,17 +179,22 @@ class NvmeAdam:
         fut.add_done_callback(done)
         return fut
 
-    def _read(self, i: int, timings: StepTimings) -> tuple[Future, Future | None]:
+    def _read(self, i: int, timings: StepTimings) -> tuple[Future | None, Future | None]:
+        """Start reading sub-group i's state (None when it is in host memory) and its
+        gradients (None when they are in host memory)."""
         lo, hi = self.bounds[i]
-        timings.bytes_read += (12 + 4 * (self.disk_grads is not None)) * (hi - lo)
-        state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
-        grad = None
+        state = grad = None
+        if i >= self.host_groups:
+            timings.bytes_read += 12 * (hi - lo)
+            state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
         if self.disk_grads is not None:
+            timings.bytes_read += 4 * (hi - lo)
             grad = self._timed(self.disk_grads.prefetch(i), "read_s", timings)
         return state, grad
 
     def _release(self, i: int) -> None:
-        self.swapper.release(self._key(i))
+        if i >= self.host_groups:
+            self.swapper.release(self._key(i))
         if self.disk_grads is not None:
             self.disk_grads.release(i)
 
@@ -200,9 +236,9 @@ class NvmeAdam:
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for i in range(len(self.bounds)):
             try:
-                if changed:
+                if i >= self.host_groups and changed:
                     self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
-                else:
+                elif i >= self.host_groups:
                     self.swapper.release(self._key(i))
                 if self.disk_grads is not None:
                     self.disk_grads.release(i)
@@ -224,7 +260,8 @@ class NvmeAdam:
                   changed: list[int], ranges: list[tuple[int, int, int]] | None) -> None:
         """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
         Adam step ``step``); each sub-group whose state is about to change is appended to
-        ``changed``. Returns once all are on disk."""
+        ``changed``. Returns once all are on disk. Host-resident sub-groups come first and
+        are stepped while the first read from disk is in flight."""
         hyper = adam_hyperparameters(self.optimizer, step)
         ranges = [(0, self.numel, step)] if ranges is None else ranges
         timings = StepTimings()
@@ -235,9 +272,19 @@ class NvmeAdam:
             return
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
             self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS)
+        first_disk = self.host_groups  # reading it overlaps the host sub-groups' compute
+        pending = self._read(first_disk, timings) if first_disk <= last else None
         writes: list[Future] = []
-        pending = self._read(0, timings)
         for i, (lo, hi) in enumerate(self.bounds):
+            resident = self._host(i)
+            if resident is not None:
+                grad_read = self._read(i, timings)[1] if self.disk_grads is not None else None
+                grad = grad_read.result() if grad_read is not None else grads[lo:hi]
+                changed.append(i)
+                self._step_group(resident, grad, lo, hi, factor, ranges, hyper, sink, timings)
+                self._release(i)
+                continue
+            assert pending is not None and pending[0] is not None
             state = pending[0].result().view(3, hi - lo)
             if pending[1] is not None:  # read from the gradient files
                 grad = pending[1].result()
@@ -246,37 +293,18 @@ class NvmeAdam:
                 grad = grads[lo:hi]
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
-            t0 = time.perf_counter()
             changed.append(i)  # from here on, sub-group i (and its gradients) change
-            out = None if self.out.numel() == 0 else self.out[:hi - lo]
-            done = lo
-            for a, b, count in ranges:
-                a, b = max(a, lo), min(b, hi)
-                if a >= b:
-                    continue
-                if out is not None and done < a:  # not stepped: the master as it is
-                    out[done - lo:a - lo].copy_(state[0, done - lo:a - lo])
-                g = grad[a - lo:b - lo]
-                if factor != 1.0:
-                    g.mul_(factor)  # in place: a host buffer or the host shard, both done after
-                hyper["step"] = count
-                adam_update(state[0, a - lo:b - lo], g, state[1, a - lo:b - lo],
-                            state[2, a - lo:b - lo],
-                            out=None if out is None else out[a - lo:b - lo], **hyper)
-                done = b
-            if out is not None and done < hi:
-                out[done - lo:].copy_(state[0, done - lo:])
-            timings.compute_s += time.perf_counter() - t0
-            sink(lo, hi, state[0] if out is None else out)
+            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings)
             timings.bytes_written += 12 * (hi - lo)
             writes.append(self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)),
                                       "write_s", timings))
-            if i > 0:
+            if i > first_disk:
                 self._release(i - 1)
             if not lookahead and i < last:
                 self._release(i)
                 pending = self._read(i + 1, timings)
-        self._release(last)
+        if first_disk <= last:
+            self._release(last)
         with self._busy_lock:  # completion callbacks may still be running
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for write in writes:
@@ -284,11 +312,42 @@ class NvmeAdam:
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
 
+    def _step_group(self, state: torch.Tensor, grad: torch.Tensor, lo: int, hi: int,
+                    factor: float, ranges: list[tuple[int, int, int]], hyper: dict,
+                    sink: Sink, timings: StepTimings) -> None:
+        """The CPU Adam on sub-group [lo, hi)'s (3, n) state, wherever it lives; elements
+        outside ``ranges`` keep their values. Hands the new values to ``sink``."""
+        t0 = time.perf_counter()
+        out = None if self.out.numel() == 0 else self.out[:hi - lo]
+        done = lo
+        for a, b, count in ranges:
+            a, b = max(a, lo), min(b, hi)
+            if a >= b:
+                continue
+            if out is not None and done < a:  # not stepped: the master as it is
+                out[done - lo:a - lo].copy_(state[0, done - lo:a - lo])
+            g = grad[a - lo:b - lo]
+            if factor != 1.0:
+                g.mul_(factor)  # in place: a host buffer or the host shard, both done after
+            hyper["step"] = count
+            adam_update(state[0, a - lo:b - lo], g, state[1, a - lo:b - lo],
+                        state[2, a - lo:b - lo],
+                        out=None if out is None else out[a - lo:b - lo], **hyper)
+            done = b
+        if out is not None and done < hi:
+            out[done - lo:].copy_(state[0, done - lo:])
+        timings.compute_s += time.perf_counter() - t0
+        sink(lo, hi, state[0] if out is None else out)
+
     # -- state out ------------------------------------------------------------------------
     def iter_state(self) -> Iterator[StateChunk]:
         """Each sub-group read from its file (a pool buffer: used before the next is read)."""
         self._check_sound("read the optimizer state")
         for i, (lo, hi) in enumerate(self.bounds):
+            resident = self._host(i)
+            if resident is not None:
+                yield lo, hi, resident[0], resident[1], resident[2]
+                continue
             state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
             try:
                 yield lo, hi, state[0], state[1], state[2]
@@ -303,9 +362,9 @@ class NvmeAdam:
         return master
 
     def add_to(self, report: MemoryReport) -> None:
-        report.add("nvme", "optimizer", 12 * self.numel)
+        report.add("nvme", "optimizer", 12 * self.split.nvme_numel)
         report.add("host", "optimizer", self.swapper.host_buffer_nbytes
-                   + self.out.numel() * self.out.element_size(),
+                   + self.out.numel() * self.out.element_size() + self.split.host_state_bytes,
                    pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out))
         if self.disk_grads is not None:
             self.disk_grads.add_to(report)

@@ -5,6 +5,11 @@ Three pipeline buffers hold one sub-group's [master | m | v] each (one read ahea
 stepped, one written back). With the old rule, a sub-group of ``sub_group_size`` (1e8) larger
 than the shard made each buffer the whole optimizer state; here the default sub-group is
 what keeps the disk busy, and the fp32 gradient shard shares the same budget.
+
+The leading sub-groups (in pipeline order) may keep their [master | m | v] in host memory
+(``offload_optimizer_fraction``): :func:`host_groups` says how many, from a fixed NVMe share
+or, with "auto", from what the budget has left beside the pipeline. The engine and the
+planner both call it, so the split the plan shows is the one a run gets.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 from ..swap.buffers import pool_footprint as _footprint
 from .disk_grads import DiskGrads
 
-__all__ = ["FULL_SPEED_GROUP", "PIPELINE_BUFFERS", "NvmeSizing", "nvme_sizing"]
+__all__ = ["FULL_SPEED_GROUP", "PIPELINE_BUFFERS", "NvmeSizing", "OptimizerSplit", "host_groups",
+           "nvme_sizing", "optimizer_split"]
 
 PIPELINE_BUFFERS = 3  # one being read ahead, one computing, one being written back
 FULL_SPEED_GROUP = 1 << 23
@@ -78,3 +84,59 @@ def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) 
     if in_host.host_bytes(numel, dtype_bytes) <= budget:
         return in_host
     return fit(size, True, _PAGE_ELEMS)
+
+
+@dataclass(frozen=True)
+class OptimizerSplit:
+    """Where a shard of ``numel`` optimizer elements lives: the first ``host_numel`` (whole
+    sub-groups) in host memory, the rest in files; ``sizing`` is the NVMe pipeline's."""
+
+    numel: int
+    sizing: NvmeSizing
+    host_numel: int
+
+    @property
+    def nvme_numel(self) -> int:
+        return self.numel - self.host_numel
+
+    @property
+    def nvme_fraction(self) -> float:
+        """Share of the optimizer state in files (1.0 for an empty shard)."""
+        return self.nvme_numel / self.numel if self.numel else 1.0
+
+    @property
+    def host_state_bytes(self) -> int:
+        return 12 * self.host_numel
+
+    def disk_bytes_per_step(self) -> int:
+        """Bytes the optimizer moves to and from disk per step: [master | m | v] of the NVMe
+        sub-groups read and written, plus the fp32 gradients written during backward and read
+        at the step when they are in files."""
+        return 24 * self.nvme_numel + (8 * self.numel if self.sizing.grads_on_disk else 0)
+
+
+def host_groups(numel: int, group: int, fraction: float | str | None, spare: int) -> int:
+    """Leading sub-groups of ``group`` elements whose state stays in host memory.
+
+    ``fraction``: the share in files (None: 1.0, all of it); the host keeps the nearest
+    whole number of sub-groups to the rest. ``"auto"``: as many as ``spare`` bytes hold at
+    12 bytes per element (the budget left beside the NVMe pipeline)."""
+    groups = -(-numel // group) if numel else 0
+    if fraction is None or groups == 0:
+        return 0
+    if fraction == "auto":
+        if spare >= 12 * numel:
+            return groups
+        return max(0, min(groups, int(spare) // (12 * group)))
+    host = (1.0 - float(fraction)) * numel / group
+    return max(0, min(groups, int(host + 0.5)))
+
+
+def optimizer_split(numel: int, sub_group_size: int, budget: int, dtype_bytes: int,
+                    fraction: float | str | None) -> OptimizerSplit:
+    """The NVMe sizing of :func:`nvme_sizing` and how many elements stay in host memory:
+    the one rule the engine and the planner share."""
+    sizing = nvme_sizing(numel, sub_group_size, budget, dtype_bytes)
+    spare = budget - sizing.host_bytes(numel, dtype_bytes)
+    count = host_groups(numel, sizing.group, fraction, spare)
+    return OptimizerSplit(numel, sizing, min(numel, count * sizing.group))
