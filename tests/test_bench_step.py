@@ -83,3 +83,26 @@ def test_cli_wiring() -> None:
     from zero_offload import cli
     args = cli.build_parser().parse_args(["bench", "step", "--preset", "tiny", "--json"])
     assert args._module == "zero_offload.bench.step" and args.json
+
+
+def test_optimizer_fraction_sweep_reports_disk_bytes_per_point(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--optimizer-fraction 0,0.5,1 with two interleaved rounds: each point keeps the samples
+    of both rounds, the disk bytes of the optimizer step follow the share on NVMe, and the
+    table compares each point with all on NVMe."""
+    rc, rep = _bench(capsys, *TINY, "--offload-optimizer", "nvme", "--optimizer-fraction",
+                     "0,0.5,1", "--rounds", "2", "--nvme-path", str(tmp_path))
+    assert rc == 0 and rep["rounds"] == 2
+    assert [r["optimizer_fraction"] for r in rep["runs"]] == [0.0, 0.5, 1.0]
+    assert all(len(r["samples"]) == 4 and r["error"] is None for r in rep["runs"])
+    rows = {row["optimizer_fraction"]: row for row in rep["fraction_sweep"]}
+    assert rows[0.0]["disk_bytes"] == 0 < rows[0.5]["disk_bytes"] < rows[1.0]["disk_bytes"]
+    assert rows[1.0]["disk_vs_all_nvme"] == 1.0 and rows[1.0]["time_vs_all_nvme"] == 1.0
+    assert 0.3 < rows[0.5]["disk_vs_all_nvme"] < 0.7
+
+
+def test_optimizer_fraction_needs_the_optimizer_on_nvme(capsys: pytest.CaptureFixture) -> None:
+    assert step.main([*TINY, "--offload-optimizer", "cpu", "--optimizer-fraction", "0.5"]) == 2
+    assert "--offload-optimizer nvme" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step.main([*TINY, "--optimizer-fraction", "0.5,2"])

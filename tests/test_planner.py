@@ -252,9 +252,12 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
         3 * 2 * largest + 3 * 2 * pt, 10 * largest + 4 * (largest // n) - 10 * pt // n)
     assert e.gpu_bytes < 10e9 and e.host_bytes_per_node == 0 and e.nvme_bytes_per_node == 0
     f = full.choice.estimate
-    # host: per rank the fp32 gradient shard (13 GB, within the default budget of 128 GB / 2 /
-    # 4 ranks) and small buffers sized to the sub-group, not the state
-    assert 52e9 < f.host_bytes_per_node < 56e9 and f.nvme_bytes_per_node == 12 * psi  # 156 GB
+    # host: per rank the fp32 gradient shard (13 GB), small buffers sized to the sub-group,
+    # and the leading sub-groups of optimizer state that the rest of the usable host memory
+    # holds (the plan gives it to the optimizer); the 156 GB of state are split between them
+    host_part = sum(t.bytes for t in f.terms if t.name == "optimizer state (host part)")
+    assert 100e9 < f.host_bytes_per_node <= 0.9 * 128e9 and host_part > 0
+    assert f.nvme_bytes_per_node + n * host_part == 12 * psi
     assert "13.00B params (50.0M trainable)" in lora.explanation
     assert "trainable_params" in lora.explanation and "trainable" not in full.explanation
     # Stage 3 with the optimizer on the host: 16Ψ/N -> 18Ψt/N of host memory per rank, plus

@@ -154,6 +154,7 @@ class MemoryEstimate:
     # and the bytes it moves to and from disk per step and rank; else None and 0
     nvme_fraction: float | None = None
     disk_bytes_per_step: int = 0
+    host_budget: int = 0  # the rank's host budget (``swap.budget``) the estimate used
 
     @property
     def ranks_per_node(self) -> int:
@@ -411,4 +412,5 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         dtype=_dtype_name(dtype), shard_numel=s, trainable_shard_numel=s_t, device=device,
         terms=tuple(terms),
         nvme_fraction=split.nvme_fraction if offload_optimizer == "nvme" else None,
-        disk_bytes_per_step=split.disk_bytes_per_step() if offload_optimizer == "nvme" else 0)
+        disk_bytes_per_step=split.disk_bytes_per_step() if offload_optimizer == "nvme" else 0,
+        host_budget=budget)

@@ -91,14 +91,18 @@ def format_plan(p: Plan, title: str = "") -> str:
              f"usable ({keep:.0%}): GPU {_gb(p.gpu_memory * keep)} GB each, host "
              f"{_gb(p.host_memory * keep)} GB per node, NVMe {nvme}", "",
              f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'GPU GB':>7}  "
-             f"{'host GB/node':>12}  {'NVMe GB/node':>12}  fits"]
+             f"{'host GB/node':>12}  {'NVMe GB/node':>12}  {'opt on NVMe':>11}  "
+             f"{'disk GB/step/node':>17}  fits"]
     for c in p.candidates:
         e = c.estimate
         fits = ("yes" + (" (NVMe not checked)" if c.nvme_unchecked else "")) if c.fits else "no"
         mark = "  <- recommended" if c is p.choice else ""
+        share = "-" if e.nvme_fraction is None else f"{e.nvme_fraction:.0%}"
+        disk = "-" if e.nvme_fraction is None else _gb(e.ranks_per_node * e.disk_bytes_per_step)
         lines.append(f"{c.stage:>5}  {c.offload_optimizer:<9}  {c.offload_param:<6}  "
                      f"{_gb(e.gpu_bytes):>7}  {_gb(e.host_bytes_per_node):>12}  "
-                     f"{_gb(e.nvme_bytes_per_node):>12}  {fits}{mark}")
+                     f"{_gb(e.nvme_bytes_per_node):>12}  {share:>11}  {disk:>17}  "
+                     f"{fits}{mark}")
         for reason in c.reasons:
             lines.append(f"{'':7}{reason}")
     lines.append("")

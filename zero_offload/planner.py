@@ -4,6 +4,12 @@
 tier; :func:`plan` tries every stage × offload choice from the least offloaded (fastest) to the
 most, and returns the first that fits as keyword arguments for ``initialize`` — or, when none
 does, says why and what would (more GPU memory, host memory, NVMe space or GPUs).
+
+With the optimizer on NVMe, the host memory a choice leaves free is not wasted: the plan gives
+it to the optimizer (``offload_optimizer_fraction="auto"`` with a ``host_memory_limit`` that
+fills the node's usable host memory), so the leading sub-groups stay in host memory and the
+disk moves only the rest each step. The engine places them by the same rule
+(``stages.nvme_sizing.optimizer_split``).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .stages.nvme_sizing import FULL_SPEED_GROUP
 from .memory_model import (MemoryEstimate, ModelShape, Term, _dtype_name, activation_memory,
                            describe_params, estimate_memory)
 
@@ -52,6 +59,10 @@ class Candidate:
     fits: bool
     reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
     nvme_unchecked: bool = False  # it needs NVMe space that nobody measured
+    # the optimizer on NVMe with part of it in host memory: the host_memory_limit that
+    # gives it the node's spare host memory, and the disk traffic of the all-NVMe placement
+    host_memory_limit: int | None = None
+    all_nvme_disk_bytes: int = 0
 
     @property
     def uses_nvme(self) -> bool:
@@ -69,7 +80,13 @@ class Candidate:
                 "reasons": list(self.reasons), "nvme_unchecked": self.nvme_unchecked,
                 "gpu_bytes": self.estimate.gpu_bytes,
                 "host_bytes_per_node": self.estimate.host_bytes_per_node,
-                "nvme_bytes_per_node": self.estimate.nvme_bytes_per_node}
+                "nvme_bytes_per_node": self.estimate.nvme_bytes_per_node,
+                "offload_optimizer_fraction": self.estimate.nvme_fraction,
+                "host_memory_limit": self.host_memory_limit,
+                "disk_bytes_per_step_per_node":
+                    self.estimate.ranks_per_node * self.estimate.disk_bytes_per_step,
+                "all_nvme_disk_bytes_per_step_per_node":
+                    self.estimate.ranks_per_node * self.all_nvme_disk_bytes}
 
 
 @dataclass(frozen=True)
@@ -122,12 +139,69 @@ def _within(need: float, usable: float | None) -> bool:
     return usable is None or need <= usable
 
 
+def _fits(e: MemoryEstimate, limits: dict[str, float | None]) -> bool:
+    needs = {"device": e.gpu_bytes, "host": e.host_bytes_per_node,
+             "nvme": e.nvme_bytes_per_node}
+    return all(_within(needs[t], limits[t]) for t in needs)
+
+
+def _fill_host(shape: ModelShape, limits: dict[str, float | None], num_gpus: int,
+               est_kwargs: dict[str, Any], stage: int, par: str,
+               all_nvme: MemoryEstimate) -> tuple[MemoryEstimate, int] | None:
+    """The optimizer on NVMe, with the node's spare usable host memory holding its leading
+    sub-groups: ``offload_optimizer_fraction="auto"`` under the largest ``host_memory_limit``
+    whose estimate still fits (found in a few steps: host use grows with the limit by whole
+    sub-groups). None when nothing moves to the host."""
+    usable = limits["host"]
+    if usable is None or not _fits(all_nvme, limits):
+        return None
+    ranks = all_nvme.ranks_per_node
+    limit, best = all_nvme.host_budget, None
+    for _ in range(6):
+        e = estimate_memory(shape, num_gpus=num_gpus, stage=stage, offload_optimizer="nvme",
+                            offload_param=par, offload_optimizer_fraction="auto",
+                            host_memory_limit=limit, **est_kwargs)
+        spare = int(usable // ranks) - e.host_bytes_per_rank
+        if spare >= 0 and _fits(e, limits) and (
+                best is None or e.nvme_fraction < best[0].nvme_fraction):
+            best = (e, limit)
+        if e.nvme_fraction == 0 or 0 <= spare < 12 * FULL_SPEED_GROUP:
+            break
+        # over: back off by a whole sub-group more, as the host part shrinks by sub-groups
+        limit = max(1, limit + spare - (12 * FULL_SPEED_GROUP if spare < 0 else 0))
+    if best is None or best[0].nvme_fraction >= 1.0:
+        return None
+    return best
+
+
+def _split_text(c: Candidate) -> str:
+    """" The optimizer state: 64% on NVMe, ...; disk traffic ... (vs ... all on NVMe)"."""
+    e = c.estimate
+    if e.nvme_fraction is None:
+        return ""
+    per_node = e.ranks_per_node
+    text = (f" Optimizer state {e.nvme_fraction:.0%} on NVMe, {1 - e.nvme_fraction:.0%} in "
+            f"host memory: {_gb(per_node * e.disk_bytes_per_step)} of disk traffic per step "
+            "per node")
+    if c.all_nvme_disk_bytes:
+        saved = 1 - e.disk_bytes_per_step / c.all_nvme_disk_bytes
+        text += (f", {saved:.0%} less than all on NVMe "
+                 f"({_gb(per_node * c.all_nvme_disk_bytes)})")
+    return text + "."
+
+
 def _evaluate(shape: ModelShape, limits: dict[str, float | None], num_gpus: int,
               est_kwargs: dict[str, Any]) -> list[Candidate]:
     out = []
     for stage, opt, par in CHOICES:
         e = estimate_memory(shape, num_gpus=num_gpus, stage=stage, offload_optimizer=opt,
                             offload_param=par, **est_kwargs)
+        extra: dict[str, Any] = {}
+        filled = _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e) \
+            if opt == "nvme" else None
+        if filled is not None:
+            extra = dict(host_memory_limit=filled[1], all_nvme_disk_bytes=e.disk_bytes_per_step)
+            e = filled[0]
         cand = Candidate(stage, opt, par, e, True, ())
         reasons = []
         for tier, need in cand.needs().items():
@@ -136,7 +210,8 @@ def _evaluate(shape: ModelShape, limits: dict[str, float | None], num_gpus: int,
                 continue
             reasons.append(_why_over(e, tier, need, usable))
         unchecked = cand.uses_nvme and limits["nvme"] is None
-        out.append(Candidate(stage, opt, par, e, not reasons, tuple(reasons), unchecked))
+        out.append(Candidate(stage, opt, par, e, not reasons, tuple(reasons), unchecked,
+                             **extra))
     return out
 
 
@@ -240,6 +315,9 @@ def plan(model_or_num_params: nn.Module | int | float | ModelShape, *, num_gpus:
                               "dtype": _dtype_name(dtype)}
     if choice.stage == 3:
         kwargs["prefetch_depth"] = prefetch_depth
+    if choice.host_memory_limit is not None:
+        kwargs["offload_optimizer_fraction"] = "auto"
+        kwargs["host_memory_limit"] = choice.host_memory_limit
     if choice.uses_nvme:
         need = _gb(choice.estimate.nvme_bytes_per_node)
         if nvme_path is not None:
@@ -260,6 +338,6 @@ def plan(model_or_num_params: nn.Module | int | float | ModelShape, *, num_gpus:
                    f"{choice.offload_param} fits: GPU {_gb(e.gpu_bytes)} of "
                    f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} of "
                    f"{_gb(usable_host)} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
-                   f"node.{why}{trains}")
+                   f"node.{_split_text(choice)}{why}{trains}")
     return outcome(fits=True, kwargs=kwargs, choice=choice, explanation=explanation,
                    notes=tuple(notes))

@@ -7,6 +7,10 @@ overlap efficiency ``max(read + write, compute) / wall``, and the NVMe traffic i
 raw direct I/O on the same directory measured in the same run (so a ratio, not a number that
 drifts with the host). With several ``--prefetch-depth`` values it sweeps stage 3's prefetch
 depth and compares each with stage 3 with parameters resident (``offload_param="none"``).
+With ``--optimizer-fraction 0,0.5,1`` it sweeps the share of the optimizer state kept in files
+(``offload_optimizer_fraction``; the rest stays in host memory) and reports step time and the
+disk bytes of the optimizer step per point; ``--rounds`` repeats the sweep with the points
+interleaved (A B C A B C), so that a host's drifting load is spread over every point.
 
 Why this shape: every configuration gets a fresh model and engine (no state carried over),
 warm-up steps first (the first step pays for first-touch page faults and the recorded module
@@ -59,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
     parser.add_argument("--prefetch-depth", type=int, nargs="+", default=[REFERENCE_DEPTH],
                         help="one or more; several sweep it and add a resident stage-3 reference")
+    parser.add_argument("--optimizer-fraction", type=_fractions, default=None,
+                        help="comma-separated shares of the optimizer state on NVMe to sweep, "
+                        "e.g. 0,0.5,1 or auto (needs --offload-optimizer nvme)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every run this many times, interleaved (default 1)")
     parser.add_argument("--nvme-path", type=Path, default=None, help="directory on the disk to test")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
@@ -68,6 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-size", type=parse_size, default=2**30,
                         help="bytes of raw O_DIRECT read/write baseline on --nvme-path (0: skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _fractions(text: str) -> list[float | str]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]; 'auto' stays a word."""
+    out: list[float | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value: float | str = part if part == "auto" else float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a fraction (0..1) or 'auto'")
+        if value != "auto" and not 0.0 <= float(value) <= 1.0:
+            raise argparse.ArgumentTypeError(f"{part!r} is not in [0, 1]")
+        out.append(value)
+    return out
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -110,6 +134,7 @@ class RunResult:
     offload_optimizer: str
     offload_param: str
     prefetch_depth: int
+    optimizer_fraction: float | str | None = None  # offload_optimizer_fraction (None: unset)
     error: str | None = None
     samples: list[Sample] = field(default_factory=list)
     median: dict[str, float] = field(default_factory=dict)
@@ -118,8 +143,10 @@ class RunResult:
 
     @property
     def label(self) -> str:
+        fraction = "" if self.optimizer_fraction is None else \
+            f" fraction={self.optimizer_fraction}"
         return (f"stage {self.stage} opt={self.offload_optimizer} param={self.offload_param} "
-                f"depth={self.prefetch_depth}")
+                f"depth={self.prefetch_depth}{fraction}")
 
 
 def _sync(device: torch.device) -> None:
@@ -127,9 +154,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int) -> dict[str, Any]:
+def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int,
+                   fraction: float | str | None = None) -> dict[str, Any]:
     kw: dict[str, Any] = dict(stage=args.stage, offload_optimizer=opt, offload_param=param,
                               prefetch_depth=depth, dtype=_DTYPES[args.dtype], lr=1e-4)
+    if fraction is not None:
+        kw["offload_optimizer_fraction"] = fraction
     if "nvme" in (opt, param):
         kw["nvme_path"] = os.fspath(args.nvme_path)
     if args.sub_group_size:
@@ -139,14 +169,16 @@ def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int) -
     return kw
 
 
-def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, depth: int) -> RunResult:
-    """Fresh model + engine, ``--warmup`` then ``--steps`` timed steps; errors are recorded."""
-    res = RunResult(args.stage, opt, param, depth)
+def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, depth: int,
+            fraction: float | str | None = None, res: RunResult | None = None) -> RunResult:
+    """Fresh model + engine, ``--warmup`` then ``--steps`` timed steps; errors are recorded.
+    ``res``: an earlier round's result of the same run, to add this round's samples to."""
+    res = res or RunResult(args.stage, opt, param, depth, fraction)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     engine = None
     try:
-        engine = zo.initialize(GPT(cfg), **_engine_kwargs(args, opt, param, depth))
+        engine = zo.initialize(GPT(cfg), **_engine_kwargs(args, opt, param, depth, fraction))
     except NotImplementedError as exc:
         res.error = f"not implemented yet ({exc})"
         return res
@@ -198,13 +230,37 @@ def disk_baseline(directory: Path, size: int) -> dict[str, float]:
         path.unlink(missing_ok=True)
 
 
-def _runs_wanted(args: argparse.Namespace) -> list[tuple[str, str, int]]:
-    runs = [(opt, args.offload_param, d) for opt in args.offload_optimizer for d in args.prefetch_depth]
+def _runs_wanted(args: argparse.Namespace) -> list[tuple[str, str, int, float | str | None]]:
+    fractions = args.optimizer_fraction or [None]
+    runs = [(opt, args.offload_param, d, f) for opt in args.offload_optimizer
+            for d in args.prefetch_depth for f in (fractions if opt == "nvme" else [None])]
     if len(args.prefetch_depth) > 1 and args.stage == 3:
         for opt in args.offload_optimizer:
-            if (opt, "none", REFERENCE_DEPTH) not in runs:
-                runs.append((opt, "none", REFERENCE_DEPTH))
+            if (opt, "none", REFERENCE_DEPTH, None) not in runs:
+                runs.append((opt, "none", REFERENCE_DEPTH, None))
     return runs
+
+
+def _fraction_sweep(results: list[RunResult]) -> list[dict[str, Any]]:
+    """Step time and optimizer disk bytes per fraction, and both relative to all on NVMe."""
+    points = [r for r in results if r.optimizer_fraction is not None]
+    ref = next((r for r in points if r.optimizer_fraction == 1.0 and not r.error), None)
+    rows = []
+    for r in points:
+        row: dict[str, Any] = {"optimizer_fraction": r.optimizer_fraction, "error": r.error,
+                               "total_s": None, "opt_wall_s": None, "disk_bytes": None,
+                               "time_vs_all_nvme": None, "disk_vs_all_nvme": None}
+        if not r.error:
+            m = r.median
+            row.update(total_s=m["total_s"], opt_wall_s=m["opt_wall_s"],
+                       disk_bytes=m["bytes_read"] + m["bytes_written"])
+            if ref is not None:
+                rm = ref.median
+                row["time_vs_all_nvme"] = m["total_s"] / rm["total_s"]
+                ref_bytes = rm["bytes_read"] + rm["bytes_written"]
+                row["disk_vs_all_nvme"] = row["disk_bytes"] / ref_bytes if ref_bytes else None
+        rows.append(row)
+    return rows
 
 
 def _sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -225,8 +281,13 @@ def _sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str,
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 on unusable arguments, 1 when every run failed."""
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
-        print("bench step: need --steps >= 1, --warmup >= 0, --batch >= 1", file=sys.stderr)
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
+        print("bench step: need --steps >= 1, --warmup >= 0, --batch >= 1, --rounds >= 1",
+              file=sys.stderr)
+        return 2
+    if args.optimizer_fraction and "nvme" not in args.offload_optimizer:
+        print("bench step: --optimizer-fraction splits the optimizer state between host memory "
+              "and NVMe: add --offload-optimizer nvme", file=sys.stderr)
         return 2
     try:
         cfg = model_config(args)
@@ -250,9 +311,16 @@ def run(args: argparse.Namespace) -> int:
             _progress(f"bench step: raw O_DIRECT baseline, {args.baseline_size / 2**30:.2f} GiB")
             baseline = disk_baseline(args.nvme_path, args.baseline_size)
     load_start = os.getloadavg()[0]
+    wanted = _runs_wanted(args)
+    partial: dict[int, RunResult] = {}
+    for _ in range(args.rounds):  # interleaved: every run once per round
+        for k, (opt, param, depth, fraction) in enumerate(wanted):
+            if k in partial and partial[k].error:
+                continue
+            partial[k] = run_one(args, cfg, opt, param, depth, fraction, partial.get(k))
     results: list[RunResult] = []
-    for opt, param, depth in _runs_wanted(args):
-        res = run_one(args, cfg, opt, param, depth)
+    for k in range(len(wanted)):
+        res = partial[k]
         if res.error:
             print(f"bench step: {res.label}: skipped, {res.error.splitlines()[0]}", file=sys.stderr)
         elif baseline and res.median["bytes_read"] > 0:
@@ -273,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         "runs": [{**{k: v for k, v in asdict(r).items() if k != "samples"}, "samples": [asdict(s) for s in r.samples]}
                  for r in results],
         "sweep": _sweep(results, args) if len(args.prefetch_depth) > 1 else None,
+        "rounds": args.rounds,
+        "fraction_sweep": _fraction_sweep(results) if args.optimizer_fraction else None,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -305,7 +375,9 @@ def print_tables(report: dict) -> None:
           "opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
-        head = f"| {r['offload_optimizer']} / {r['offload_param']} | {r['prefetch_depth']} |"
+        opt = r["offload_optimizer"] + ("" if r.get("optimizer_fraction") is None
+                                        else f" ({r['optimizer_fraction']})")
+        head = f"| {opt} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
             print(f"{head} {_short(r['error'])} |" + " |" * 10)
             continue
@@ -324,6 +396,20 @@ def print_tables(report: dict) -> None:
             step = f"{row['total_s']:.3f}" if row["total_s"] else _short(row["error"] or "-")
             ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
             print(f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |")
+    if report.get("fraction_sweep"):
+        print()
+        print("| optimizer on NVMe | step s | opt wall s | optimizer disk GB/step | "
+              "step / all NVMe | disk / all NVMe |")
+        print("|---|---|---|---|---|---|")
+        for row in report["fraction_sweep"]:
+            if row["error"]:
+                print(f"| {row['optimizer_fraction']} | {_short(row['error'])} | | | | |")
+                continue
+            ratios = [f"{row[k]:.2f}" if row[k] is not None else "-"
+                      for k in ("time_vs_all_nvme", "disk_vs_all_nvme")]
+            print(f"| {row['optimizer_fraction']} | {row['total_s']:.3f} | "
+                  f"{row['opt_wall_s']:.3f} | {row['disk_bytes'] / 1e9:.3f} | {ratios[0]} | "
+                  f"{ratios[1]} |")
     print()
     print("overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any request "
           "in flight; read and write columns sum each request, submit to completion, so they overlap). "

@@ -128,8 +128,10 @@ def host_groups(numel: int, group: int, fraction: float | str | None, spare: int
         if spare >= 12 * numel:
             return groups
         return max(0, min(groups, int(spare) // (12 * group)))
-    host = (1.0 - float(fraction)) * numel / group
-    return max(0, min(groups, int(host + 0.5)))
+    target = (1.0 - float(fraction)) * numel  # elements in host memory, as asked
+    below = min(groups, int(target // group))
+    return min((below, min(groups, below + 1)),
+               key=lambda k: abs(min(k * group, numel) - target))
 
 
 def optimizer_split(numel: int, sub_group_size: int, budget: int, dtype_bytes: int,
