@@ -58,7 +58,9 @@ def _params(state: dict) -> dict:
 
 
 def _host_groups(engine) -> int | None:
-    return getattr(engine.stepper.updater, "host_groups", None)
+    """Sub-groups of the NVMe optimizer kept in host memory (None: not on NVMe)."""
+    split = engine.optimizer_split
+    return None if split is None else -(-split.host_numel // split.sizing.group)
 
 
 def _assert_same(a: dict, b: dict, what) -> None:
@@ -183,14 +185,15 @@ def _disk_bytes_of_a_step(tmp_path, fraction) -> tuple[int, int, object]:
     engine.swappers[0].engine.backend = counter
     _steps(engine, 0, 1, 1, 2)
     timings = engine.last_step_timings
-    updater = engine.stepper.updater
+    split = engine.optimizer_split
     # each sub-group's file is padded to whole 4 KiB pages for direct I/O
-    padded = sum(-(-12 * (hi - lo) // 4096) * 4096
-                 for i, (lo, hi) in enumerate(updater.bounds) if i >= updater.host_groups)
+    group = split.sizing.group
+    padded = sum(-(-12 * min(group, split.numel - lo) // 4096) * 4096
+                 for lo in range(split.host_numel, split.numel, group))
     assert counter.read == counter.written == padded
-    assert timings.bytes_read == timings.bytes_written == 12 * updater.split.nvme_numel
+    assert timings.bytes_read == timings.bytes_written == 12 * split.nvme_numel
     engine.close()
-    return timings.bytes_read, timings.bytes_written, updater
+    return timings.bytes_read, timings.bytes_written, split
 
 
 def test_disk_bytes_per_step_fall_in_proportion(tmp_path):
@@ -199,9 +202,9 @@ def test_disk_bytes_per_step_fall_in_proportion(tmp_path):
     full_read, full_written, full = _disk_bytes_of_a_step(tmp_path, 1.0)
     assert full_read == full_written == 12 * full.numel > 0
     for fraction in (0.5, 0.0):
-        read, written, updater = _disk_bytes_of_a_step(tmp_path, fraction)
+        read, written, split = _disk_bytes_of_a_step(tmp_path, fraction)
         assert abs(read / full_read - fraction) <= GROUP / full.numel  # whole sub-groups
-        assert updater.split.disk_bytes_per_step() == read + written
+        assert split.disk_bytes_per_step() == read + written
 
 
 def test_ledger_and_estimate_count_the_split(tmp_path):
@@ -214,7 +217,7 @@ def test_ledger_and_estimate_count_the_split(tmp_path):
                                                 dtype=torch.float32, host_memory_limit=limit))
         _steps(engine, 0, 1, 0, 1)
         report = engine.memory_report()
-        split = engine.stepper.updater.split
+        split = engine.optimizer_split
         with torch.device("meta"):
             shape = TinyGPT()
         e = zo.estimate_memory(shape, num_gpus=1, stage=2, offload_optimizer="nvme",
@@ -279,3 +282,77 @@ def test_plan_gives_spare_host_memory_to_the_optimizer():
                                offload_optimizer_fraction="auto", host_available=128 * 10**9)
     assert again.nvme_fraction == e.nvme_fraction and again.terms == e.terms
     assert "less than all on NVMe" in p.explanation
+
+
+# -- stage 3 parameter shards split between host memory and NVMe ------------------------------
+def _train_param_split(rank: int, world: int, nvme: str, ckpt: str) -> dict:
+    out = {}
+    for opt in ("nvme", "cpu"):
+        for fraction in (None, 0.0, 0.5, 1.0):
+            torch.manual_seed(0)
+            engine = zo.initialize(TinyGPT(), **_kwargs(3, opt, None, nvme,
+                                                        offload_param_fraction=fraction))
+            _steps(engine, rank, world, 0, 2)
+            if (opt, fraction) == ("nvme", 0.5):
+                engine.save_checkpoint(ckpt, tag="params-half")
+            _steps(engine, rank, world, 2, 3)
+            store = engine.param_store
+            out[(opt, fraction)] = (_params(_state(engine)), store.host_numel,
+                                    engine.memory_report().bytes["nvme"]["params"])
+            engine.close()
+    for fraction in (0.0, 1.0):  # resumed into another split: the same last step
+        torch.manual_seed(3)
+        engine = zo.initialize(TinyGPT(), **_kwargs(3, "nvme", None, nvme,
+                                                    offload_param_fraction=fraction))
+        engine.load_checkpoint(ckpt)
+        _steps(engine, rank, world, 2, 3)
+        out[("resumed", fraction)] = (_params(_state(engine)), engine.param_store.host_numel, 0)
+        engine.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+def test_param_shards_split_by_unit_train_and_resume_to_the_same_bits(world, tmp_path):
+    """offload_param_fraction 0, ½, 1 (optimizer on NVMe or on the host) trains to the bits of
+    all params in files; a checkpoint saved at ½ resumes at 0 and 1 to the same bits; the
+    ledger counts only the units in files on NVMe."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = run_ranks(world, _train_param_split, str(nvme), str(tmp_path / "ckpt"))
+    for rank, res in enumerate(results):
+        want, _, all_bytes = res[("nvme", None)]
+        total = res[("nvme", 0.0)][1]
+        for (opt, fraction), (params, host_numel, nvme_bytes) in res.items():
+            _assert_same(params, want, (rank, opt, fraction))
+            if opt == "resumed":
+                continue
+            expect = {None: 0, 1.0: 0, 0.0: total, 0.5: host_numel}[fraction]
+            assert host_numel == expect
+            assert nvme_bytes == all_bytes - 2 * host_numel  # bf16 shards
+        assert 0 < res[("nvme", 0.5)][1] < total
+
+
+def test_estimate_places_the_same_param_units_as_the_engine(tmp_path):
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), **_kwargs(3, "nvme", None, str(tmp_path),
+                                                offload_param_fraction=0.5))
+    with torch.device("meta"):
+        shape = TinyGPT()
+    e = zo.estimate_memory(shape, num_gpus=1, stage=3, offload_optimizer="nvme",
+                           offload_param="nvme", dtype=torch.bfloat16, device="cpu",
+                           sub_group_size=GROUP, offload_param_fraction=0.5)
+    terms = {t.name: t.bytes for t in e.terms}
+    host_numel = engine.param_store.host_numel
+    assert 0 < host_numel < engine.shard_numel
+    assert terms["param shards (host part)"] == 2 * host_numel
+    assert terms["param shards"] == engine.memory_report().bytes["nvme"]["params"]
+    engine.close()
+
+
+def test_a_param_fraction_needs_params_on_nvme(tmp_path):
+    with pytest.raises(zo.ConfigError, match="needs offload_param='nvme'"):
+        zo.initialize(TinyGPT(), stage=3, offload_param="cpu", offload_param_fraction=0.5)
+    with pytest.raises(zo.ConfigError, match="offload_param_fraction"):
+        zo.initialize(TinyGPT(), stage=3, offload_param="nvme", nvme_path=tmp_path,
+                      offload_param_fraction=2)

@@ -152,6 +152,9 @@ class OffloadConfig:
     # optimizer state in files (0..1), the leading sub-groups staying in host memory; "auto"
     # fills the host budget first; None: all of it (1.0)
     optimizer_fraction: float | str | None = None
+    # key: offload_param_fraction. Stage 3 with offload_param="nvme": the share of the
+    # parameter shards in files (0..1), whole units, the leading ones staying in host memory
+    param_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -176,6 +179,17 @@ class OffloadConfig:
         self._check_fraction()
 
     def _check_fraction(self) -> None:
+        if self.param_fraction is not None:
+            value = _number("offload_param_fraction", self.param_fraction, lo=0.0, hi=1.0)
+            if value != value:
+                raise _bad("offload_param_fraction", value, "expected a number in [0, 1]")
+            object.__setattr__(self, "param_fraction", value)
+            if self.param != "nvme":
+                raise ConfigError(
+                    f"offload_param_fraction={value!r} splits the parameter shards between "
+                    f"host memory and NVMe, so it needs offload_param='nvme' (got "
+                    f"{self.param!r}); set offload_param='nvme' and nvme_path, or drop "
+                    "offload_param_fraction")
         value = self.optimizer_fraction
         if value is None:
             return
@@ -265,7 +279,8 @@ class ZeroConfig:
 # Flat user-facing key -> (section attribute or None for top level, field name).
 _SECTIONS = {"optimizer": OptimizerConfig, "precision": PrecisionConfig, "offload": OffloadConfig}
 _RENAMES = {"offload_optimizer": ("offload", "optimizer"), "offload_param": ("offload", "param"),
-            "offload_optimizer_fraction": ("offload", "optimizer_fraction")}
+            "offload_optimizer_fraction": ("offload", "optimizer_fraction"),
+            "offload_param_fraction": ("offload", "param_fraction")}
 
 
 def _flat_keys() -> dict[str, tuple[str | None, str]]:

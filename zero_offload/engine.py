@@ -31,7 +31,8 @@ from .stages.build import build_units
 from .stages.handback import Leftovers, check_parameters, hand_back_parameters
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue, staging_bytes
-from .stages.param_store import ParamStore, param_pool_bytes
+from .stages.nvme_sizing import OptimizerSplit
+from .stages.param_store import ParamStore, param_host_numel, param_pool_bytes
 from .stages.streams import Streams
 from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
@@ -101,7 +102,9 @@ class Engine:
         self.param_store = (ParamStore(config, shard_numel,
                                        max((p.shard_numel for p in plans), default=0),
                                        self.dtype, self.device, self.comm.rank, param_budget,
-                                       self.streams)
+                                       self.streams, param_host_numel(
+                                           [(p.shard_offset, p.shard_numel) for p in plans],
+                                           config.offload.param_fraction))
                             if self.stage == 3 else None)
         if self.param_store is not None:
             self._leftovers.closers.append(self.param_store.close)
@@ -449,6 +452,12 @@ class Engine:
     def last_step_timings(self) -> StepTimings:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
         return self.stepper.updater.last_timings
+
+    @property
+    def optimizer_split(self) -> OptimizerSplit | None:
+        """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
+        in host memory and in files, its sub-group size; None when it is not on NVMe."""
+        return getattr(self.stepper.updater, "split", None)
 
     @property
     def swappers(self) -> list[Swapper]:

@@ -36,7 +36,7 @@ from .stages.gather import gathered_units
 from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import optimizer_split
-from .stages.param_store import param_pool_buffers
+from .stages.param_store import param_host_numel, param_pool_buffers
 from .stages.units import owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
 
@@ -256,7 +256,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
                     host_memory_limit: int | None = None, device: str = "cuda",
                     trainable_params: int | float | None = None,
                     host_available: int | None = None,
-                    offload_optimizer_fraction: float | str | None = None) -> MemoryEstimate:
+                    offload_optimizer_fraction: float | str | None = None,
+                    offload_param_fraction: float | None = None) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -273,6 +274,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     ``offload_optimizer_fraction``: with the optimizer on NVMe, the share of its state in
     files (the leading sub-groups stay in host memory), or "auto" (fill the optimizer's
     share of the host budget first), as the engine places it.
+    ``offload_param_fraction``: stage 3 with the params on NVMe, the share of the parameter
+    shards in files (whole units; the leading ones stay in host memory).
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -286,8 +289,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     psi, psi_t = shape.num_params, shape.trainable_params
     shards = 1 if stage == 0 else num_gpus
     if shape.model is not None:  # the engine's own layout: units, each padded
-        plans = plan_units(shape.model, stage=stage, world_size=num_gpus,
-                           bucket_size=reduce_bucket_size)
+        plans: list | None = plan_units(shape.model, stage=stage, world_size=num_gpus,
+                                        bucket_size=reduce_bucket_size)
         padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
         if stage == 3 and largest_layer_params is not None:
@@ -298,6 +301,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         inflight = sum(trained[:reductions_alive()])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
     else:
+        plans = None
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
                    if stage == 3 else min(reduce_bucket_size, psi))
@@ -328,7 +332,16 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         add("params", "device", RESIDENT, MODEL_STATE, b * full, f"{b}Ψ: a full copy per GPU")
     else:
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
-        add("param shards", tier, RESIDENT, MODEL_STATE, b * s, f"{b}Ψ/N")
+        # offload_param_fraction: the leading units' shards stay in host memory
+        fraction = offload_param_fraction if offload_param == "nvme" else None
+        on_host = (param_host_numel([(p.shard_offset, p.shard_numel) for p in plans],
+                                    fraction) if plans is not None
+                   else round((1.0 - fraction) * s) if fraction is not None else 0)
+        add("param shards", tier, RESIDENT, MODEL_STATE, b * (s - on_host),
+            f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files")
+        if on_host:
+            add("param shards (host part)", "host", RESIDENT, MODEL_STATE, b * on_host,
+                f"{b} bytes × the leading units of Ψ/N, in host memory")
         add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
             gathered_units(prefetch_depth) * largest * b, "(prefetch_depth + 1) × largest module")
         if offload_param == "nvme":

@@ -3,6 +3,9 @@
 ``offload_param="none"`` keeps them in one rank-flat buffer on the device, ``"cpu"`` in host
 memory (pinned with CUDA), ``"nvme"`` in one file per unit behind a small pool of host buffers
 (``prefetch_depth + 2`` of them, so reads for the next modules run while one computes).
+With ``offload_param_fraction`` the leading units (in rank-flat order) keep their shards in
+host memory instead and only the rest are in files (:func:`param_host_numel`, the rule the
+engine and ``estimate_memory`` share).
 The optimizer writes new values through :meth:`put` after a step — the only time a shard
 changes, so a shard is written back only then. The gatherer takes a unit's shard on the
 compute device through :meth:`load` (with CUDA: copied on the host-to-device stream).
@@ -22,13 +25,24 @@ from ..swap.swapper import Swapper
 from .streams import Streams
 from .units import FlatUnit
 
-__all__ = ["ParamStore", "param_pool_buffers", "param_pool_bytes"]
+__all__ = ["ParamStore", "param_host_numel", "param_pool_buffers", "param_pool_bytes"]
 
 
 def param_pool_buffers(prefetch_depth: int) -> int:
     """Host buffers the NVMe parameter pool wants: one per read ahead, the one being
     gathered, and one for a write-back after the step."""
     return prefetch_depth + 2
+
+
+def param_host_numel(shards: list[tuple[int, int]], fraction: float | None) -> int:
+    """Rank-flat elements of the leading units whose shards stay in host memory, given each
+    unit's (shard_offset, shard_numel) and the share in files (None: all in files): the unit
+    boundary nearest to ``1 - fraction`` of the shard."""
+    if fraction is None or not shards:
+        return 0
+    ends = sorted(offset + numel for offset, numel in shards)
+    target = (1.0 - fraction) * ends[-1]
+    return min([0, *ends], key=lambda end: abs(end - target))
 
 
 def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) -> int:
@@ -43,7 +57,9 @@ def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) ->
 class ParamStore:
     def __init__(self, cfg: ZeroConfig, numel: int, largest_shard: int, dtype: torch.dtype,
                  device: torch.device, rank: int, host_memory_limit: int | None,
-                 streams: Streams) -> None:
+                 streams: Streams, host_numel: int = 0) -> None:
+        """``host_numel``: with ``offload_param="nvme"``, the rank-flat prefix kept in host
+        memory (whole units, :func:`param_host_numel`)."""
         self.tier = cfg.offload.param
         self.streams = streams
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
@@ -53,11 +69,16 @@ class ParamStore:
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bytes = numel * itemsize
+        # NVMe: the leading units' shards in host memory (empty when all are in files)
+        self.host_numel = host_numel if self.tier == "nvme" else 0
+        self.host = host_empty(self.host_numel, dtype, crosses_pcie=True) \
+            if self.tier == "nvme" else None
         if self.tier == "nvme":
             self.swapper = Swapper(
                 cfg.offload.nvme_dir, buffer_bytes=largest_shard * itemsize,
                 buffer_count=param_pool_buffers(cfg.prefetch_depth), min_buffers=1,
-                host_memory_limit=host_memory_limit, expected_bytes=self._bytes, rank=rank,
+                host_memory_limit=host_memory_limit,
+                expected_bytes=self._bytes - self.host_numel * itemsize, rank=rank,
                 pin=pins(crosses_pcie=True))
         else:
             self.resident = host_empty(numel, dtype, crosses_pcie=True) if self.tier == "cpu" \
@@ -68,10 +89,14 @@ class ParamStore:
         return f"param.{unit.index}"
 
     def view(self, unit: FlatUnit) -> torch.Tensor | None:
-        """The unit's slice of the resident buffer (None on NVMe)."""
-        if self.resident is None:
-            return None
-        return self.resident[unit.shard_offset:unit.shard_offset + unit.shard_numel]
+        """The unit's slice of the resident buffer, or of the host part of an NVMe store
+        (None: the unit's shard is in a file)."""
+        end = unit.shard_offset + unit.shard_numel
+        if self.resident is not None:
+            return self.resident[unit.shard_offset:end]
+        if end <= self.host_numel and self.host is not None:
+            return self.host[unit.shard_offset:end]
+        return None
 
     @property
     def reads_from_disk(self) -> bool:
@@ -107,7 +132,7 @@ class ParamStore:
         """Start reading an NVMe shard into a host buffer (no-op for resident shards). Never
         waits for a buffer: with fewer than two free (one stays for the read that cannot
         wait), the read simply is not started ahead."""
-        if self.swapper is None or unit.index in self._prefetched:
+        if self.swapper is None or unit.index in self._prefetched or self.view(unit) is not None:
             return
         if self.swapper.pool.available < 2:
             return
@@ -150,12 +175,14 @@ class ParamStore:
             report.add("host" if self.tier == "cpu" else "device", "params", self._bytes,
                        pinned=pinned_nbytes(self.resident))
         else:
-            assert self.swapper is not None
-            report.add("nvme", "params", self._bytes)
-            report.add("host", "params", self.swapper.host_buffer_nbytes,
-                       pinned=self.swapper.pool.pinned_nbytes)
+            assert self.swapper is not None and self.host is not None
+            host_part = self.host.numel() * self.host.element_size()
+            report.add("nvme", "params", self._bytes - host_part)
+            report.add("host", "params", self.swapper.host_buffer_nbytes + host_part,
+                       pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.host))
 
     def close(self) -> None:
         unpin(self.resident)
+        unpin(self.host)
         if self.swapper is not None:
             self.swapper.close()
