@@ -43,8 +43,10 @@ def _steps(engine, rank, world, start, end):
 
 def _optimizer_state(engine) -> dict[str, torch.Tensor]:
     """This rank's flat [master | m | v] and the step count, as plain tensors."""
-    chunks = [arrays for _lo, arrays in engine.state_chunks() if arrays[1] is not None]
-    parts = [torch.cat([c[k].clone() for c in chunks]) for k in range(3)]
+    # clone each piece as it comes: NVMe state arrives in pool buffers that the next piece reuses
+    chunks = [[a.clone() for a in arrays] for _lo, arrays in engine.state_chunks()
+              if arrays[1] is not None]
+    parts = [torch.cat([c[k] for c in chunks]) for k in range(3)]
     return {"master": parts[0], "exp_avg": parts[1], "exp_avg_sq": parts[2],
             "steps": torch.tensor(engine.optimizer_steps)}
 
