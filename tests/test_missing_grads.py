@@ -139,8 +139,8 @@ def test_device_updater_steps_ranges_with_their_own_counts():
     updater = DeviceAdam(torch.cat([p1.detach(), p2.detach()]),
                          build_config(None, lr=LR, weight_decay=WD))
     # per update: which parameters have a gradient, and the ranges the stepper would give
-    plan = [((True, True), None), ((True, False), [(0, 5, 2)]),
-            ((True, True), [(0, 5, 3), (5, 12, 2)])]
+    plan = [((True, True), None), ((True, False), [(0, 5, 2, True)]),
+            ((True, True), [(0, 5, 3, True), (5, 12, 2, True)])]
     for i, (has, ranges) in enumerate(plan):
         g = torch.randn(12, generator=torch.Generator().manual_seed(i))
         p1.grad = g[:5].clone() if has[0] else None

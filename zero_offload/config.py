@@ -107,10 +107,18 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 1e-2
     max_grad_norm: float | None = None  # clip by the global norm over all shards; None: off
+    # names (as in model.named_parameters()) of parameters stepped without weight decay:
+    # biases and norm weights, the no-decay group Hugging Face Trainer builds
+    no_decay: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
         _number("lr", self.lr, lo=0.0)
+        if (not isinstance(self.no_decay, (list, tuple, set, frozenset))
+                or not all(isinstance(n, str) for n in self.no_decay)):
+            raise _bad("no_decay", self.no_decay,
+                       "expected a list of parameter names, e.g. ['fc.bias', 'norm.weight']")
+        object.__setattr__(self, "no_decay", tuple(self.no_decay))
         if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
                 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
             raise _bad("betas", self.betas, "expected two numbers in [0, 1), e.g. (0.9, 0.999)")

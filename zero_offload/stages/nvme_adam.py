@@ -44,7 +44,8 @@ from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
 from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
-from .update_api import Sink, StateChunk, StepTimings, adam_hyperparameters, adam_kwargs
+from .update_api import (Sink, StateChunk, StepRange, StepTimings, adam_hyperparameters,
+                         adam_kwargs, whole_range)
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
@@ -199,7 +200,7 @@ class NvmeAdam:
             self.disk_grads.release(i)
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[tuple[int, int, int]] | None = None) -> None:
+               ranges: list[StepRange] | None = None) -> None:
         """``grads``: the host fp32 shard, or None when the gradients are in files.
         ``ranges``: what to step, with which step count (None: everything). All or
         nothing: see the module's docstring."""
@@ -257,13 +258,13 @@ class NvmeAdam:
             "engine.optimizer.load_state_dict) before stepping again") from exc
 
     def _pipeline(self, grads: torch.Tensor | None, factor: float, sink: Sink, step: int,
-                  changed: list[int], ranges: list[tuple[int, int, int]] | None) -> None:
+                  changed: list[int], ranges: list[StepRange] | None) -> None:
         """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
         Adam step ``step``); each sub-group whose state is about to change is appended to
         ``changed``. Returns once all are on disk. Host-resident sub-groups come first and
         are stepped while the first read from disk is in flight."""
         hyper = adam_hyperparameters(self.optimizer, step)
-        ranges = [(0, self.numel, step)] if ranges is None else ranges
+        ranges = whole_range(self.numel, step) if ranges is None else ranges
         timings = StepTimings()
         start = time.perf_counter()
         last = len(self.bounds) - 1
@@ -313,14 +314,14 @@ class NvmeAdam:
         self.last_timings = timings
 
     def _step_group(self, state: torch.Tensor, grad: torch.Tensor, lo: int, hi: int,
-                    factor: float, ranges: list[tuple[int, int, int]], hyper: dict,
+                    factor: float, ranges: list[StepRange], hyper: dict,
                     sink: Sink, timings: StepTimings) -> None:
         """The CPU Adam on sub-group [lo, hi)'s (3, n) state, wherever it lives; elements
         outside ``ranges`` keep their values. Hands the new values to ``sink``."""
         t0 = time.perf_counter()
         out = None if self.out.numel() == 0 else self.out[:hi - lo]
         done = lo
-        for a, b, count in ranges:
+        for a, b, count, decays in ranges:
             a, b = max(a, lo), min(b, hi)
             if a >= b:
                 continue
@@ -329,10 +330,11 @@ class NvmeAdam:
             g = grad[a - lo:b - lo]
             if factor != 1.0:
                 g.mul_(factor)  # in place: a host buffer or the host shard, both done after
-            hyper["step"] = count
+            kw = dict(hyper, step=count,
+                      weight_decay=hyper["weight_decay"] if decays else 0.0)
             adam_update(state[0, a - lo:b - lo], g, state[1, a - lo:b - lo],
                         state[2, a - lo:b - lo],
-                        out=None if out is None else out[a - lo:b - lo], **hyper)
+                        out=None if out is None else out[a - lo:b - lo], **kw)
             done = b
         if out is not None and done < hi:
             out[done - lo:].copy_(state[0, done - lo:])

@@ -12,6 +12,8 @@ Like ``torch.optim.AdamW``, a parameter that had no gradient in the accumulation
 rank) is not stepped: no moment update, no weight decay, and its own step count (Adam's bias
 correction) does not advance. The updater gets the rank-flat ranges to step, each with its
 step count; in the common case (every parameter had a gradient every time) that is one range.
+Parameters named in ``no_decay`` (biases, norm weights) are stepped with weight decay 0, as in
+the no-decay parameter group of Hugging Face Trainer's AdamW: their ranges say so.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Comm
-from ..config import ZeroConfig
+from ..config import ConfigError, ZeroConfig
 from ..ledger import MemoryReport
 from .grads import trainable_slots
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
@@ -32,11 +34,25 @@ from .loss_scale import LossScaler
 from .param_store import ParamStore
 from .streams import Streams
 from .units import FlatUnit
+from .update_api import StepRange
 from .updaters import Updater
 
 __all__ = ["ShardStepper"]
 
 log = logging.getLogger(__name__)
+
+
+def _decays(units: list[FlatUnit], slots: list[tuple[FlatUnit, int]],
+            no_decay: tuple[str, ...]) -> list[bool]:
+    """Per trainable slot: whether weight decay applies (its name is not in ``no_decay``)."""
+    names = {n for u in units for n in u.names}
+    unknown = [n for n in no_decay if n not in names]
+    if unknown:
+        close = ", ".join(sorted(names)[:5])
+        raise ConfigError(f"no_decay names {unknown[:3]!r}, which are not parameters of the "
+                          f"model; use names from model.named_parameters() (e.g. {close})")
+    skip = set(no_decay)
+    return [u.names[i] not in skip for u, i in slots]
 
 
 class ShardStepper:
@@ -73,6 +89,7 @@ class ShardStepper:
         self._names = [u.names[i] for u, i in slots]
         self._ranges = [self._rank_flat_range(u, i) for u, i in slots]
         self._skipped = [0] * len(slots)
+        self._decays = _decays(units, slots, cfg.optimizer.no_decay)
 
     def _rank_flat_range(self, unit: FlatUnit, i: int) -> tuple[int, int]:
         """This rank's rank-flat [lo, hi) of parameter ``i`` of ``unit`` (the padding after
@@ -84,24 +101,27 @@ class ShardStepper:
         a, b = max(start, lo), min(end, hi)
         return (unit.shard_offset + a - lo, unit.shard_offset + b - lo) if a < b else (0, 0)
 
-    def _update_ranges(self, had_grad: list[bool] | None) -> list[tuple[int, int, int]] | None:
-        """(lo, hi, step) runs of rank-flat elements to step, with equal step counts merged;
-        counts the update as missed by every parameter without a gradient. None: all."""
+    def _update_ranges(self, had_grad: list[bool] | None) -> list[StepRange] | None:
+        """(lo, hi, step, decays) runs of rank-flat elements to step, neighbours with equal
+        step counts and weight decay merged; counts the update as missed by every parameter
+        without a gradient. None: all, at the next step count, with weight decay."""
         if had_grad is None:
-            return None
+            if all(self._decays):
+                return None
+            had_grad = [True] * len(self._ranges)
         step = self.updater.steps + 1
-        ranges: list[tuple[int, int, int]] = []
+        ranges: list[StepRange] = []
         for k, ((lo, hi), had) in enumerate(zip(self._ranges, had_grad)):
             if not had:
                 self._skipped[k] += 1
                 continue
-            s = step - self._skipped[k]
+            s, decays = step - self._skipped[k], self._decays[k]
             if lo == hi:
                 continue
-            if ranges and ranges[-1][1] == lo and ranges[-1][2] == s:
-                ranges[-1] = (ranges[-1][0], hi, s)
+            if ranges and ranges[-1][1] == lo and ranges[-1][2:] == (s, decays):
+                ranges[-1] = (ranges[-1][0], hi, s, decays)
             else:
-                ranges.append((lo, hi, s))
+                ranges.append((lo, hi, s, decays))
         return ranges
 
     def missed_updates(self) -> dict[str, int]:

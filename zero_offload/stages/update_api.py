@@ -14,8 +14,8 @@ from ..ledger import MemoryReport
 if TYPE_CHECKING:
     from .disk_grads import DiskGrads
 
-__all__ = ["Sink", "StateChunk", "StepTimings", "Updater", "adam_hyperparameters",
-           "adam_kwargs"]
+__all__ = ["Sink", "StateChunk", "StepRange", "StepTimings", "Updater", "adam_hyperparameters",
+           "adam_kwargs", "whole_range"]
 
 
 Sink = Callable[[int, int, torch.Tensor], None]
@@ -44,6 +44,16 @@ class StepTimings:
         return busy / self.wall_s if self.wall_s > 0 else 1.0
 
 
+StepRange = tuple[int, int, int, bool]
+"""(lo, hi, step, decays): step rank-flat elements [lo, hi) at Adam step count ``step``, with
+the group's weight decay when ``decays`` (else none: biases, norm weights)."""
+
+
+def whole_range(numel: int, step: int) -> list[StepRange]:
+    """Every element at ``step``, with weight decay: what ``ranges=None`` means."""
+    return [(0, numel, step, True)]
+
+
 StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 """(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
 
@@ -62,10 +72,10 @@ class Updater(Protocol):
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: "list[tuple[int, int, int]] | None" = None) -> None:
-        """Step rank-flat ``ranges`` (lo, hi, Adam step count; None: everything at
-        ``steps + 1``), leave the rest as it is, hand every value to ``sink``; ``steps``
-        becomes ``steps + 1``."""
+               ranges: "list[StepRange] | None" = None) -> None:
+        """Step rank-flat ``ranges`` (lo, hi, Adam step count, weight decay or not; None:
+        everything at ``steps + 1`` with weight decay), leave the rest as it is, hand every
+        value to ``sink``; ``steps`` becomes ``steps + 1``."""
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...

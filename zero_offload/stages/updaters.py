@@ -30,7 +30,8 @@ from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
-from .update_api import (Sink, StateChunk, StepTimings, Updater, adam_hyperparameters,
+from .update_api import (Sink, StateChunk, StepRange, StepTimings, Updater, adam_hyperparameters,
+                         whole_range,
                          adam_kwargs)
 
 __all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
@@ -136,7 +137,7 @@ class DeviceAdam(_ResidentAdam):
         return self.optimizer
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink, ranges: list[tuple[int, int, int]] | None = None) -> None:
+               sink: Sink, ranges: list[StepRange] | None = None) -> None:
         """``factor`` may also be a device tensor."""
         start = time.perf_counter()
         assert grads is not None
@@ -144,7 +145,7 @@ class DeviceAdam(_ResidentAdam):
         if isinstance(factor, torch.Tensor) or factor != 1.0:
             grads32.mul_(factor)
         step = self.steps + 1
-        if ranges is None or ranges == [(0, self.master.numel(), step)]:
+        if ranges is None or ranges == whole_range(self.master.numel(), step):
             self.param.grad = grads32
             self.optimizer.step()
             self.param.grad = None
@@ -155,20 +156,21 @@ class DeviceAdam(_ResidentAdam):
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master)
 
-    def _step_ranges(self, grads32: torch.Tensor, ranges: list[tuple[int, int, int]]) -> None:
-        """Some parameters had no gradient, or missed updates: torch's functional AdamW on
-        each range with that range's own step count."""
+    def _step_ranges(self, grads32: torch.Tensor, ranges: list[StepRange]) -> None:
+        """Some parameters had no gradient, missed updates or take no weight decay: torch's
+        functional AdamW on each range with that range's own step count and decay."""
         state = self._moments()
         group = self.optimizer.param_groups[0]
         fused = bool(self.optimizer.defaults.get("fused"))
-        for lo, hi, s in ranges:
+        for lo, hi, s, decays in ranges:
             count = torch.tensor(float(s - 1), dtype=torch.float32,  # incremented by adamw
                                  device=state["step"].device)
             _functional_adamw(
                 [self.master[lo:hi]], [grads32[lo:hi]], [state["exp_avg"][lo:hi]],
                 [state["exp_avg_sq"][lo:hi]], [], [count], foreach=False, fused=fused or None,
                 amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
-                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                lr=group["lr"], weight_decay=group["weight_decay"] if decays else 0.0,
+                eps=group["eps"],
                 maximize=False)
 
 
@@ -196,7 +198,7 @@ class HostAdam(_ResidentAdam):
         return self._scratch_buf[:n]
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[tuple[int, int, int]] | None = None) -> None:
+               ranges: list[StepRange] | None = None) -> None:
         """One pass of the CPU kernel, chunk by chunk: a chunk of gradients is upcast and
         scaled into a small fp32 buffer only when it is not fp32 already or ``factor`` != 1
         (fp32 host gradients are scaled in place). Elements outside ``ranges`` are left as
@@ -207,10 +209,11 @@ class HostAdam(_ResidentAdam):
         n = self.master.numel()
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
+        decay = hyper["weight_decay"]
         done = 0
-        for lo, hi, count in [(0, n, step)] if ranges is None else ranges:
+        for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
             self._copy_out(done, lo)
-            hyper["step"] = count
+            hyper["step"], hyper["weight_decay"] = count, decay if decays else 0.0
             for a in range(lo, hi, _GRAD_CHUNK):
                 b = min(a + _GRAD_CHUNK, hi)
                 g = grads[a:b].to("cpu", non_blocking=False)
