@@ -16,7 +16,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine: Engine) -> None:  # no super().__init__: the engine owns params
         self.engine = engine
-        self.applied = True  # the last step updated the parameters (False: fp16 overflow)
+        self.applied = True  # the last step updated the parameters
+        self.overflowed = False  # the last step was skipped on an fp16 overflow
 
     # Read-only views where torch declares plain attributes: the engine's optimizer may
     # replace its param_groups list (load_state_dict), and the state is not held here.
@@ -40,7 +41,15 @@ class EngineOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ValueError("zero_offload's optimizer step takes no closure")
+        before = self.engine.skipped_steps
         self.applied = self.engine.step()
+        self.overflowed = self.engine.skipped_steps > before
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """The last step was skipped on an fp16 overflow: a trainer then leaves its lr
+        scheduler where it is, as with DeepSpeed (Accelerate reads this name)."""
+        return self.overflowed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine's step drops the gradients it applied."""

@@ -9,8 +9,9 @@
 ``zero_offload`` takes :func:`zero_offload.initialize` keywords, or a JSON file of them, or a
 DeepSpeed config (its ``"auto"`` values filled from ``TrainingArguments`` as Hugging Face's
 DeepSpeed integration does). ``TrainingArguments`` supply the AdamW hyperparameters
-(``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``), ``max_grad_norm``
-and the compute dtype (``bf16`` / ``fp16``); keywords given in ``zero_offload`` win.
+(``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``, with Trainer's
+no-decay group of biases and norm weights as ``no_decay``), ``max_grad_norm`` and the compute
+dtype (``bf16`` / ``fp16``); keywords given in ``zero_offload`` win.
 
 How it plugs in (the Trainer methods overridden, and why):
 - ``create_optimizer`` builds the engine and hands Trainer :class:`EngineOptimizer`, whose
@@ -22,6 +23,8 @@ How it plugs in (the Trainer methods overridden, and why):
 - ``training_step`` backpropagates through the engine, which runs with
   ``gradient_accumulation_steps=1``: Trainer divides the loss for accumulation and says which
   micro-batch ends the window (``final``); the engine scales only by the fp16 loss scale.
+- Accelerate gets the optimizer as already prepared and asks it ``step_was_skipped``: a step
+  skipped on an fp16 overflow does not advance Trainer's lr scheduler (as with DeepSpeed).
 - ``_clip_grad_norm`` / ``_get_grad_norm``: the engine clips at its step, over all shards; the
   norm is logged after the step (``grad_norm``) with the engine's step stats.
 - Checkpoints: ``save_model`` writes consolidated safetensors (``engine.full_state_dict()``);
@@ -91,8 +94,11 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
 
 
 def engine_keywords(args: Any, model: nn.Module,
-                    zero_offload: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
-    """``initialize`` keywords for a Trainer run: TrainingArguments first, then the user's."""
+                    zero_offload: Mapping[str, Any] | str | os.PathLike | None,
+                    decay_names: list[str] | None = None) -> dict[str, Any]:
+    """``initialize`` keywords for a Trainer run: TrainingArguments first, then the user's.
+    ``decay_names``: the parameters Trainer decays (``get_decay_parameter_names``); the other
+    trainable ones go to ``no_decay``, as in Trainer's own no-decay group."""
     optim = getattr(args.optim, "value", args.optim)
     if optim not in _ADAMW:
         raise ConfigError(f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
@@ -102,6 +108,12 @@ def engine_keywords(args: Any, model: nn.Module,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
         else None)
+    if decay_names is not None:
+        decayed = set(decay_names)
+        no_decay = [n for n, p in model.named_parameters() if p.requires_grad
+                    and n not in decayed]
+        if no_decay:
+            kw["no_decay"] = no_decay
     if args.bf16 or args.fp16:
         kw["dtype"] = torch.bfloat16 if args.bf16 else torch.float16
     user = _load(zero_offload)
@@ -150,14 +162,20 @@ class ZeroOffloadMixin(_TrainerBase):
             if self.model is None:
                 raise ConfigError("ZeroOffloadTrainer needs the model before its optimizer: "
                                   "pass model= (or model_init=) to the Trainer")
-            kw = engine_keywords(self.args, self.model, self.zero_offload_config)
+            kw = engine_keywords(self.args, self.model, self.zero_offload_config,
+                                 self.get_decay_parameter_names(self.model))
             self.engine = initialize(self.model, **kw)
             self._engine_module = EngineModule(self.engine)
             if self.engine.dtype == torch.float16:  # the engine scales the loss itself
                 self.accelerator.scaler = None
-            log.info("ZeroOffloadTrainer: %s", {k: v for k, v in kw.items()})
+            log.info("ZeroOffloadTrainer: %s", {k: f"{len(v)} parameters" if k == "no_decay"
+                                                 else v for k, v in kw.items()})
         if self.optimizer is None:
             self.optimizer = EngineOptimizer(self.engine)
+            # Accelerate takes it as it is (no AcceleratedOptimizer around it) and asks it
+            # ``step_was_skipped``: Trainer's lr scheduler then does not advance on a step
+            # skipped on an fp16 overflow.
+            self.optimizer._is_accelerate_prepared = True
         return self.optimizer
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
@@ -231,6 +249,21 @@ class ZeroOffloadMixin(_TrainerBase):
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's engine state (parameters, fp32
+        masters, optimizer state), as Trainer does with DeepSpeed."""
+        if self.engine is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        directory = os.path.join(best, ENGINE_DIR)
+        if not os.path.isdir(directory):
+            raise ConfigError(f"load_best_model_at_end: {best!r} holds no {ENGINE_DIR}/ engine "
+                              "checkpoint (ZeroOffloadTrainer did not save it); load its "
+                              "model.safetensors with from_pretrained instead")
+        log.info("loading the best model from %s (%s = %s)", best,
+                 self.args.metric_for_best_model, self.state.best_metric)
+        self.engine.load_checkpoint(directory)
 
     def _save_scaler(self, output_dir: str) -> None:
         if self.engine is None:

@@ -43,20 +43,32 @@ LIGHTNING_STATE = "lightning.pt"  # Lightning's own checkpoint entries, beside t
 NVME_ENV = "ZERO_OFFLOAD_NVME_PATH"  # nvme_path for the registered "..._nvme" names
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """AdamW keywords from the optimizer ``configure_optimizers`` returned."""
+def _hyperparameters(optimizer: torch.optim.Optimizer,
+                     module: torch.nn.Module) -> dict[str, Any]:
+    """AdamW keywords from the optimizer ``configure_optimizers`` returned. Its groups may
+    differ only in weight decay, one value and 0 (the usual no-decay group of biases and
+    norm weights: ``no_decay``)."""
     adamw = isinstance(optimizer, torch.optim.AdamW)
     if not adamw and not (type(optimizer) is torch.optim.Adam
                           and all(g["weight_decay"] == 0 for g in optimizer.param_groups)):
         raise ConfigError(f"configure_optimizers returned {type(optimizer).__name__}: "
                           "zero_offload runs AdamW; return torch.optim.AdamW(...)")
-    keys = ("lr", "betas", "eps", "weight_decay")
-    first = {k: optimizer.param_groups[0][k] for k in keys}
-    for group in optimizer.param_groups[1:]:
-        if {k: group[k] for k in keys} != first:
-            raise ConfigError("configure_optimizers returned parameter groups with different "
-                              "hyperparameters; zero_offload trains one group: use one")
+    keys = ("lr", "betas", "eps")
+    groups = optimizer.param_groups
+    first = {k: groups[0][k] for k in keys}
+    decays = {g["weight_decay"] for g in groups} - {0.0}
+    if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
+        raise ConfigError("configure_optimizers returned parameter groups with different "
+                          "hyperparameters; zero_offload trains one group, with weight decay "
+                          "0 allowed for some parameters: use one lr, betas, eps and "
+                          "weight_decay")
     first["betas"] = tuple(first["betas"])
+    first["weight_decay"] = decays.pop() if decays else 0.0
+    if first["weight_decay"]:
+        undecayed = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+        names = [n for n, p in module.named_parameters() if id(p) in undecayed]
+        if names:
+            first["no_decay"] = names
     return first
 
 
@@ -88,7 +100,7 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     # -- building the engine ----------------------------------------------------------------
     def _keywords(self, trainer: Any) -> dict[str, Any]:
-        kw = _hyperparameters(self.optimizers[0])
+        kw = _hyperparameters(self.optimizers[0], self.lightning_module)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):
                 raise ConfigError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}:"
@@ -123,7 +135,8 @@ class ZeroOffloadStrategy(DDPStrategy):
                 raise ConfigError("configure_optimizers must return exactly one optimizer")
             kw = self._keywords(trainer)
             self.engine = initialize(module, **kw)
-            log.info("ZeroOffloadStrategy: %s", kw)
+            log.info("ZeroOffloadStrategy: %s", {k: f"{len(v)} parameters" if k == "no_decay"
+                                                  else v for k, v in kw.items()})
             engine_opt = EngineOptimizer(self.engine)
             for key in ("initial_lr",):  # what schedulers built on the user's optimizer added
                 if key in user_opt.param_groups[0]:
