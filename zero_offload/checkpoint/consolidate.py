@@ -6,16 +6,20 @@ nothing of the optimizer state.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
 
+from ..progress import Progress
 from .format import load_plain, pieces, read_manifest, verify_rank_file
 from .tags import resolve_tag, tag_folder
 from .load import _Reader
 
 __all__ = ["consolidate_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 
 def _save(state: dict[str, torch.Tensor], aliases: dict[str, str], out: Path) -> None:
@@ -44,6 +48,9 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
             verify_rank_file(folder / record.file, record)
     state: dict[str, torch.Tensor] = {}
     reader = _Reader(folder, manifest)
+    progress = Progress(f"consolidating checkpoint {folder}",
+                        sum(slot.numel for unit in manifest.units for slot in unit.slots),
+                        "parameters", logger=log)
     try:
         for unit in manifest.units:
             for slot in unit.slots:
@@ -51,7 +58,9 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
                 for rank, element, count, at in pieces(unit, slot, 0, slot.numel):
                     reader.read(rank, 0, element, tensor[at:at + count])
                 state[slot.name] = tensor.view(slot.shape)
+                progress.update(slot.numel)
     finally:
+        progress.close()
         reader.close()
     buffers = load_plain(folder / "rank0.extra.pt").get("buffers", {})
     state.update(buffers)

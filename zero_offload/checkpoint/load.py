@@ -8,6 +8,7 @@ parameters are recomputed from the master.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..progress import Progress
 from ..stages.units import persistent_buffers
 from ..partition import mismatch_message
 from .format import (CheckpointError, Manifest, load_plain, pieces, read_manifest,
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 __all__ = ["load_checkpoint", "check_names"]
+
+log = logging.getLogger(__name__)
 
 
 def check_names(manifest: Manifest, expected: dict[str, tuple[int, ...]], where: Path) -> None:
@@ -121,6 +125,8 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
     stored = manifest.slots_by_name()
     rank = engine.comm.rank
     reader = _Reader(folder, manifest)
+    progress = Progress(f"loading checkpoint {folder}", sum(u.shard_numel for u in engine.units),
+                        "parameters", show=rank == 0, logger=log)
     try:
         for unit in engine.units:
             arrays = [torch.zeros(unit.shard_numel, dtype=torch.float32) for _ in range(3)]
@@ -133,8 +139,10 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | N
                     for section, array in enumerate(arrays):
                         reader.read(src_rank, section, element, array[dst:dst + count])
             engine.load_unit_state(unit, *arrays)
+            progress.update(unit.shard_numel)
         engine.finish_load()
     finally:
+        progress.close()
         reader.close()
     _restore_extra(engine, folder, lr_scheduler)
     return tag

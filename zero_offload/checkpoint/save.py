@@ -9,6 +9,7 @@ sub-group, never whole in memory.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import random
 import zlib
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..progress import Progress
 from ..stages.units import persistent_buffers
 from .format import (MANIFEST, CheckpointError, Manifest, RankRecord, SlotRecord, UnitRecord,
                      fsync_dir, section_offset, write_atomically)
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 __all__ = ["save_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 
 def _crc_zeros(nbytes: int, crc: int) -> int:
@@ -44,9 +48,12 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     crcs = [0, 0, 0]
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    progress = Progress(f"saving checkpoint {path.parent}", 12 * numel, "B",
+                        show=engine.comm.rank == 0, logger=log)
     try:
         for lo, arrays in engine.state_chunks():
             length = arrays[0].numel()
+            progress.update(12 * length)
             for section, values in enumerate(arrays):
                 if values is None:
                     crcs[section] = _crc_zeros(4 * length, crcs[section])
@@ -60,6 +67,7 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
         os.ftruncate(fd, section_offset(numel, 3, 0))
         os.fsync(fd)
     finally:
+        progress.close()
         os.close(fd)
     os.replace(tmp, path)
     return RankRecord(path.name, numel, crcs)

@@ -2,11 +2,14 @@
 ever whole in memory (and, at stage 3, on the device)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 
 from ..comm import Comm
 from ..config import ZeroConfig
+from ..progress import Progress
 from ..weights import PretrainedWeights
 from .handback import Leftovers
 from .param_store import ParamStore
@@ -14,6 +17,8 @@ from .units import FlatUnit, UnitPlan, make_unit, parameter_references
 from .update_api import Updater
 
 __all__ = ["build_units"]
+
+log = logging.getLogger(__name__)
 
 
 def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, comm: Comm,
@@ -26,6 +31,10 @@ def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, com
     their memory, so that an engine ending early (an error here) leaves none unreadable."""
     refs = parameter_references(model)
     units = []
+    what = (f"loading weights from {weights[0].path}" if weights is not None
+            else "materializing the model")
+    progress = Progress(what, sum(p.numel() for plan in plans for p in plan.params),
+                        "parameters", show=comm.rank == 0, logger=log)
     for plan in plans:
         values = None
         if weights is not None:
@@ -47,6 +56,8 @@ def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, com
             if unit.sharded_params:  # released (UnitStates starts such units FREE)
                 unit.full.untyped_storage().resize_(0)
         units.append(unit)
+        progress.update(sum(p.numel() for p in plan.params))
+    progress.close()
     if store is not None:
         store.flush()
     return units

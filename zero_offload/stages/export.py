@@ -6,11 +6,13 @@ hold it whole.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..ledger import MemoryReport
+from ..progress import Progress
 from . import placement
 from .buffer_sync import rank0_values
 from .unit_state import GatherState
@@ -21,11 +23,15 @@ if TYPE_CHECKING:
 
 __all__ = ["frozen_shard", "full_state_dict", "memory_report"]
 
+log = logging.getLogger(__name__)
+
 
 def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     """See :meth:`Engine.full_state_dict`."""
     master = engine.stepper.updater.master_values()  # where the optimizer keeps it
     values: dict[int, torch.Tensor] = {}
+    progress = Progress("gathering the full model", sum(u.layout.numel for u in engine.units),
+                        "parameters", show=engine.comm.rank == 0, logger=log)
     for u in engine.units:  # one unit at a time on the device
         shard = frozen_shard(engine, u) if u.frozen else \
             master[u.shard_offset:u.shard_offset + u.shard_numel]
@@ -38,6 +44,8 @@ def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
         for p, slot in zip(u.params, u.layout.slots):
             values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
         del shard, full
+        progress.update(u.layout.numel)
+    progress.close()
     out: dict[str, torch.Tensor] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         out[name] = values[id(p)]
