@@ -3,7 +3,9 @@ plain Lightning (torch AdamW; DDP across ranks), by the zero_offload strategy (4
 epochs), and by the strategy again in two halves: one epoch, ``trainer.save_checkpoint``, then
 a new Trainer resumed with ``fit(ckpt_path=...)``. Rank 0 writes what it measured as JSON:
 ``python lightning_worker.py OUT.json ROOT CASES_JSON``; a case is a strategy name or a dict of
-ZeroOffloadStrategy keywords."""
+ZeroOffloadStrategy keywords, where ``"configure_model": true`` builds the model in
+``configure_model`` (the strategy's sharded-construction context) and starts the engine from
+the plain run's initial weights (``init_weights``)."""
 from __future__ import annotations
 
 import csv
@@ -41,9 +43,26 @@ class LitGPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+        named = list(self.named_parameters())  # biases and norms without weight decay
+        opt = torch.optim.AdamW([{"params": [p for _, p in named if p.ndim > 1]},
+                                 {"params": [p for _, p in named if p.ndim <= 1],
+                                  "weight_decay": 0.0}], lr=LR, weight_decay=WD)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+class LateLitGPT(LitGPT):
+    """The same model, built in ``configure_model`` (under the strategy's context)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.net: torch.nn.Module | None = None
+        self.built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = make("gpt")
+            self.built_on_meta = all(p.is_meta for p in self.net.parameters())
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -52,14 +71,15 @@ def loader() -> torch.utils.data.DataLoader:
                                        batch_size=PER_DEVICE, shuffle=False)
 
 
-def fit(strategy, epochs: int, logdir: str | None = None, ckpt: str | None = None):
+def fit(strategy, epochs: int, logdir: str | None = None, ckpt: str | None = None,
+        module_class: type = LitGPT):
     world = int(os.environ.get("WORLD_SIZE", 1))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
                         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
                         logger=CSVLogger(logdir) if logdir else False, log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    module = LitGPT()
+    module = module_class()
     trainer.fit(module, loader(), ckpt_path=ckpt)
     return trainer, module
 
@@ -84,13 +104,24 @@ def run_case(root: str, index: int, case, rank: int) -> dict:
     res: dict = {}
     plain = weights(*fit("ddp", 2))  # the same distributed sampler (data order) as ours
     start = LitGPT().state_dict()
-    trainer, module = fit(strategy_for(case), 2, logdir=f"{tag}/logs")
+    module_class: type = LitGPT
+    if isinstance(case, dict) and case.get("configure_model"):
+        from safetensors.torch import save_file
+        os.makedirs(tag, exist_ok=True)
+        path = f"{tag}/start{rank}.safetensors"
+        save_file({k: v for k, v in start.items() if k != "net.lm_head.weight"}, path)  # tied
+        case = {k: v for k, v in case.items() if k != "configure_model"}
+        case["init_weights"] = path
+        module_class = LateLitGPT
+    trainer, module = fit(strategy_for(case), 2, logdir=f"{tag}/logs", module_class=module_class)
+    res["built_on_meta"] = getattr(module, "built_on_meta", None)
     full = weights(trainer, module)
     res["global_step"] = trainer.global_step
-    half, _ = fit(strategy_for(case), 1)
+    half, _ = fit(strategy_for(case), 1, module_class=module_class)
     half.save_checkpoint(f"{tag}/half.ckpt")
     half.strategy.engine.close()
-    resumed = weights(*fit(strategy_for(case), 2, ckpt=f"{tag}/half.ckpt"))
+    resumed = weights(*fit(strategy_for(case), 2, ckpt=f"{tag}/half.ckpt",
+                           module_class=module_class))
     if rank == 0:
         res["moved_lr"] = max((plain[k] - start[k]).abs().max().item() for k in plain) / LR
         res["max_diff_lr"] = max((full[k] - plain[k]).abs().max().item() for k in plain) / LR

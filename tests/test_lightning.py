@@ -2,63 +2,49 @@
 library's tiny GPT-style LM on 1 rank and 2 gloo ranks under torchrun, stages 2 and 3, the
 optimizer state and parameters on the CPU or NVMe. Each case (see lightning_worker.py) shows:
 - the trained weights match plain Lightning with torch AdamW (DDP), with an lr scheduler
-  stepped every update, ``accumulate_grad_batches=2`` and ``gradient_clip_val``, within the
+  stepped every update, ``accumulate_grad_batches=2``, ``gradient_clip_val`` and an AdamW
+  whose second parameter group (biases, norm weights) has no weight decay, within the
   equivalence criterion (0.03 lr in fp32);
 - a run stopped after one epoch, saved with ``trainer.save_checkpoint`` and resumed by a new
   Trainer with ``fit(ckpt_path=...)`` ends exactly where the uninterrupted one did;
-- the engine's step stats reach Lightning's logger (CSV here) next to the module's own.
+- the engine's step stats reach Lightning's logger (CSV here) next to the module's own;
+- at stage 3, a model built in ``configure_model`` is built on the meta device (the strategy's
+  sharded-construction context) and trains the same from the weights file it starts from.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning")
 
+from torchrun_cases import case_ids, per_world  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("lightning_worker.py")
 
 CASES = {
-    1: ["zero_offload_stage3_offload"],  # parameters and optimizer state on the CPU
+    1: ["zero_offload_stage3_offload",  # parameters and optimizer state on the CPU
+        # built in configure_model (on the meta device), started from a weights file
+        dict(stage=3, offload_optimizer="cpu", offload_param="cpu", configure_model=True)],
     2: ["zero_offload_stage3_offload_nvme",  # both on NVMe (path from ZERO_OFFLOAD_NVME_PATH)
         dict(stage=2, offload_optimizer="cpu")],
 }
 
 
-def _launch(world: int, tmp: Path) -> list[dict]:
-    out = tmp / "results.json"
+def _nvme_env(tmp: Path) -> dict[str, str]:
     (tmp / "nvme").mkdir()
-    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                      "--nproc_per_node", str(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "ZERO_OFFLOAD_NVME_PATH": str(tmp / "nvme")}
-    res = subprocess.run([sys.executable, *launcher, str(WORKER), str(out), str(tmp),
-                          json.dumps(CASES[world])], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
-    return json.loads(out.read_text())
+    return {"ZERO_OFFLOAD_NVME_PATH": str(tmp / "nvme")}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = _launch(world, tmp_path_factory.mktemp(f"lightning{world}"))
-        return cache[world]
-    return get
+    return per_world(tmp_path_factory, WORKER, CASES, "lightning", _nvme_env)
 
 
-IDS = [(w, i) for w in CASES for i in range(len(CASES[w]))]
+IDS = case_ids(CASES)
 
 
 def _id(case):
@@ -76,6 +62,8 @@ def test_strategy_matches_plain_lightning_and_resumes(results, case):
     assert r["max_diff_lr"] <= 0.03, f"max |diff| = {r['max_diff_lr']:.4f} lr"
     assert r["resume_diff_lr"] == 0.0, "resumed run must end where the uninterrupted one did"
     assert {"latest", "lightning.pt"} <= set(r["checkpoint_files"])
+    if "configure_model" in str(CASES[world][i]):
+        assert r["built_on_meta"] is True
     for key in ("train_loss", "grad_norm", "zero_offload/step_s", "zero_offload/adam_s",
                 "zero_offload/backward_s"):
         assert key in r["logged"], key

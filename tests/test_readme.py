@@ -48,7 +48,7 @@ def test_use_with_hugging_face_trainer(tmp_path):
 
 def test_use_with_lightning(tmp_path):
     pytest.importorskip("lightning")
-    (code,) = blocks("Use with Lightning", "python")
+    code = "\n".join(blocks("Use with Lightning", "python"))  # the second goes on from the first
     run([sys.executable, "-c", code], tmp_path)
     ckpt = tmp_path / "regressor.ckpt"
     assert (ckpt / "lightning.pt").exists() and (ckpt / "latest").exists()

@@ -72,6 +72,28 @@ def _hyperparameters(optimizer: torch.optim.Optimizer,
     return first
 
 
+# Per-group lists torch's lr schedulers keep (one entry per parameter group of the optimizer
+# they were built on).
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums",
+              "max_momentums")
+
+
+def _retarget(scheduler: Any, user: torch.optim.Optimizer, engine: EngineOptimizer) -> None:
+    """Point a scheduler built on the user's optimizer at the engine's one group: the keys it
+    added to the user's groups (``initial_lr``, ``max_lr``, ...) are copied, and its
+    per-group lists keep the first group's entry (the groups share their lr)."""
+    group = engine.param_groups[0]
+    for key, value in user.param_groups[0].items():
+        if key != "params" and key not in group:
+            group[key] = value
+    n = len(user.param_groups)
+    for attr in _PER_GROUP:
+        value = getattr(scheduler, attr, None)
+        if n > 1 and isinstance(value, list) and len(value) == n:
+            setattr(scheduler, attr, value[:1])
+    scheduler.optimizer = engine
+
+
 class ZeroOffloadStrategy(DDPStrategy):
     """Trains the LightningModule through a zero_offload engine. ``config``: a dict or JSON file
     of ``initialize`` keywords, or a DeepSpeed config; ``**keywords`` win over it."""
@@ -99,6 +121,25 @@ class ZeroOffloadStrategy(DDPStrategy):
         self._final = False  # the backward running ends an accumulation window
 
     # -- building the engine ----------------------------------------------------------------
+    def _user_keywords(self) -> dict[str, Any]:
+        """The config (a DeepSpeed one translated), then the keywords."""
+        user = _load(self.zero_offload_config)
+        if is_deepspeed(user):
+            user = translate(user, allow=("scheduler",))
+        return {**user, **self.zero_offload_keywords}
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Around ``configure_model``: at stage 3 its modules are built on the meta device,
+        and the engine materializes them one unit at a time, each straight into its shards
+        (``reset_parameters``, or the ``init_weights`` file): no rank ever holds the whole
+        model. Other stages build it as usual."""
+        if self._user_keywords().get("stage", 0) == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
     def _keywords(self, trainer: Any) -> dict[str, Any]:
         kw = _hyperparameters(self.optimizers[0], self.lightning_module)
         if trainer.gradient_clip_val:
@@ -112,11 +153,7 @@ class ZeroOffloadStrategy(DDPStrategy):
         elif precision not in ("32-true", "32"):
             raise ConfigError(f"precision={precision!r}: use '32-true' or 'bf16-mixed' with "
                               "ZeroOffloadStrategy")
-        user = _load(self.zero_offload_config)
-        if is_deepspeed(user):
-            user = translate(user, allow=("scheduler",))
-        kw.update(user)
-        kw.update(self.zero_offload_keywords)
+        kw.update(self._user_keywords())
         gas = kw.pop("gradient_accumulation_steps", trainer.accumulate_grad_batches)
         if gas != trainer.accumulate_grad_batches:
             raise ConfigError(f"gradient_accumulation_steps={gas} in the zero_offload config "
@@ -138,11 +175,8 @@ class ZeroOffloadStrategy(DDPStrategy):
             log.info("ZeroOffloadStrategy: %s", {k: f"{len(v)} parameters" if k == "no_decay"
                                                   else v for k, v in kw.items()})
             engine_opt = EngineOptimizer(self.engine)
-            for key in ("initial_lr",):  # what schedulers built on the user's optimizer added
-                if key in user_opt.param_groups[0]:
-                    engine_opt.param_groups[0][key] = user_opt.param_groups[0][key]
             for config in self.lr_scheduler_configs:
-                config.scheduler.optimizer = engine_opt
+                _retarget(config.scheduler, user_opt, engine_opt)
             self.optimizers = [engine_opt]
         elif self.engine is not None:
             self.optimizers = [EngineOptimizer(self.engine)]
