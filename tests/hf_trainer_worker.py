@@ -48,7 +48,7 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 def arguments(out: str, **kw) -> TrainingArguments:
     kw = dict(dict(
         per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=GAS,
-        max_steps=STEPS, learning_rate=LR, weight_decay=0.0, max_grad_norm=CLIP,
+        max_steps=STEPS, learning_rate=LR, weight_decay=0.1, max_grad_norm=CLIP,
         lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=0, optim="adamw_torch", disable_tqdm=True,
         dataloader_num_workers=0), **kw)

@@ -4,7 +4,8 @@ optimizer state and parameters on the CPU or NVMe, configured by keywords or by 
 recipe configs with "auto" values. Each case trains with the same data order three ways (see
 hf_trainer_worker.py) and shows:
 - the trained weights match plain Trainer with torch AdamW (DDP across ranks), with Trainer's
-  linear lr schedule with warmup, gradient accumulation and max_grad_norm clipping, within the
+  linear lr schedule with warmup, gradient accumulation, max_grad_norm clipping and weight
+  decay with Trainer's no-decay group (biases, norm weights), within the
   equivalence criterion (0.03 lr in fp32);
 - the lr Trainer logs is the one its scheduler set, and the losses match, in training and in
   ``evaluate`` (which runs the model through the engine too);
@@ -15,10 +16,6 @@ hf_trainer_worker.py) and shows:
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +23,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from test_ds_config import HF_ZERO2, HF_ZERO3_NVME  # noqa: E402
+from torchrun_cases import case_ids, per_world  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 
 
@@ -48,30 +45,12 @@ CASES = {
 }
 
 
-def _launch(world: int, tmp: Path) -> list[dict]:
-    out = tmp / "results.json"
-    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                      "--nproc_per_node", str(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, *launcher, str(WORKER), str(out), str(tmp),
-                          json.dumps(CASES[world])], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = _launch(world, tmp_path_factory.mktemp(f"hf{world}"))
-        return cache[world]
-    return get
+    return per_world(tmp_path_factory, WORKER, CASES, "hf")
 
 
-IDS = [(w, i) for w in CASES for i in range(len(CASES[w]))]
+IDS = case_ids(CASES)
 
 
 def _id(case):
