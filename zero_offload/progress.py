@@ -8,6 +8,7 @@ lines are shown everywhere.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from types import TracebackType
@@ -24,7 +25,7 @@ def _bar(what: str, total: float, unit: str) -> Any:
     if not (callable(isatty) and isatty()):
         return None
     try:
-        from tqdm.auto import tqdm
+        tqdm = importlib.import_module("tqdm.auto").tqdm  # optional: no hard dependency
     except ImportError:
         return None
     scale = unit == "B"

@@ -131,6 +131,14 @@ def engine_keywords(args: Any, model: nn.Module,
     return kw
 
 
+class _PreparedEngineOptimizer(EngineOptimizer):
+    """Accelerate takes it as it is (no ``AcceleratedOptimizer`` around it) and asks it
+    ``step_was_skipped``: Trainer's lr scheduler then does not advance on a step skipped on an
+    fp16 overflow."""
+
+    _is_accelerate_prepared = True
+
+
 if TYPE_CHECKING:  # the mixin is checked as the Trainer it goes before
     _TrainerBase = Trainer
 else:
@@ -171,11 +179,7 @@ class ZeroOffloadMixin(_TrainerBase):
             log.info("ZeroOffloadTrainer: %s", {k: f"{len(v)} parameters" if k == "no_decay"
                                                  else v for k, v in kw.items()})
         if self.optimizer is None:
-            self.optimizer = EngineOptimizer(self.engine)
-            # Accelerate takes it as it is (no AcceleratedOptimizer around it) and asks it
-            # ``step_was_skipped``: Trainer's lr scheduler then does not advance on a step
-            # skipped on an fp16 overflow.
-            self.optimizer._is_accelerate_prepared = True
+            self.optimizer = _PreparedEngineOptimizer(self.engine)
         return self.optimizer
 
     def _wrap_model(self, model: nn.Module, training: bool = True,

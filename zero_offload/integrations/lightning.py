@@ -141,7 +141,9 @@ class ZeroOffloadStrategy(DDPStrategy):
             yield
 
     def _keywords(self, trainer: Any) -> dict[str, Any]:
-        kw = _hyperparameters(self.optimizers[0], self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        kw = _hyperparameters(self.optimizers[0], module)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):
                 raise ConfigError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}:"
