@@ -260,8 +260,8 @@ class ZeroOffloadMixin(_TrainerBase):
         if self.engine is None:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
-        directory = os.path.join(best, ENGINE_DIR)
-        if not os.path.isdir(directory):
+        directory = os.path.join(best or "", ENGINE_DIR)
+        if best is None or not os.path.isdir(directory):
             raise ConfigError(f"load_best_model_at_end: {best!r} holds no {ENGINE_DIR}/ engine "
                               "checkpoint (ZeroOffloadTrainer did not save it); load its "
                               "model.safetensors with from_pretrained instead")
