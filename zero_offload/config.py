@@ -198,20 +198,21 @@ class OffloadConfig:
                     f"host memory and NVMe, so it needs offload_param='nvme' (got "
                     f"{self.param!r}); set offload_param='nvme' and nvme_path, or drop "
                     "offload_param_fraction")
-        value = self.optimizer_fraction
-        if value is None:
+        fraction = self.optimizer_fraction
+        if fraction is None:
             return
-        if value != "auto":
-            if isinstance(value, str):
-                raise _bad("offload_optimizer_fraction", value,
+        if fraction != "auto":
+            if isinstance(fraction, str):
+                raise _bad("offload_optimizer_fraction", fraction,
                            "expected a number in [0, 1] (the share on NVMe) or 'auto'")
-            value = _number("offload_optimizer_fraction", value, lo=0.0, hi=1.0)
-            if value != value:  # nan passes both bounds
-                raise _bad("offload_optimizer_fraction", value, "expected a number in [0, 1]")
-            object.__setattr__(self, "optimizer_fraction", value)
+            fraction = _number("offload_optimizer_fraction", fraction, lo=0.0, hi=1.0)
+            if fraction != fraction:  # nan passes both bounds
+                raise _bad("offload_optimizer_fraction", fraction,
+                           "expected a number in [0, 1]")
+            object.__setattr__(self, "optimizer_fraction", fraction)
         if self.optimizer != "nvme":
             raise ConfigError(
-                f"offload_optimizer_fraction={value!r} splits the optimizer state between host "
+                f"offload_optimizer_fraction={fraction!r} splits the optimizer state between host "
                 f"memory and NVMe, so it needs offload_optimizer='nvme' (got "
                 f"{self.optimizer!r}); set offload_optimizer='nvme' and nvme_path, or drop "
                 "offload_optimizer_fraction")

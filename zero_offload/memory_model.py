@@ -37,7 +37,8 @@ from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import optimizer_split
 from .stages.param_store import param_host_numel, param_pool_buffers
-from .stages.units import owning_modules, plan_units, trainable_numel, unit_build_bytes
+from .stages.units import (UnitPlan, owning_modules, plan_units, trainable_numel,
+                           unit_build_bytes)
 from .swap.budget import host_memory_budget, split_host_budget
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
@@ -288,9 +289,10 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     b = _dtype_bytes(dtype)
     psi, psi_t = shape.num_params, shape.trainable_params
     shards = 1 if stage == 0 else num_gpus
+    plans: list[UnitPlan] | None = None
     if shape.model is not None:  # the engine's own layout: units, each padded
-        plans: list | None = plan_units(shape.model, stage=stage, world_size=num_gpus,
-                                        bucket_size=reduce_bucket_size)
+        plans = plan_units(shape.model, stage=stage, world_size=num_gpus,
+                           bucket_size=reduce_bucket_size)
         padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
         if stage == 3 and largest_layer_params is not None:
@@ -301,7 +303,6 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         inflight = sum(trained[:reductions_alive()])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
     else:
-        plans = None
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
                    if stage == 3 else min(reduce_bucket_size, psi))

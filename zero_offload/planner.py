@@ -156,20 +156,21 @@ def _fill_host(shape: ModelShape, limits: dict[str, float | None], num_gpus: int
     if usable is None or not _fits(all_nvme, limits):
         return None
     ranks = all_nvme.ranks_per_node
-    limit, best = all_nvme.host_budget, None
+    limit, best, best_fraction = all_nvme.host_budget, None, 1.0
     for _ in range(6):
         e = estimate_memory(shape, num_gpus=num_gpus, stage=stage, offload_optimizer="nvme",
                             offload_param=par, offload_optimizer_fraction="auto",
                             host_memory_limit=limit, **est_kwargs)
+        fraction = e.nvme_fraction
+        assert fraction is not None  # an NVMe optimizer's estimate says its split
         spare = int(usable // ranks) - e.host_bytes_per_rank
-        if spare >= 0 and _fits(e, limits) and (
-                best is None or e.nvme_fraction < best[0].nvme_fraction):
-            best = (e, limit)
-        if e.nvme_fraction == 0 or 0 <= spare < 12 * FULL_SPEED_GROUP:
+        if spare >= 0 and _fits(e, limits) and (best is None or fraction < best_fraction):
+            best, best_fraction = (e, limit), fraction
+        if fraction == 0 or 0 <= spare < 12 * FULL_SPEED_GROUP:
             break
         # over: back off by a whole sub-group more, as the host part shrinks by sub-groups
         limit = max(1, limit + spare - (12 * FULL_SPEED_GROUP if spare < 0 else 0))
-    if best is None or best[0].nvme_fraction >= 1.0:
+    if best is None or best_fraction >= 1.0:
         return None
     return best
 

@@ -87,7 +87,8 @@ def _fractions(text: str) -> list[float | str]:
         try:
             value: float | str = part if part == "auto" else float(part)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a fraction (0..1) or 'auto'")
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a fraction (0..1) or 'auto'") from None
         if value != "auto" and not 0.0 <= float(value) <= 1.0:
             raise argparse.ArgumentTypeError(f"{part!r} is not in [0, 1]")
         out.append(value)

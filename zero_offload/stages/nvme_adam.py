@@ -280,7 +280,11 @@ class NvmeAdam:
             resident = self._host(i)
             if resident is not None:
                 grad_read = self._read(i, timings)[1] if self.disk_grads is not None else None
-                grad = grad_read.result() if grad_read is not None else grads[lo:hi]
+                if grad_read is not None:
+                    grad = grad_read.result()
+                else:
+                    assert grads is not None  # not in files: the host shard was passed
+                    grad = grads[lo:hi]
                 changed.append(i)
                 self._step_group(resident, grad, lo, hi, factor, ranges, hyper, sink, timings)
                 self._release(i)
