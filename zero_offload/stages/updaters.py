@@ -202,7 +202,8 @@ class HostAdam(_ResidentAdam):
         """One pass of the CPU kernel, chunk by chunk: a chunk of gradients is upcast and
         scaled into a small fp32 buffer only when it is not fp32 already or ``factor`` != 1
         (fp32 host gradients are scaled in place). Elements outside ``ranges`` are left as
-        they are (their compute-dtype copy is refreshed from the master)."""
+        they are (their compute-dtype copy is refreshed from the master). fp32 host gradients
+        that need no scaling go to the kernel as one range (it splits it among its threads)."""
         assert grads is not None
         start = time.perf_counter()
         state = self._moments()
@@ -210,12 +211,14 @@ class HostAdam(_ResidentAdam):
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
         decay = hyper["weight_decay"]
+        as_is = factor == 1.0 and grads.dtype == torch.float32 and grads.device.type == "cpu"
         done = 0
         for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
             self._copy_out(done, lo)
             hyper["step"], hyper["weight_decay"] = count, decay if decays else 0.0
-            for a in range(lo, hi, _GRAD_CHUNK):
-                b = min(a + _GRAD_CHUNK, hi)
+            chunk = max(1, hi - lo) if as_is else _GRAD_CHUNK
+            for a in range(lo, hi, chunk):
+                b = min(a + chunk, hi)
                 g = grads[a:b].to("cpu", non_blocking=False)
                 if factor != 1.0:
                     if g.dtype == torch.float32 and g.data_ptr() == grads[a:b].data_ptr():
