@@ -162,10 +162,54 @@ def test_model_larger_than_this_machine_allocates_nothing():
     assert abs(r.estimate_error) <= 0.10
 
 
-def test_nvme_is_refused_clearly():
-    with pytest.raises(ValueError, match="does not simulate the NVMe tier"):
-        zo.rehearse(meta_gpt(), world_size=1, gpu_memory=10**9, batch=tokens(), stage=3,
-                    offload_optimizer="nvme", nvme_path="/tmp")
+@pytest.mark.parametrize("choice", [(2, "nvme", "none"), (3, "nvme", "nvme"),
+                                    (3, "cpu", "nvme")], ids=lambda c: "-".join(map(str, c)))
+def test_nvme_tier_is_simulated(tmp_path, choice):
+    """The NVMe tier runs the engine's own swap code on a simulated disk: the files' sizes
+    are what estimate_memory puts on NVMe per rank (to 4 KiB alignment per file), the step
+    reads and writes them, the host holds the pipeline buffers the estimate says, the GPU
+    peak agrees with the estimate, and nothing is written to nvme_path (which need not
+    exist on this machine)."""
+    nvme_path = tmp_path / "not-here"
+    r = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(),
+                    nvme_path=str(nvme_path), host_memory=8 * 10**9, **kwargs(*choice))
+    assert r.failure is None and r.device_clean, (r.failure, r.problems)
+    assert r.nvme_simulated and not nvme_path.exists()
+    nvme = max(m.nvme_peak for m in r.phases.values())
+    est = r.estimate.nvme_bytes_per_rank
+    assert est > 0 and abs(nvme - est) <= 0.05 * est, str(r)
+    host = max(m.host_peak for m in r.phases.values())
+    assert abs(host - r.estimate.host_bytes_per_rank) <= 0.10 * host, str(r)
+    step = r.phases["step"]
+    assert step.nvme_written > 0
+    if choice[1] == "nvme":  # the optimizer state is read back and written in every step
+        assert step.nvme_read >= 12 * r.estimate.trainable_shard_numel
+    else:  # the parameter shards are read in every forward
+        assert r.phases["forward"].nvme_read >= 2 * r.estimate.shard_numel
+    assert abs(r.estimate_error) <= 0.10, str(r)
+    out = str(r)
+    assert "NVMe peak" in out and "NVMe (per rank)" in out
+    assert "simulated: the engine's swap code" in out and r.to_dict()["tiers"]["NVMe"]
+
+
+def test_simulated_disk_refuses_what_was_never_written():
+    """A read of bytes no write put there fails, as a real file would come up short; a full
+    disk refuses the write that does not fit."""
+    from zero_offload.rehearsal.disk import SimulatedDisk
+    from zero_offload.swap.errors import SwapIOError
+    disk = SimulatedDisk(capacity=8192)
+    files = disk.io_engine()
+    buf = torch.empty(4096, dtype=torch.uint8)
+    files.write("a", buf).result()
+    files.read("a", buf).result()
+    with pytest.raises(SwapIOError, match="past what was written"):
+        files.read("a", buf, offset=4096).result()
+    files.write("a", buf, offset=4096).result()
+    assert disk.live == disk.peak == 8192 and disk.written == 8192 and disk.read == 4096
+    with pytest.raises(SwapIOError, match="full"):
+        files.write("b", buf).result()
+    files.close()
+    assert disk.live == 0 and disk.peak == 8192
 
 
 def test_misses_say_what_to_change():

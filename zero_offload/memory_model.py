@@ -40,6 +40,7 @@ from .stages.param_store import param_host_numel, param_pool_buffers
 from .stages.units import (UnitPlan, owning_modules, plan_units, trainable_numel,
                            unit_build_bytes)
 from .swap.budget import host_memory_budget, split_host_budget
+from .swap.buffers import ALIGNMENT, round_up
 
 __all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
            "RESIDENT", "FORWARD_BACKWARD", "REDUCE", "STEP", "INITIALIZE", "MODEL_STATE",
@@ -302,6 +303,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         largest_t = trained[0] if trained else 0
         inflight = sum(trained[:reductions_alive()])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
+        # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
+        s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
     else:
         full = psi
         largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
@@ -309,6 +312,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         largest_t = min(largest, psi_t)
         inflight = reductions_alive() * largest_t
         s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
+        s_files = b * s
     # Ψt in the formulas: trainable params (written Ψ when all of them train)
     T = "Ψ" if psi_t == psi else "Ψt"
     on_cpu = device == "cpu"
@@ -338,8 +342,12 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         on_host = (param_host_numel([(p.shard_offset, p.shard_numel) for p in plans],
                                     fraction) if plans is not None
                    else round((1.0 - fraction) * s) if fraction is not None else 0)
-        add("param shards", tier, RESIDENT, MODEL_STATE, b * (s - on_host),
-            f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files")
+        if tier == "nvme" and not on_host:  # each unit's shard a file of whole 4 KiB blocks
+            add("param shards", tier, RESIDENT, MODEL_STATE, s_files,
+                f"{b}Ψ/N, a file per unit in 4 KiB blocks")
+        else:
+            add("param shards", tier, RESIDENT, MODEL_STATE, b * (s - on_host),
+                f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files")
         if on_host:
             add("param shards (host part)", "host", RESIDENT, MODEL_STATE, b * on_host,
                 f"{b} bytes × the leading units of Ψ/N, in host memory")

@@ -11,15 +11,26 @@ from ..memory_model import (FORWARD_BACKWARD, INITIALIZE, REDUCE, RESIDENT, STEP
                             ModelShape, describe_params)
 from .tracker import KINDS, PhaseMemory
 
-__all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY"]
+__all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY", "tiers_note"]
 
 PHASES = ("initialize", "forward", "backward", "step")
-HONESTY = ("simulated: the GPU is torch's meta device under FakeTensorMode and the other "
-           "ranks torch's fake process group; host memory is fake CPU tensors (sizes tracked, "
-           "no data); the NVMe tier is not simulated. Device bytes are counted per allocation "
-           "(torch.cuda.max_memory_allocated), without the CUDA context (~0.5-1 GB) and the "
-           "caching allocator's slack: the headroom is for those. Values are not simulated: "
-           "norms read 0, so no overflow or clipping is seen.")
+HONESTY = ("Device bytes are counted per allocation (torch.cuda.max_memory_allocated), "
+           "without the CUDA context (~0.5-1 GB) and the caching allocator's slack: the "
+           "headroom is for those. Values are not simulated: norms read 0, so no overflow or "
+           "clipping is seen.")
+
+
+def tiers_note(nvme: bool) -> dict[str, str]:
+    """What each tier was in a rehearsal: every one is simulated, none real; the engine's
+    code that drives them is its own."""
+    return {
+        "GPU": "simulated: torch's meta device under FakeTensorMode, every allocation counted",
+        "other ranks": "simulated: torch's fake process group (collectives return at once)",
+        "host": "simulated: fake CPU tensors, sizes tracked, no data",
+        "NVMe": ("simulated: the engine's swap code on a disk that tracks file sizes, no "
+                 "data and no file written (the swap folder is a real, empty temporary one)"
+                 if nvme else "not used"),
+    }
 
 
 def _tier_of(offload: str) -> str:
@@ -85,6 +96,7 @@ class Rehearsal:
     failure: str | None = None
     wall_s: float = 0.0
     max_rss_bytes: int = 0
+    nvme_simulated: bool = False
 
     # -- figures ----------------------------------------------------------------------------
     @property
@@ -195,7 +207,7 @@ class Rehearsal:
             "estimate_error": self.estimate_error, "suggestions": self.suggestions(),
             "phases": {p: vars(m) for p, m in self.phases.items()},
             "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes,
-            "simulated": HONESTY,
+            "tiers": tiers_note(self.nvme_simulated), "simulated": HONESTY,
         }
 
     def __str__(self) -> str:
@@ -208,7 +220,9 @@ class Rehearsal:
                  f"  initialize({kw})", "",
                  "GPU GB per phase (peak, and what it held then):",
                  f"  {'phase':<10} {'peak':>7}  " + "  ".join(f"{k[:11]:>11}" for k in KINDS)
-                 + f"  {'host peak':>9} {'H2D':>7} {'D2H':>7}"]
+                 + f"  {'host peak':>9} {'H2D':>7} {'D2H':>7}"
+                 + (f" {'NVMe peak':>9} {'read':>7} {'written':>7}" if self.nvme_simulated
+                    else "")]
         for p in PHASES:
             m = self.phases.get(p)
             if m is None:
@@ -216,7 +230,9 @@ class Rehearsal:
             lines.append(f"  {p:<10} {_gb(m.device_peak):>7}  "
                          + "  ".join(f"{_gb(m.device_kinds.get(k, 0)):>11}" for k in KINDS)
                          + f"  {_gb(m.host_peak):>9} {_gb(m.h2d_bytes):>7} "
-                         f"{_gb(m.d2h_bytes):>7}")
+                         f"{_gb(m.d2h_bytes):>7}"
+                         + (f" {_gb(m.nvme_peak):>9} {_gb(m.nvme_read):>7} "
+                            f"{_gb(m.nvme_written):>7}" if self.nvme_simulated else ""))
         est, meas = self.estimated_phase_bytes(), self.measured_phase_bytes()
         lines += ["", f"planner (estimate_memory, activations as measured: "
                   f"{_gb(self.activation_bytes)} GB):"]
@@ -227,10 +243,19 @@ class Rehearsal:
         for t in sorted((t for t in self.estimate.terms if t.tier == "device"),
                         key=lambda t: -t.bytes):
             lines.append(f"    {_gb(t.bytes):>7} GB  {t.name} [{t.phase}] ({t.formula})")
+        tiers = [("host", self.estimate.host_bytes_per_rank, "host_peak")]
+        if self.nvme_simulated:
+            tiers.append(("NVMe", self.estimate.nvme_bytes_per_rank, "nvme_peak"))
+        for tier, estimated, attr in tiers:
+            got = max((getattr(m, attr) for m in self.phases.values()), default=0)
+            lines.append(f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
+                         f"measured {_gb(got):>7} GB")
         lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]
         lines += [f"  {p}" for p in self.problems]
         lines += [f"verdict: {self.verdict()}"]
         lines += [f"  try: {s}" for s in self.suggestions()]
         lines += ["", f"rehearsed in {self.wall_s:.0f} s, max RSS "
-                  f"{self.max_rss_bytes / 2**30:.2f} GiB", f"note: {HONESTY}"]
+                  f"{self.max_rss_bytes / 2**30:.2f} GiB", "tiers (none real):"]
+        lines += [f"  {k:<12} {v}" for k, v in tiers_note(self.nvme_simulated).items()]
+        lines += [f"note: {HONESTY}"]
         return "\n".join(lines)

@@ -8,8 +8,10 @@ in a :class:`~.report.Rehearsal`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import tempfile
 import time
 import warnings
 from concurrent.futures import Executor, Future
@@ -18,11 +20,14 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..config import build_config
+from ..config import ZeroConfig, build_config
 from ..engine import Engine
 from ..memory_model import ModelShape, estimate_memory
 from ..stages.streams import Streams
 from ..stages.update_api import adam_kwargs
+from ..swap.budget import host_memory_budget
+from ..swap.disk import use_disk
+from .disk import SimulatedDisk
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
@@ -115,7 +120,8 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
              batch: Callable[[], Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] | None = None,
              checkpointing: bool = False, iterations: int = 2, headroom: float = 0.1,
-             host_memory: int | None = None, **engine_kwargs: Any) -> Rehearsal:
+             host_memory: int | None = None, nvme_bytes: int | None = None,
+             **engine_kwargs: Any) -> Rehearsal:
     """Run rank 0's ``initialize`` and ``iterations`` forward/backward/step rounds of a
     ``world_size``-rank run on a simulated GPU and report the device bytes per phase and
     kind, beside ``estimate_memory``'s and the GPU size (``gpu_memory`` bytes, of which
@@ -127,9 +133,12 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
     ``batch``, a function returning the model's inputs (called under fake tensors: their
     shapes matter, not values) and ``loss_fn`` (output -> scalar loss; default ``.loss`` or
     the output's mean). ``checkpointing``: a named model recomputes its layers in backward.
-    ``host_memory`` (bytes per node) is only used for the planner's advice. Other keywords go
-    to ``initialize`` (stage, offload_optimizer, offload_param, dtype, prefetch_depth, ...).
-    The NVMe tier is not simulated.
+    ``host_memory`` (bytes per node): the target node's host memory, from which each rank's
+    default ``host_memory_limit`` is taken as on that node (it sizes the NVMe pipeline), and
+    the planner's advice. Other keywords go to ``initialize`` (stage, offload_optimizer,
+    offload_param, dtype, prefetch_depth, ...). The NVMe tier (``"nvme"``) is simulated: the
+    swap files keep their sizes, not their bytes, on a disk of ``nvme_bytes`` (default:
+    unlimited); ``nvme_path`` need not exist on this machine.
     """
     name = model if isinstance(model, str) else type(model).__name__
     if isinstance(model, str):
@@ -141,14 +150,36 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
         batch = lambda: causal_lm_batch(b, s)  # noqa: E731
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    config = build_config(None, device=DEVICE, **engine_kwargs)
-    if "nvme" in (config.offload.optimizer, config.offload.param):
-        raise ValueError("the rehearsal does not simulate the NVMe tier: rehearse with "
-                         "offload 'cpu' (the GPU holds the same) or 'none'")
+    sim_kwargs = dict(engine_kwargs)
+    if host_memory is not None and "host_memory_limit" not in sim_kwargs:
+        # as on the target node: its memory shared by its ranks (estimate_memory's rule)
+        sim_kwargs["host_memory_limit"] = host_memory_budget(
+            None, available=int(host_memory), ranks=min(world_size, 8))
+    disk = None
+    stack = contextlib.ExitStack()
+    if "nvme" in (engine_kwargs.get("offload_optimizer"), engine_kwargs.get("offload_param")):
+        disk = SimulatedDisk(nvme_bytes)
+        # the swap folder is real and stays empty: the files are the simulated disk's
+        sim_kwargs["nvme_path"] = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="zero-offload-rehearsal-"))
+        stack.enter_context(use_disk(disk))
+    with stack:
+        return _rehearse(model, name, world_size=world_size, gpu_memory=gpu_memory,
+                         micro_batch=micro_batch, batch=batch, loss_fn=loss_fn or _default_loss,
+                         checkpointing=checkpointing, iterations=iterations,
+                         headroom=headroom, host_memory=host_memory, disk=disk,
+                         engine_kwargs=engine_kwargs,
+                         config=build_config(None, device=DEVICE, **sim_kwargs))
+
+
+def _rehearse(model: nn.Module, name: str, *, world_size: int, gpu_memory: int,
+              micro_batch: tuple[int, int] | None, batch: Callable[[], Any],
+              loss_fn: Callable[[Any], torch.Tensor], checkpointing: bool, iterations: int,
+              headroom: float, host_memory: int | None, disk: SimulatedDisk | None,
+              engine_kwargs: dict[str, Any], config: ZeroConfig) -> Rehearsal:
     shape = ModelShape.of(model)
-    loss_fn = loss_fn or _default_loss
     holder: dict[str, Engine] = {}
-    tracker = MemoryTracker(DEVICE.type, _identify(holder))
+    tracker = MemoryTracker(DEVICE.type, _identify(holder), disk=disk)
     problems: list[str] = []
     failure: str | None = None
     start = time.perf_counter()
@@ -195,7 +226,7 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
         offload_param=config.offload.param, dtype=config.precision.dtype,
         prefetch_depth=config.prefetch_depth, reduce_bucket_size=config.reduce_bucket_size,
         sub_group_size=config.offload.sub_group_size,
-        host_memory_limit=config.offload.host_memory_limit)
+        host_memory_limit=config.offload.host_memory_limit, host_available=host_memory)
     estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
     return Rehearsal(
         model=name, num_params=shape.num_params, world_size=world_size,
@@ -203,5 +234,5 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
         engine_kwargs={k: v for k, v in engine_kwargs.items()},
         micro_batch=micro_batch, checkpointing=checkpointing, phases=measured,
         activation_bytes=acts, estimate=estimate, shape=shape, estimate_kwargs=est_kwargs,
-        problems=tuple(problems), failure=failure, wall_s=wall,
+        problems=tuple(problems), failure=failure, wall_s=wall, nvme_simulated=disk is not None,
         max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

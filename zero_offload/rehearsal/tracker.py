@@ -24,7 +24,6 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryTracker", "PhaseMemory", "KINDS", "PARAMS", "GATHERED", "GRADS", "OPTIMIZER",
            "ACTIVATIONS", "COMM", "OTHER"]
@@ -63,6 +62,19 @@ _FUNCTION_KINDS = {("zero_offload.stages.updaters", "update"): GRADS}
 _RUNNING = ("forward", "backward")  # phases in which unattributed memory is activations
 _SNAPSHOT_STEP = 1e-3  # a new breakdown once the peak grew by this fraction
 _COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+_DEVICE = torch.ops.prim.device.default
+
+
+def _fakes(values: tuple, found: list | None = None) -> list:
+    """The fake tensors among an operation's outputs and arguments (nested in lists and
+    tuples, as aten passes them): a plain walk, several times faster than pytree's."""
+    found = [] if found is None else found
+    for v in values:
+        if isinstance(v, FakeTensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            _fakes(v, found)
+    return found
 
 
 @dataclass
@@ -77,6 +89,10 @@ class PhaseMemory:
     host_kinds: dict[str, int] = field(default_factory=dict)
     h2d_bytes: int = 0  # copies host -> device
     d2h_bytes: int = 0
+    nvme_peak: int = 0  # bytes in the (simulated) swap files; 0 without NVMe
+    nvme_end: int = 0
+    nvme_read: int = 0
+    nvme_written: int = 0
 
     def merge(self, other: "PhaseMemory") -> None:
         """Keep the larger peak (and its breakdown) of two runs of the same phase."""
@@ -87,15 +103,23 @@ class PhaseMemory:
         self.device_end, self.host_end = other.device_end, other.host_end
         self.h2d_bytes = max(self.h2d_bytes, other.h2d_bytes)
         self.d2h_bytes = max(self.d2h_bytes, other.d2h_bytes)
+        self.nvme_peak = max(self.nvme_peak, other.nvme_peak)
+        self.nvme_end = other.nvme_end
+        self.nvme_read = max(self.nvme_read, other.nvme_read)
+        self.nvme_written = max(self.nvme_written, other.nvme_written)
 
 
 class MemoryTracker(TorchDispatchMode):
     """Live and peak bytes per device of the fake tensors made while it is active.
-    ``device_type``: the simulated accelerator's device type; everything on ``cpu`` is host."""
+    ``device_type``: the simulated accelerator's device type; everything on ``cpu`` is host.
+    ``disk``: the simulated NVMe tier (a :class:`~.disk.SimulatedDisk`), when there is one."""
 
     def __init__(self, device_type: str,
-                 identify: Callable[[], dict[int, str]] | None = None) -> None:
+                 identify: Callable[[], dict[int, str]] | None = None,
+                 disk: Any = None) -> None:
         super().__init__()
+        self.disk = disk
+        self._disk_io = (0, 0)  # the disk's (read, written) when the phase began
         self.device_type = device_type
         self.identify = identify or dict
         self._live: dict[int, list] = {}  # key -> [weakref, on device, kind, nbytes seen]
@@ -115,11 +139,18 @@ class MemoryTracker(TorchDispatchMode):
         self._current = PhaseMemory(device_peak=self._device_now, host_peak=self._host_now)
         self._snap_device = self._snap_host = -1
         self._snapshot(device=True, host=True)
+        if self.disk is not None:
+            self.disk.reset_peak()
+            self._disk_io = (self.disk.read, self.disk.written)
 
     def end(self) -> PhaseMemory:
         self._scan()
         cur = self._current
         cur.device_end, cur.host_end = self._device_now, self._host_now
+        if self.disk is not None:
+            cur.nvme_peak, cur.nvme_end = self.disk.peak, self.disk.live
+            cur.nvme_read = self.disk.read - self._disk_io[0]
+            cur.nvme_written = self.disk.written - self._disk_io[1]
         if self.phase in self.phases:
             self.phases[self.phase].merge(cur)
         else:
@@ -140,15 +171,16 @@ class MemoryTracker(TorchDispatchMode):
     # -- the dispatch hook ----------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if func is _DEVICE:  # a metadata query (autograd asks it of every gradient)
+            return func(*args)
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype == torch.bool else 0
         if func in _COPIES:
             self._count_copy(func, args, kwargs)
         out = func(*args, **kwargs)
-        for t in tree_flatten((out, args, kwargs))[0]:
-            if isinstance(t, FakeTensor):
-                self._register(t)
+        for t in _fakes((out, args, tuple(kwargs.values()))):
+            self._register(t)
         if self._device_bound <= self._current.device_peak and \
                 self._host_bound <= self._current.host_peak:
             return out  # nothing can have passed a peak

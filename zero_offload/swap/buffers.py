@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from .budget import host_memory_budget
+from .disk import current_disk
 from .errors import BufferBudgetError
 
 __all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBuffer", "BufferPool", "BufferBudgetError", "pool_count",
@@ -187,7 +188,9 @@ class BufferPool:
             raise BufferBudgetError(self.host_memory_limit, footprint, minimum)
         if count < needed:
             logger.info("BufferPool: host_memory_limit=%d holds %d of %d buffers wanted", host_memory_limit, count, needed)
-        self._buffers = [HostBuffer(self.buffer_bytes, huge_pages=huge_pages, pin=pin) for _ in range(count)]
+        disk = current_disk()  # a rehearsal's simulated disk gives buffers without memory
+        make = HostBuffer if disk is None else disk.host_buffer
+        self._buffers = [make(self.buffer_bytes, huge_pages=huge_pages, pin=pin) for _ in range(count)]
         self._ids = {id(b) for b in self._buffers}
         self._free: deque[HostBuffer] = deque(self._buffers)
         self._cond = threading.Condition()

@@ -38,6 +38,7 @@ from torch.profiler import record_function
 
 from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
+from .disk import current_disk
 from .errors import SwapIOError, SwapSpaceError
 from .io import FileIOEngine
 from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
@@ -93,6 +94,26 @@ def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Pat
     signals.forget(token)
 
 
+class FileDisk:
+    """The real disk (:class:`~.disk.Disk`): files, direct I/O, page-aligned host memory."""
+
+    def io_engine(self) -> FileIOEngine:
+        return FileIOEngine()
+
+    def free_bytes(self, path: Path) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    def remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def host_buffer(self, nbytes: int, *, huge_pages: bool, pin: bool | None) -> HostBuffer:
+        return HostBuffer(nbytes, huge_pages=huge_pages, pin=pin)
+
+
+_FILES = FileDisk()
+
+
 class Swapper:
     """Swap named tensor shards between device/host memory and files on NVMe.
 
@@ -123,6 +144,7 @@ class Swapper:
         pin: bool | None = None,
     ) -> None:
         self.nvme_path = Path(nvme_path)
+        self._disk = current_disk() or _FILES  # files, or a rehearsal's simulated disk
         self.run_id = run_id or new_run_id()
         self.rank_dir = self.nvme_path / self.run_id / f"rank{rank}"
         remove_dead_runs(self.nvme_path)  # folders of runs that were killed before cleaning up
@@ -136,7 +158,7 @@ class Swapper:
         owned_pool = pool is None
         try:
             self._check_space(expected_bytes)
-            self.engine = engine if engine is not None else FileIOEngine()
+            self.engine = engine if engine is not None else self._disk.io_engine()
             self.pool = pool if pool is not None else BufferPool(
                 buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit,
                 pin=pin)
@@ -293,7 +315,7 @@ class Swapper:
             return
         self._settle(entry)
         self._drop_host(entry)
-        entry.file.unlink(missing_ok=True)
+        self._disk.remove(entry.file)
 
     def where(self, key: str) -> Tier | None:
         """Fastest tier holding a valid copy of ``key`` (None if none)."""
@@ -346,8 +368,7 @@ class Swapper:
             raise RuntimeError("Swapper is closed")
 
     def _check_space(self, needed: int) -> None:
-        st = os.statvfs(self.rank_dir)
-        available = st.f_bavail * st.f_frsize
+        available = self._disk.free_bytes(self.rank_dir)
         if needed > available:
             raise SwapSpaceError(self.nvme_path, needed, available)
 
@@ -360,7 +381,7 @@ class Swapper:
             except OSError as exc:
                 raise SwapIOError(self.nvme_path, f"nvme_path is not writable: {exc}") from exc
             finally:
-                probe.unlink(missing_ok=True)
+                self._disk.remove(probe)
 
     def _new_entry(self, key: str, nbytes: int) -> _Entry:
         self._check_space(round_up(nbytes, ALIGNMENT))
