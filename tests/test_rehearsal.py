@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import zero_offload as zo
 from zero_offload.stages import placement
-from zero_offload.bench.gpt import GPT, GPTConfig
+from zero_offload.bench.gpt import GPT, Block, GPTConfig
 from zero_offload.cli import main
 from zero_offload.rehearsal.tracker import ACTIVATIONS, GATHERED, OPTIMIZER, PARAMS
 
@@ -88,6 +88,33 @@ def test_whole_model_moved_to_device_is_caught(monkeypatch):
     planted = zo.rehearse(GPT(cfg), world_size=4, gpu_memory=gpu, batch=one,
                           **kwargs(3, "cpu", "none"))
     assert not planted.fits and "DOES NOT FIT" in planted.verdict()
+
+
+class StrayCopyBlock(Block):
+    """A block that keeps a copy of its gathered fc weight on the device: a stray copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stray = self.fc.weight.detach().clone()
+        return super().forward(x)
+
+
+def test_stray_copy_in_the_last_of_identical_units_is_caught():
+    """Eight identical checkpointed blocks at stage 3: a stray device copy planted in the
+    last one only raises the measured peak by at least its size. Every unit runs through the
+    tracker; none is extrapolated from the first."""
+    cfg = GPTConfig(layers=8, width=256, heads=4, vocab=512, seq=64, checkpoint=True)
+    one = tokens(2, cfg)
+    clean = zo.rehearse(meta_gpt(cfg), world_size=4, gpu_memory=10**9, batch=one,
+                        **kwargs(3, "cpu", "none"))
+    planted_model = meta_gpt(cfg)
+    planted_model.blocks[-1].__class__ = StrayCopyBlock
+    planted = zo.rehearse(planted_model, world_size=4, gpu_memory=10**9, batch=one,
+                          **kwargs(3, "cpu", "none"))
+    stray = 2 * 4 * cfg.width * cfg.width  # bf16 fc weight, gathered whole
+    assert planted.failure is None and clean.failure is None
+    assert planted.peak_bytes >= clean.peak_bytes + stray, (str(clean), str(planted))
+    for phase in ("backward", "step"):
+        assert planted.phases[phase].device_end >= clean.phases[phase].device_end + stray
 
 
 def test_activations_are_measured_and_feed_the_planner():
