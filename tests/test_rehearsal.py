@@ -266,3 +266,13 @@ def test_cli_on_a_config_folder(tmp_path, capsys):
     assert rc == 1 and not report["fits"] and report["peak_bytes"] > 10**6
     assert main(["rehearse", "--model", "llama-1t", "--gpus", "1", "--gpu-memory", "1GB",
                  "--stage", "3"]) == 2
+    # the NVMe tier, simulated: a disk of the given size per node, shared by its ranks
+    nvme = ["rehearse", "--model", str(tmp_path), "--gpus", "2", "--gpu-memory", "1GB",
+            "--host-memory", "8GB", "--stage", "3", "--offload-optimizer", "nvme",
+            "--micro-batch", "2x64"]
+    assert main(nvme + ["--nvme-bytes", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert "NVMe peak" in out and "NVMe         simulated" in out
+    assert main(nvme + ["--nvme-bytes", "1MB", "--json"]) == 1  # 12 bytes/param do not fit
+    report = json.loads(capsys.readouterr().out)
+    assert report["failure"].startswith("initialize: SwapSpaceError"), report["failure"]

@@ -4,10 +4,10 @@
         --micro-batch 1x2048 --checkpointing
 
 Without ``--stage`` the configuration is the one ``zero-offload plan`` recommends for the
-model and GPUs (with its rough activation figure); the rehearsal then runs rank 0's
-``initialize``, forward, backward and step on a simulated GPU and prints what each phase
-allocated, beside the planner's figures, with a verdict. Exit status: 0 fits, 1 does not
-fit (or is not device-clean, or failed), 2 bad arguments.
+model and GPUs (with its rough activation figure; NVMe only with ``--nvme-bytes``); the
+rehearsal then runs rank 0's ``initialize``, forward, backward and step on a simulated GPU
+and prints what each phase allocated, beside the planner's figures, with a verdict. Exit
+status: 0 fits, 1 does not fit (or is not device-clean, or failed), 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -59,8 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation checkpointing (the model recomputes its layers)")
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="default: what zero-offload plan recommends")
-    parser.add_argument("--offload-optimizer", choices=["none", "cpu"], default=None)
-    parser.add_argument("--offload-param", choices=["none", "cpu"], default=None)
+    parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None)
+    parser.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None)
+    parser.add_argument("--nvme-bytes", type=parse_size, default=None,
+                        help="NVMe space per node on the target machine (e.g. 2TB): the "
+                        "planner may then choose NVMe, and the simulated disk holds this "
+                        "much; the NVMe tier is simulated (sizes only, nothing written)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--prefetch-depth", type=int, default=None)
     parser.add_argument("--set", type=_value, action="append", default=[], metavar="KEY=VALUE",
@@ -86,11 +90,14 @@ def _recommended(args: argparse.Namespace, model: Any) -> dict[str, Any] | str:
                                  layers=cfg.num_hidden_layers, dtype=args.dtype,
                                  checkpointing=args.checkpointing)
     p = plan(model, num_gpus=args.gpus, gpu_memory=args.gpu_memory,
-             host_memory=args.host_memory, nvme_bytes=0, activation_bytes=acts,
+             host_memory=args.host_memory, nvme_bytes=args.nvme_bytes or 0,
+             activation_bytes=acts,
              dtype=args.dtype, headroom=args.headroom,
              **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth else {}))
     if not p.fits:
-        return "the planner finds nothing that fits without NVMe:\n" + p.explanation
+        return ("the planner finds nothing that fits"
+                + ("" if args.nvme_bytes else " without NVMe (give --nvme-bytes)") + ":\n"
+                + p.explanation)
     return dict(p.kwargs)
 
 
@@ -113,11 +120,15 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, key) is not None:
                 kwargs[key] = getattr(args, key)
     kwargs.update(dict(args.set))
+    # the node's disk is shared by its ranks (as the planner counts it)
+    nvme_per_rank = (None if args.nvme_bytes is None
+                     else args.nvme_bytes // max(1, min(args.gpus, 8)))
     try:
         result = rehearse(args.model, world_size=args.gpus, gpu_memory=args.gpu_memory,
                           micro_batch=args.micro_batch, checkpointing=args.checkpointing,
                           iterations=args.iterations, headroom=args.headroom,
-                          host_memory=args.host_memory, **kwargs)
+                          host_memory=args.host_memory, nvme_bytes=nvme_per_rank,
+                          **kwargs)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

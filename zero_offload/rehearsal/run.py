@@ -137,8 +137,8 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
     default ``host_memory_limit`` is taken as on that node (it sizes the NVMe pipeline), and
     the planner's advice. Other keywords go to ``initialize`` (stage, offload_optimizer,
     offload_param, dtype, prefetch_depth, ...). The NVMe tier (``"nvme"``) is simulated: the
-    swap files keep their sizes, not their bytes, on a disk of ``nvme_bytes`` (default:
-    unlimited); ``nvme_path`` need not exist on this machine.
+    swap files keep their sizes, not their bytes, on a disk of ``nvme_bytes`` for this rank
+    (default: unlimited); ``nvme_path`` need not exist on this machine.
     """
     name = model if isinstance(model, str) else type(model).__name__
     if isinstance(model, str):
