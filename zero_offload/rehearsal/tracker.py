@@ -172,6 +172,9 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if func is _DEVICE:  # a metadata query (autograd asks it of every gradient)
+            t = args[0]
+            if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device  # FakeTensor's own answer, without the round trip
             return func(*args)
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
