@@ -296,8 +296,11 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
                            bucket_size=reduce_bucket_size)
         padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
+        # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
+        window = sum(sorted(padded, reverse=True)[:gathered_units(prefetch_depth)])
         if stage == 3 and largest_layer_params is not None:
             largest = padded_numel(largest_layer_params, shards)
+            window = gathered_units(prefetch_depth) * largest
         # gradients are reduced, and stepped, for trainable units only
         trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
         largest_t = trained[0] if trained else 0
@@ -311,6 +314,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
                    if stage == 3 else min(reduce_bucket_size, psi))
         largest_t = min(largest, psi_t)
         inflight = reductions_alive() * largest_t
+        window = gathered_units(prefetch_depth) * largest
         s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
         s_files = b * s
     # Ψt in the formulas: trainable params (written Ψ when all of them train)
@@ -352,7 +356,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
             add("param shards (host part)", "host", RESIDENT, MODEL_STATE, b * on_host,
                 f"{b} bytes × the leading units of Ψ/N, in host memory")
         add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
-            gathered_units(prefetch_depth) * largest * b, "(prefetch_depth + 1) × largest module")
+            window * b, "the prefetch_depth + 1 largest modules")
         if offload_param == "nvme":
             add("param swap buffers", "host", RESIDENT, BUFFER,
                 _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth),
@@ -385,13 +389,14 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         add("updated params copied in", "device", STEP, BUFFER,
             b * math.ceil(largest_t / shards),
             "a unit's new shard, on its way to the all-gather")
-    # initialize() makes one unit at a time on the device: its fp32 values and master, the
-    # compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient shard
-    # (counted as resident) are allocated only later, so they make room for it.
+    # initialize() flattens one unit at a time where its values are (the host, for a model
+    # built on the meta device or the CPU) and moves it to the device once: its fp32 values,
+    # the compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient
+    # shard (counted as resident) are allocated only later, so they make room for it.
     making = unit_build_bytes(largest, math.ceil(largest / shards), b)
     later = (8 + b) * s_t if offload_optimizer == "none" else 0
     add("unit being made", "device", INITIALIZE, BUFFER, max(0, making - later),
-        f"(8{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
+        f"(4{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
         + (f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""))
     if offload_optimizer == "none" and b != 4 and not on_cpu:
         add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t,

@@ -213,9 +213,11 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
 
 
 def unit_build_bytes(padded_numel: int, shard_numel: int, dtype_bytes: int) -> int:
-    """Device bytes :func:`make_unit` holds while it makes one unit: its fp32 values and
-    master, the compute-dtype copy (the master itself in fp32), and this rank's fp32 shard."""
-    return (8 + (dtype_bytes if dtype_bytes != 4 else 0)) * padded_numel + 4 * shard_numel
+    """Device bytes :func:`make_unit` holds while it makes one unit: the fp32 values (flattened
+    where they are, the host for a model built on the meta device or the CPU, and moved to the
+    device once), the compute-dtype copy (the values themselves in fp32), and this rank's fp32
+    shard (measured by a rehearsal of Llama 2 13B and 70B to the byte)."""
+    return (4 + (dtype_bytes if dtype_bytes != 4 else 0)) * padded_numel + 4 * shard_numel
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
