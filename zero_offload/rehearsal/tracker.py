@@ -65,7 +65,7 @@ _COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
 _DEVICE = torch.ops.prim.device.default
 
 
-def _fakes(values: tuple, found: list | None = None) -> list:
+def _fakes(values: tuple | list, found: list | None = None) -> list:
     """The fake tensors among an operation's outputs and arguments (nested in lists and
     tuples, as aten passes them): a plain walk, several times faster than pytree's."""
     found = [] if found is None else found
