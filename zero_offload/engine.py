@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -285,6 +285,31 @@ class Engine:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self._check_open()
         self.reducer.zero()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None
+                            ) -> Iterator[None]:
+        """Inside the block the model's parameters (or only ``params``) hold their current
+        values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
+        by calling the model. At stage 3 each one holds a copy of its gathered values —
+        collective: every rank enters the block, with the same ``params``; host or device
+        memory for the copies — so tensors taken from them stay valid after the block, and
+        changes made to them are not kept (training goes on from the optimizer's state; do
+        not step inside). At stages 0-2 they hold their values anyway."""
+        self._check_open()
+        if self.gatherer is None:
+            yield
+            return
+        units = self.units
+        if params is not None:
+            owner = {id(p): u for u in self.units for p in u.params}
+            wanted = list(params)
+            if any(id(p) not in owner for p in wanted):
+                raise ValueError("gathered_parameters: a parameter given is not one of the "
+                                 "engine's model (pass model.parameters() or some of them)")
+            units = [owner[id(p)] for p in wanted]
+        with self.gatherer.lend_values(units):
+            yield
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
     def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,

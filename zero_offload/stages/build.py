@@ -13,6 +13,7 @@ from ..progress import Progress
 from ..weights import PretrainedWeights
 from .handback import Leftovers
 from .param_store import ParamStore
+from .released import guard
 from .units import FlatUnit, UnitPlan, make_unit, parameter_references
 from .update_api import Updater
 
@@ -50,6 +51,7 @@ def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, com
         if unit.sharded_params:  # released, not handed back, if the engine just ends
             leftovers.sharded.extend(
                 (new, refs.get(id(old), [])) for old, new in zip(plan.params, unit.params))
+            guard(unit.params)  # used between gathers: a clear error, not freed memory
         if store is not None:
             lo, hi = unit.layout.shard_range(comm.rank)
             store.put(unit, unit.full[lo:hi])  # copied: ``full`` can go now

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["register_external_parameter", "declared_external", "ReleasedAccess"]
+__all__ = ["register_external_parameter", "declared_external", "ReleasedAccess", "reads_memory"]
 
 _ATTR = "_zero_offload_external_parameters"
 # Calls that read a parameter's metadata, not its memory: no gather for them (``p.grad`` in the
@@ -30,12 +30,14 @@ _ATTR = "_zero_offload_external_parameters"
 _METADATA_METHODS = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
     "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
-    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__"})
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
+    "untyped_storage", "data_ptr", "__len__"})
 # Attributes whose getter makes a view of the parameter's memory: those do gather.
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 
 
-def _reads_memory(func: Any) -> bool:
+def reads_memory(func: Any) -> bool:
+    """Whether a torch call (or tensor attribute getter) may reach a tensor's memory."""
     name = getattr(func, "__name__", None)
     if name == "__get__" or name == "__set__":  # an attribute of a tensor
         return (name == "__get__" and
@@ -90,7 +92,7 @@ class ReleasedAccess(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if _reads_memory(func):
+        if reads_memory(func):
             for a in args:
                 self._check(a)
             for v in kwargs.values():

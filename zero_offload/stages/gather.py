@@ -220,6 +220,30 @@ class ParamGatherer:
         for unit in self.units:
             self.release(unit)
 
+    @contextlib.contextmanager
+    def lend_values(self, units: list[FlatUnit]) -> Iterator[None]:
+        """Until the block ends, point each parameter of ``units`` at a copy of its gathered
+        values (then back at its released view): reads see the values, and tensors taken
+        from them stay valid afterwards. Collective: every rank gathers the same units, in
+        unit order, one at a time (memory: the copies plus one gathered unit)."""
+        units = sorted({id(u): u for u in units if u.sharded_params}.values(),
+                       key=lambda u: u.index)
+        lent: list[FlatUnit] = []
+        try:
+            for unit in units:
+                was_free = self.states.gather_state(unit) is GatherState.FREE
+                self._fetch(unit, wait=True)
+                for p, view in zip(unit.params, unit.views):
+                    p.data = view.clone()
+                lent.append(unit)
+                if was_free:
+                    self.release(unit)
+            yield
+        finally:
+            for unit in lent:
+                for p, view in zip(unit.params, unit.views):
+                    p.data = view
+
     def reset_peak(self) -> None:
         self.peak_gathered_bytes = self.gathered_bytes
 

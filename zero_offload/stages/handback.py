@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .param_store import ParamStore
+from .released import unguard
 from .unit_state import UnitStates
 from .units import FlatUnit
 
@@ -66,7 +67,9 @@ class Leftovers:
         a meta tensor in their place."""
         lost = []
         for p, refs in self.sharded:
-            if not has_memory(p):
+            if has_memory(p):
+                unguard([p])  # a plain nn.Parameter again
+            else:  # the old object stays guarded: a reference the user kept fails clearly
                 new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                    requires_grad=p.requires_grad)
                 for module, name in refs:

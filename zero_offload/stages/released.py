@@ -1,0 +1,85 @@
+"""Stage 3: a parameter used between gathers raises a clear error instead of crashing.
+
+Between uses, a stage-3 parameter is a view of a flat buffer whose memory is released (its
+values live sharded across the ranks). A torch call that read or wrote it there — ``p.sum()``,
+``model.state_dict()``, ``print(p)``, ``p.data``, ``p.detach()`` — would touch freed memory
+and could kill the interpreter. While the engine is open, such a parameter's class is
+:class:`ShardedParameter`: an ``nn.Parameter`` whose ``__torch_function__`` (torch's
+extension point for tensor subclasses) checks, before any call that reaches the parameter's
+memory, that its storage holds its elements, and otherwise raises
+:class:`ParameterNotGatheredError` naming the ways to read it. Metadata (``shape``,
+``dtype``, ``requires_grad``, ``grad``) stays readable.
+
+Inside a forward this never fires: the gatherer's :class:`~.external.ReleasedAccess` mode
+runs before any subclass and gathers the parameter first. ``close()`` (or the engine's
+collection) gives the parameters back their ``nn.Parameter`` class.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from .external import reads_memory
+
+__all__ = ["ParameterNotGatheredError", "ShardedParameter", "guard", "unguard"]
+
+
+class ParameterNotGatheredError(RuntimeError):
+    """A stage-3 parameter was used outside a forward, while its values are not gathered."""
+
+
+def _missing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage lacks the memory its elements need (a released stage-3 view)."""
+    if t.is_meta or t.numel() == 0:
+        return False
+    return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _check(value: Any) -> None:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check(v)
+    elif isinstance(value, ShardedParameter):
+        with torch._C.DisableTorchFunctionSubclass():
+            missing = _missing(value)
+        if missing:
+            raise ParameterNotGatheredError(
+                f"this stage-3 parameter (shape {tuple(value.shape)}, {value.dtype}) was used "
+                "outside the engine's forward, where its values are sharded across the ranks "
+                "and not in memory. Read it inside `with engine.gathered_parameters():` "
+                "(collective: every rank enters it), take engine.full_state_dict() "
+                "(collective), or call engine.close() first: the model then holds the trained "
+                "values as ordinary tensors")
+
+
+class ShardedParameter(nn.Parameter):
+    """An ``nn.Parameter`` of an open stage-3 engine (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if reads_memory(func):
+            for a in args:
+                _check(a)
+            for v in kwargs.values():
+                _check(v)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def guard(params: Iterable[nn.Parameter]) -> None:
+    """Make plain ``nn.Parameter`` objects :class:`ShardedParameter` (the same objects: the
+    model and the user's references see the change). Other subclasses keep their class."""
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = ShardedParameter
+
+
+def unguard(params: Iterable[nn.Parameter]) -> None:
+    """Give guarded parameters back the ``nn.Parameter`` class."""
+    for p in params:
+        if type(p) is ShardedParameter:
+            p.__class__ = nn.Parameter
