@@ -16,6 +16,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+# Imported now, before the user's init_process_group: this module's functions take
+# ``group=group.WORLD`` as a default, evaluated at import. Imported later (torch._dynamo
+# imports it, and torch.optim's first step imports torch._dynamo), that default holds the
+# default process group, so destroy_process_group cannot free it: its gloo threads run on
+# until the interpreter's teardown destroys it, which can abort the finished process
+# ("terminate called without an active exception"). See examples/gloo_teardown.py.
+import torch.distributed.nn.functional  # noqa: F401
 
 __all__ = ["Comm", "CollectiveStats", "Handle"]
 

@@ -31,7 +31,7 @@ _METADATA_METHODS = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
     "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-    "untyped_storage", "data_ptr", "__len__"})
+    "untyped_storage", "data_ptr", "__len__", "_has_compatible_shallow_copy_type"})
 # Attributes whose getter makes a view of the parameter's memory: those do gather.
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 

@@ -54,6 +54,23 @@ def _check(value: Any) -> None:
                 "values as ordinary tensors")
 
 
+def _same_place(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``p.cpu()`` / ``p.to(...)`` that return the parameter itself (already there, e.g.
+    ``module.cpu()`` on a CPU model) touch no memory."""
+    name = getattr(func, "__name__", None)
+    if name not in ("cpu", "to") or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    t = args[0]
+    if name == "cpu":
+        return t.device.type == "cpu" and not kwargs
+    if kwargs.get("copy"):
+        return False
+    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return ((device is None or torch.device(device) == t.device)
+            and (dtype is None or dtype == t.dtype)
+            and memory_format in (None, torch.preserve_format))
+
+
 class ShardedParameter(nn.Parameter):
     """An ``nn.Parameter`` of an open stage-3 engine (see the module docstring)."""
 
@@ -61,7 +78,7 @@ class ShardedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if reads_memory(func):
+        if reads_memory(func) and not _same_place(func, args, kwargs):
             for a in args:
                 _check(a)
             for v in kwargs.values():
