@@ -4,16 +4,17 @@
 into units (``stages.units``), and wires three parts together: the gradient reducer
 (``stages.grads``), the sharded optimizer (``stages.stepper``) and, in stage 3, the parameter
 gatherer (``stages.gather``). The model's own parameters become views into the units' flat
-buffers, so the user's module runs unchanged.
+buffers, so the user's module runs unchanged. Closing and lending parameters their values
+live in ``stages.engine_lifecycle``, the accessors checkpoints and users read in
+``stages.engine_state``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-import sys
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -28,18 +29,17 @@ from .stages.buffer_sync import broadcast_buffers
 from .stages.gather import ParamGatherer
 from .stages.grads import GradReducer, GradTarget, ResidentGrads
 from .stages.build import build_units
-from .stages.handback import Leftovers, check_parameters, hand_back_parameters
+from .stages.engine_lifecycle import EngineLifecycle
+from .stages.engine_state import EngineState
+from .stages.handback import Leftovers, check_parameters
 from .stages.stepper import ShardStepper
 from .stages.host_grads import HostGradQueue, staging_bytes
-from .stages.nvme_sizing import OptimizerSplit
 from .stages.param_store import ParamStore, param_host_numel, param_pool_bytes
 from .stages.streams import Streams
 from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
-from .stages.update_api import StepTimings
 from .stages.updaters import make_updater
 from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
-from .swap.swapper import Swapper
 from .step_stats import StepClock, summarize
 from .weights import load_buffers, open_pretrained
 
@@ -63,7 +63,7 @@ def _split_host_budget(config: ZeroConfig, plans: list[UnitPlan], device: torch.
                              off.optimizer, staging)
 
 
-class Engine:
+class Engine(EngineLifecycle, EngineState):
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
@@ -189,12 +189,6 @@ class Engine:
         self._module.eval()
         return self
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(
-                "this zero_offload engine is closed: close() handed the trained parameters back "
-                "to the model; call zero_offload.initialize(model, ...) again to train on")
-
     # -- the training loop ------------------------------------------------------------------
 
     @property
@@ -286,31 +280,6 @@ class Engine:
         self._check_open()
         self.reducer.zero()
 
-    @contextlib.contextmanager
-    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None
-                            ) -> Iterator[None]:
-        """Inside the block the model's parameters (or only ``params``) hold their current
-        values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
-        by calling the model. At stage 3 each one holds a copy of its gathered values —
-        collective: every rank enters the block, with the same ``params``; host or device
-        memory for the copies — so tensors taken from them stay valid after the block, and
-        changes made to them are not kept (training goes on from the optimizer's state; do
-        not step inside). At stages 0-2 they hold their values anyway."""
-        self._check_open()
-        if self.gatherer is None:
-            yield
-            return
-        units = self.units
-        if params is not None:
-            owner = {id(p): u for u in self.units for p in u.params}
-            wanted = list(params)
-            if any(id(p) not in owner for p in wanted):
-                raise ValueError("gathered_parameters: a parameter given is not one of the "
-                                 "engine's model (pass model.parameters() or some of them)")
-            units = [owner[id(p)] for p in wanted]
-        with self.gatherer.lend_values(units):
-            yield
-
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
     def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
                         lr_scheduler: Any = None) -> "os.PathLike":
@@ -340,157 +309,6 @@ class Engine:
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory, tag, lr_scheduler)
 
-    def close(self, hand_back: bool = True) -> None:
-        """End the engine and give the model back: each parameter becomes a plain tensor of
-        its own holding the trained values in the compute dtype — on the compute device at
-        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
-        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
-        and host buffers are freed. The model can be initialized again. Idempotent.
-
-        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
-        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
-        does not communicate — the other ranks may never get there — and stage 3's sharded
-        parameters are left on the meta device instead (keep values with checkpoints).
-        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
-        after its checkpoint is saved. An engine collected without ``close()`` is released
-        the same way."""
-        if self._closed:
-            return
-        self._closed = True
-        unwinding = sys.exc_info()[0] is not None
-        try:
-            if hand_back and not unwinding:
-                self._hand_back()
-        finally:
-            self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
-            del self.reducer, self.stepper  # every use after this is behind _check_open
-            self.gatherer = self.param_store = None
-            self.grads = self.grad_queue = None
-            self.units = []
-
-    def _hand_back(self) -> None:
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-            self.gatherer.end_backward()
-        if self.grad_queue is not None:
-            try:
-                self.grad_queue.flush()
-            except Exception as err:  # noqa: BLE001 - gradients are dropped anyway
-                log.warning("zero_offload: close(): dropping gradients that failed: %s", err)
-        if self.param_store is not None:
-            self.param_store.flush()
-        if self.config.broadcast_buffers:
-            broadcast_buffers(self._module, self.comm)
-        hand_back_parameters(self._module, self.units, self.stage, self.unit_states,
-                             self.param_store)
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
-    def state_chunks(self) -> Iterator[
-            tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
-        """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
-        offset order: the optimizer's state streamed from its tier, then each frozen unit's
-        values with moments that are zero (None)."""
-        self._check_open()
-        for lo, _hi, master, exp_avg, exp_avg_sq in self.stepper.updater.iter_state():
-            yield lo, (master, exp_avg, exp_avg_sq)
-        for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
-            yield unit.shard_offset, (self.frozen_shard(unit), None, None)
-
-    def load_unit_state(self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor,
-                        exp_avg_sq: torch.Tensor) -> None:
-        """Restore one unit's shard: optimizer state (trainable units) and parameters."""
-        if not unit.frozen:
-            self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
-        self.stepper.write_params(unit, master)
-
-    def finish_load(self) -> None:
-        """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""
-        if self.param_store is not None:
-            self.param_store.flush()
-        self.zero_grad()
-
-    def training_state(self) -> dict[str, Any]:
-        """Counters and optimizer hyperparameters a resume needs (plain data)."""
-        opt = self.stepper
-        return {"micro_steps": self.micro_steps, "global_steps": self.global_steps,
-                "optimizer_steps": self.optimizer_steps,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.optimizer.param_groups],
-                "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
-                "missed_updates": opt.missed_updates()}
-
-    def load_training_state(self, state: Mapping[str, Any]) -> None:
-        self.micro_steps = state["micro_steps"]
-        self.global_steps = state["global_steps"]
-        self.optimizer_steps = state["optimizer_steps"]
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-            group.update(saved)
-        self.stepper.load_missed_updates(state.get("missed_updates", {}))  # absent: older files
-        scaler = self.stepper.scaler
-        if scaler is not None and state["loss_scaler"] is not None:
-            scaler.load_state_dict(state["loss_scaler"])
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Updates applied to the optimizer state (Adam's bias-correction step)."""
-        return self.stepper.updater.steps
-
-    @optimizer_steps.setter
-    def optimizer_steps(self, value: int) -> None:
-        self.stepper.updater.steps = value
-
-    # -- read-only views for users, benchmarks and tests -------------------------------------
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
-        exp_avg_sq, the fp32 gradient a device step makes); empty with the state on NVMe."""
-        resident = getattr(self.stepper.updater, "resident_tensors", None)
-        return resident() if resident is not None else {}
-
-    def reductions_in_flight(self) -> list[torch.Tensor]:
-        """The buffers of gradient reductions not yet waited for (flat input and output)."""
-        return self.reducer.inflight_buffers()
-
-    def _replace_device_optimizer(self, make: Any) -> None:
-        """A simulation's stand-in for the device AdamW (see ``zero_offload.rehearsal``)."""
-        replace = getattr(self.stepper.updater, "replace_optimizer", None)
-        if replace is not None:
-            self.stepper.optimizer = replace(make)
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (None without ``max_grad_norm``)."""
-        return self.stepper.last_grad_norm
-
-    @property
-    def skipped_steps(self) -> int:
-        """float16 steps skipped on overflow so far."""
-        scaler = self.stepper.scaler
-        return scaler.skipped_steps if scaler else 0
-
-    @property
-    def last_step_timings(self) -> StepTimings:
-        """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
-        return self.stepper.updater.last_timings
-
-    @property
-    def optimizer_split(self) -> OptimizerSplit | None:
-        """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
-        in host memory and in files, its sub-group size; None when it is not on NVMe."""
-        return getattr(self.stepper.updater, "split", None)
-
-    @property
-    def swappers(self) -> list[Swapper]:
-        """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
-        found = [getattr(self.stepper.updater, "swapper", None),
-                 getattr(self.param_store, "swapper", None)]
-        return [s for s in found if s is not None]
-
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
@@ -510,17 +328,6 @@ class Engine:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
         self._check_open()
         return export.memory_report(self)
-
-    @property
-    def last_comm(self) -> dict:
-        """Collective counters of the last step."""
-        return dict(self._last_comm)
-
-    @property
-    def last_step_peak(self) -> int:
-        """Stage 3: the peak gathered parameter bytes of the last step."""
-        return self._last_step_peak
-
 
 def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,
                **kwargs: Any) -> Engine:
