@@ -38,7 +38,7 @@ from .stages.param_store import ParamStore, param_host_numel, param_pool_bytes
 from .stages.streams import Streams
 from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
-from .stages.updaters import make_updater
+from .stages.updaters import make_updater, params_are_master
 from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
 from .step_stats import StepClock, summarize
 from .weights import load_buffers, open_pretrained
@@ -110,12 +110,15 @@ class Engine(EngineLifecycle, EngineState):
             self._leftovers.closers.append(self.param_store.close)
         # optimizer state and gradients cover the trainable prefix of the rank-flat shard
         self.trainable_numel = trainable = trainable_numel(plans)
+        # stage 0 with fp32 compute: the params live in one rank-flat buffer that is the master
+        flat_params = torch.empty(trainable, dtype=torch.float32, device=self.device) \
+            if params_are_master(config, self.dtype) else None
         updater = make_updater(
             trainable, config, self.device, self.dtype, self.comm.rank,
-            self.param_store.resident if self.param_store else None, optimizer_budget)
+            self.param_store.resident if self.param_store else flat_params, optimizer_budget)
         self._leftovers.closers.append(updater.close)
         self.units = build_units(model, plans, config, self.comm, self.device, updater,
-                                 self.param_store, self._weights, self._leftovers)
+                                 self.param_store, self._weights, self._leftovers, flat_params)
         if self._weights is not None:
             load_buffers(model, *self._weights)
             if config.broadcast_buffers:

@@ -25,11 +25,14 @@ log = logging.getLogger(__name__)
 def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, comm: Comm,
                 device: torch.device, updater: Updater, store: ParamStore | None,
                 weights: tuple[PretrainedWeights, dict[str, str]] | None,
-                leftovers: Leftovers) -> list[FlatUnit]:
+                leftovers: Leftovers, flat_params: torch.Tensor | None = None
+                ) -> list[FlatUnit]:
     """Materialize each planned unit, streaming this rank's fp32 shard into the optimizer's
     tier and (stage 3) its compute-dtype shard into the parameter store, after which the
     unit's full buffer is released. Stage-3 parameters are put on ``leftovers`` as they lose
-    their memory, so that an engine ending early (an error here) leaves none unreadable."""
+    their memory, so that an engine ending early (an error here) leaves none unreadable.
+    ``flat_params``: the rank-flat buffer that holds the trainable units' params (stage 0's
+    fp32 params, which are the optimizer's master)."""
     refs = parameter_references(model)
     units = []
     what = (f"loading weights from {weights[0].path}" if weights is not None
@@ -44,7 +47,8 @@ def build_units(model: nn.Module, plans: list[UnitPlan], config: ZeroConfig, com
         unit, master = make_unit(
             plan, stage=config.stage, rank=comm.rank, dtype=config.dtype, device=device,
             persistence_threshold=config.param_persistence_threshold, comm=comm, refs=refs,
-            values=values)
+            values=values, into=None if flat_params is None or plan.frozen else
+            flat_params[plan.shard_offset:plan.shard_offset + plan.shard_numel])
         if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
             updater.load_state(unit.shard_offset,
                                master if config.offload.optimizer == "none" else master.cpu())

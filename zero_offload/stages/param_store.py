@@ -110,9 +110,11 @@ class ParamStore:
         :meth:`flush`); otherwise it may reuse ``shard`` at once."""
         view = self.view(unit)
         if view is not None:
-            if self.tier == "none":
+            if view.data_ptr() == shard.data_ptr():
+                pass  # the fp32 master is this buffer: the step wrote it in place
+            elif self.tier == "none":
                 self.streams.copy_into(view, shard)
-            elif view.data_ptr() != shard.data_ptr():
+            else:
                 view.copy_(shard)
         else:
             assert self.swapper is not None

@@ -244,7 +244,8 @@ class ShardStepper:
             assert self.params is not None
             self.params.put(unit, shard.to(self.dtype))
         elif self.stage == 0:
-            unit.full.copy_(shard)
+            if unit.full.data_ptr() != shard.data_ptr():  # else the step wrote them in place
+                unit.full.copy_(shard)
         elif shard.device.type == "cpu" and self.streams.cuda:
             values, copied = self.streams.to_device(shard, self.dtype)
             self.streams.wait(copied)

@@ -173,11 +173,14 @@ def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
 def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
               device: torch.device, persistence_threshold: int, comm: Comm,
               refs: dict[int, list[tuple[nn.Module, str]]],
-              values: list[torch.Tensor] | None = None) -> tuple[FlatUnit, torch.Tensor]:
+              values: list[torch.Tensor] | None = None,
+              into: torch.Tensor | None = None) -> tuple[FlatUnit, torch.Tensor]:
     """Give a planned unit its memory: broadcast rank 0's starting values (``values``, e.g.
     pretrained weights, or the parameters' own) so every rank starts from the same weights,
     make ``full`` in the compute dtype, and point the model's parameters at their views of
-    it. Returns the unit and this rank's fp32 master shard.
+    it. Returns the unit and this rank's fp32 master shard. ``into``: where ``full`` lives
+    (a slice of a rank-flat fp32 buffer, stage 0); the master shard returned is then ``full``
+    itself, not a copy.
 
     The unit is flattened where its values are (the host, for a model built there) and goes
     to the device whole, through :func:`placement.to_device`, only as this one unit: stage 3
@@ -193,7 +196,7 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
         master = placement.to_device(flat, device)
         del flat
         comm.broadcast(master, src=0)
-    full = master.to(dtype)
+    full = master.to(dtype) if into is None else into.copy_(master)
     sharded = stage == 3 and layout.numel >= persistence_threshold
     views = layout.views(full)
     params = []
@@ -209,7 +212,7 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
     unit = FlatUnit(plan.index, params, plan.names, layout, full, plan.shard_offset, sharded,
                     views=views, frozen=plan.frozen)
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
-    return unit, master[lo:hi].clone()
+    return unit, full[lo:hi] if into is not None else master[lo:hi].clone()
 
 
 def unit_build_bytes(padded_numel: int, shard_numel: int, dtype_bytes: int) -> int:

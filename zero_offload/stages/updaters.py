@@ -35,7 +35,7 @@ from .update_api import (Sink, StateChunk, StepRange, StepTimings, Updater, adam
                          adam_kwargs)
 
 __all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
-           "make_updater"]
+           "make_updater", "params_are_master"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class _ResidentAdam:
                  param: nn.Parameter) -> None:
         self.master, self.optimizer, self.param = master, optimizer, param
         self.last_timings = StepTimings()
+        self.master_is_params = False  # the fp32 params themselves (their owner counts them)
 
     @property
     def steps(self) -> int:
@@ -84,7 +85,8 @@ class _ResidentAdam:
     def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                    exp_avg_sq: torch.Tensor | None = None) -> None:
         end = offset + master.numel()
-        self.master[offset:end].copy_(master)
+        if self.master[offset:end].data_ptr() != master.data_ptr():  # not the params as they are
+            self.master[offset:end].copy_(master)
         if exp_avg is not None or exp_avg_sq is not None:
             state = self._moments()
             for key, values in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -111,11 +113,14 @@ class _ResidentAdam:
 
     def add_to(self, report: MemoryReport) -> None:
         state = self.optimizer.state.get(self.param, {})
-        report.add(self.tier, "optimizer", _nbytes(self.master) + _nbytes(state.get("exp_avg"))
-                   + _nbytes(state.get("exp_avg_sq")), pinned=pinned_nbytes(self.master))
+        master = 0 if self.master_is_params else _nbytes(self.master)
+        report.add(self.tier, "optimizer", master + _nbytes(state.get("exp_avg"))
+                   + _nbytes(state.get("exp_avg_sq")),
+                   pinned=0 if self.master_is_params else pinned_nbytes(self.master))
 
     def close(self) -> None:
-        unpin(self.master)
+        if not self.master_is_params:
+            unpin(self.master)
 
 
 class DeviceAdam(_ResidentAdam):
@@ -252,13 +257,21 @@ class HostAdam(_ResidentAdam):
             unpin(self.out)
 
 
+def params_are_master(cfg: ZeroConfig, dtype: torch.dtype) -> bool:
+    """Stage 0 with fp32 compute and the optimizer beside the params: the params, laid out in
+    one rank-flat buffer, are the fp32 master (the optimizer steps them in place)."""
+    return cfg.stage == 0 and dtype == torch.float32 and cfg.offload.optimizer == "none"
+
+
 def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
                  rank: int, param_shards: torch.Tensor | None = None,
                  host_memory_limit: int | None = None) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
-    ``param_shards``: stage 3's rank-flat compute-dtype params when resident; a CPU updater
-    writes them in place when they are in host memory. ``host_memory_limit``: this updater's
-    share of the host budget (NVMe pool)."""
+    ``param_shards``: the rank-flat compute-dtype params when resident (stage 3's shards;
+    stage 0's params with fp32 compute, see :func:`params_are_master`); a CPU updater writes
+    them in place when they are in host memory, and fp32 ones on the optimizer's device are
+    the master itself. ``host_memory_limit``: this updater's share of the host budget (NVMe
+    pool)."""
     where = cfg.offload.optimizer
     if where == "nvme":
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
@@ -266,10 +279,18 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
         and param_shards.dtype == dtype else None
     # on the host, the master crosses PCIe only as fp32 compute's new params for the device
     crosses = dtype == torch.float32 and out is None
-    master = host_empty(numel, torch.float32, crosses_pcie=crosses) \
-        if where == "cpu" else torch.empty(numel, dtype=torch.float32, device=device)
+    shared = where == "none" and param_shards is not None \
+        and param_shards.dtype == torch.float32 and param_shards.device == device
+    if shared:
+        assert param_shards is not None
+        master = param_shards[:numel]  # the fp32 params: no second copy of them
+    elif where == "cpu":
+        master = host_empty(numel, torch.float32, crosses_pcie=crosses)
+    else:
+        master = torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)
-    if device.type == "cpu":
-        return HostAdam(master, cfg, dtype, tier="device", out=out)
-    return DeviceAdam(master, cfg)
+    updater: _ResidentAdam = HostAdam(master, cfg, dtype, tier="device", out=out) \
+        if device.type == "cpu" else DeviceAdam(master, cfg)
+    updater.master_is_params = shared
+    return updater
