@@ -33,12 +33,13 @@ from .stages.engine_lifecycle import EngineLifecycle
 from .stages.engine_state import EngineState
 from .stages.handback import Leftovers, check_parameters
 from .stages.stepper import ShardStepper
-from .stages.host_grads import HostGradQueue, staging_bytes
+from .stages.host_grads import HostGradQueue, host_grad_dtype, staging_bytes
 from .stages.param_store import ParamStore, param_host_numel, param_pool_bytes
 from .stages.streams import Streams
 from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from .stages.updaters import make_updater, params_are_master
+from .stages.weak import weak_hook
 from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
 from .step_stats import StepClock, summarize
 from .weights import load_buffers, open_pretrained
@@ -135,9 +136,11 @@ class Engine(EngineLifecycle, EngineState):
             host_target: GradTarget
             if updater.disk_grads is not None:  # in files beside the optimizer's state
                 host_target = updater.disk_grads
-            else:  # the optimizer steps on the host: reduced gradient shards go there, in fp32
-                self.grads = torch.zeros(trainable, dtype=torch.float32)  # never crosses PCIe
-                host_target = ResidentGrads(self.grads)
+            else:  # the optimizer steps on the host: reduced gradient shards go there
+                self.grads = torch.zeros(trainable, dtype=host_grad_dtype(  # never crosses PCIe
+                    self.stage, config.gradient_accumulation_steps, self.dtype))
+                host_target = ResidentGrads(  # weak: the target must not keep the engine alive
+                    self.grads, on_widen=weak_hook(self._host_grads_widened))
             self.grad_queue = HostGradQueue(
                 host_target, self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
@@ -168,6 +171,10 @@ class Engine(EngineLifecycle, EngineState):
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
                  len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
+
+    def _host_grads_widened(self, grads: torch.Tensor) -> None:
+        """The host gradient shard became fp32 (a second backward before a step)."""
+        self.grads = self.stepper.grads = grads
 
     def _make_streams(self) -> Streams:
         """The side streams of this device (a rehearsal substitutes simulated ones)."""

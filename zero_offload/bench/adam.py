@@ -80,7 +80,7 @@ def _variants(n: int, threads: int) -> list[Variant]:
         def fn() -> None:
             step[0] += 1
             hyper = K.AdamHyper(step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                weight_decay=WD, adamw=True)
+                                weight_decay=WD, adamw=True, grad_scale=1.0)
             k = K.get_kernel()
             if openmp is None or k is None:  # the public path (native, or torch fallback)
                 K.adam_update(p, grad, m, v, out=out, num_threads=threads, **hyper)

@@ -40,7 +40,7 @@
 enum { ZO_F32 = 0, ZO_BF16 = 1, ZO_F16 = 2, ZO_NONE = -1 };
 
 /* Version of the C ABI below; the Python binding checks it. */
-int zo_abi_version(void) { return 2; }
+int zo_abi_version(void) { return 3; }
 
 int zo_has_openmp(void) {
 #ifdef _OPENMP
@@ -52,7 +52,7 @@ int zo_has_openmp(void) {
 
 /* Hyperparameters, folded by the caller in double precision like torch's Python-side math,
  * then rounded to fp32 once, in this order (ZO_NUM_HP floats). */
-enum { ZO_NUM_HP = 10 };
+enum { ZO_NUM_HP = 11 };
 
 int zo_num_hp(void) { return ZO_NUM_HP; }
 
@@ -67,6 +67,7 @@ typedef struct {
     float neg_step_size;  /* -lr / (1 - beta1^step) */
     float bc2_sqrt;       /* sqrt(1 - beta2^step) */
     float inv_bc2_sqrt;   /* fp32(1 / bc2_sqrt) */
+    float grad_scale;     /* the grad is multiplied by it first, in fp32 (unscale, clip) */
     int adamw;
     int lerp_small;       /* w1 < 0.5 */
 } zo_hp;
@@ -196,7 +197,7 @@ static inline void store_fence(void) {
 /* One element, exactly as the vector path computes it (same ops, same order). */
 #define ZO_ADAM_ELEMENT(P, G, M, V)                                                  \
     do {                                                                             \
-        float pi_ = (P), gi_ = (G), mi_ = (M), vi_;                                  \
+        float pi_ = (P), gi_ = (G) * gs, mi_ = (M), vi_;                             \
         if (adamw) pi_ = pi_ * decay; else gi_ = fmaf(l2, pi_, gi_);                 \
         mi_ = lerp_small ? fmaf(w1, gi_ - mi_, mi_) : fmaf(-omw1, gi_ - mi_, gi_);   \
         vi_ = fmaf(omb2 * gi_, gi_, (V) * b2);                                       \
@@ -214,6 +215,7 @@ static inline __attribute__((always_inline)) void adam_tile_as(
     const float decay = hp->decay, l2 = hp->l2, w1 = hp->w1, omw1 = hp->one_minus_w1;
     const float b2 = hp->beta2, omb2 = hp->one_minus_beta2, eps = hp->eps;
     const float nss = hp->neg_step_size, bc2s = hp->bc2_sqrt, rbc2s = hp->inv_bc2_sqrt;
+    const float gs = hp->grad_scale;
 #pragma GCC ivdep
     for (int64_t i = 0; i < n; i++) ZO_ADAM_ELEMENT(p[i], g[i], m[i], v[i]);
 }
@@ -292,6 +294,7 @@ static inline __m512i narrow32(__m512 lo, __m512 hi, int out_dtype) {
 
 static inline __m512 adam_vec(float* p, __m512 g, float* m, float* v, const zo_hp* hp) {
     __m512 pv = _mm512_loadu_ps(p);
+    g = _mm512_mul_ps(g, _mm512_set1_ps(hp->grad_scale));
     if (hp->adamw) pv = _mm512_mul_ps(pv, _mm512_set1_ps(hp->decay));
     else g = _mm512_fmadd_ps(_mm512_set1_ps(hp->l2), pv, g);
     __m512 mv = _mm512_loadu_ps(m);
@@ -383,7 +386,7 @@ static int check_args(int g_dtype, int out_dtype, int64_t begin, int64_t end) {
 }
 
 static zo_hp make_hp(const float* v, int adamw) {
-    zo_hp hp = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], adamw != 0,
+    zo_hp hp = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], adamw != 0,
                 v[2] < 0.5f};
     return hp;
 }

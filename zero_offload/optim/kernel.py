@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 KERNEL_NAME = "cpu_adam"
 KERNEL_FLAGS: tuple[str, ...] = ("-ffp-contract=off", "-fno-math-errno")
 OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
-ABI_VERSION = 2
-NUM_HP = 10
+ABI_VERSION = 3
+NUM_HP = 11
 ENV_MODE = "ZERO_OFFLOAD_KERNELS"
 MODES = ("auto", "off", "required")
 ENV_ISA = "ZERO_OFFLOAD_ISA"
@@ -65,6 +65,7 @@ class AdamHyper(TypedDict):
     eps: float
     weight_decay: float
     adamw: bool
+    grad_scale: float  # the gradients' factor (unscale, clip), applied in fp32 by the kernel
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,11 @@ def _f32(x: float) -> float:
 
 
 def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, adamw: bool) -> tuple[ctypes.Array, int]:
+                 weight_decay: float, adamw: bool, grad_scale: float = 1.0
+                 ) -> tuple[ctypes.Array, int]:
     """Fold the hyperparameters in double precision like torch's Python-side math; the
-    kernel takes them as ``float[NUM_HP]`` (order of ``zo_hp`` in the C source)."""
+    kernel takes them as ``float[NUM_HP]`` (order of ``zo_hp`` in the C source).
+    ``grad_scale``: the factor the kernel multiplies each (widened) gradient by, in fp32."""
     bc1 = 1 - beta1**step
     bc2_sqrt = (1 - beta2**step) ** 0.5
     w1 = _f32(1 - beta1)
@@ -258,6 +261,7 @@ def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
         -(lr / bc1),                                     # -step_size
         bc2_sqrt,
         float(np.float32(1.0) / np.float32(bc2_sqrt)),   # correctly rounded fp32 reciprocal
+        grad_scale,
     )
     return (ctypes.c_float * NUM_HP)(*values), int(bool(adamw))
 
@@ -296,9 +300,12 @@ def native_update(k: NativeKernel, param: Tensor, grad: Tensor, exp_avg: Tensor,
 
 def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                   step: int, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, adamw: bool, out: Tensor | None) -> None:
+                  weight_decay: float, adamw: bool, out: Tensor | None,
+                  grad_scale: float = 1.0) -> None:
     """torch's fused CPU Adam(W) on the same tensors (grad widened to fp32 first)."""
     g = grad if grad.dtype == torch.float32 else grad.float()
+    if grad_scale != 1.0:
+        g = g * _f32(grad_scale)  # a new tensor: the caller's gradients stay as they are
     fn = torch._fused_adamw_ if adamw else torch._fused_adam_
     fn([param], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
@@ -311,11 +318,13 @@ def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
                 step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adamw: bool = True, out: Tensor | None = None,
-                num_threads: int | None = None) -> None:
+                num_threads: int | None = None, grad_scale: float = 1.0) -> None:
     """One Adam/AdamW step in place on ``param``, ``exp_avg``, ``exp_avg_sq``.
 
     ``step`` is the already-incremented step count (bias correction). ``grad`` may be
-    fp32, bf16 or fp16; ``out`` (bf16/fp16) receives the updated param rounded to nearest
+    fp32, bf16 or fp16; it is widened and multiplied by ``grad_scale`` (rounded to fp32:
+    the loss-scale and clipping factor) in registers, so the gradients are read once and
+    never written. ``out`` (bf16/fp16) receives the updated param rounded to nearest
     even in the same pass. Tensors must be contiguous CPU tensors of equal numel; nothing
     is ever copied, so a wrong tensor raises instead of updating a hidden copy.
     """
@@ -326,7 +335,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     if n == 0:
         return
     hyper = AdamHyper(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-                      eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw))
+                      eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
+                      grad_scale=_f32(grad_scale))
     # a tensor without memory (a rehearsal's fake tensor) must not reach the C kernel
     k = get_kernel() if param.untyped_storage().data_ptr() else None
     if k is not None:

@@ -60,17 +60,50 @@ class GradTarget(Protocol):
 
 
 class ResidentGrads:
-    """The rank's gradient shard as one tensor (compute dtype on the device, or fp32 on the
-    host when the optimizer is offloaded)."""
+    """The rank's gradient shard as one tensor (compute dtype on the device, or in host
+    memory when the optimizer is offloaded).
 
-    def __init__(self, grads: torch.Tensor) -> None:
+    ``on_widen``: a host shard that may start in the compute dtype (see
+    :func:`~.host_grads.host_grad_dtype`); the first piece summed into a region that holds
+    one already makes the shard fp32 (exact: the first pieces are the reduced values as they
+    are), so every sum is taken in fp32, and ``on_widen`` gets the new tensor."""
+
+    def __init__(self, grads: torch.Tensor,
+                 on_widen: Callable[[torch.Tensor], None] | None = None) -> None:
         self.grads = grads
+        self.on_widen = on_widen
+        self._summed = False  # something was added since the last zero_grad
+        self._lent: set[int] = set()  # offsets of regions handed out by :meth:`region`
+        self._filled: set[int] = set()  # offsets of the pieces summed since the last zero_grad
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+        self._summed = True
+        if offset in self._filled and self.on_widen is not None \
+                and self.grads.dtype != torch.float32:
+            log.info("gradients summed over several backwards: the host gradient shard "
+                     "becomes fp32 (%.1f MiB)", self.grads.numel() * 4 / 2**20)
+            self.grads = self.grads.float()
+            self.on_widen(self.grads)
+        self._filled.add(offset)
         self.grads[offset:offset + values.numel()].add_(values.to(self.grads.device))
+
+    def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The zeroed region at ``offset`` with ``like``'s size, dtype and device, for a
+        caller to overwrite with reduced gradients in place (no temporary buffer, no add);
+        None when something may have been summed there since :meth:`zero_grad`, or it
+        differs from ``like`` (then :meth:`accumulate_grad`)."""
+        view = self.grads[offset:offset + like.numel()]
+        if self._summed or offset in self._lent or view.dtype != like.dtype \
+                or view.device != like.device:
+            return None
+        self._lent.add(offset)
+        return view
 
     def zero_grad(self) -> None:
         self.grads.zero_()
+        self._summed = False
+        self._lent.clear()
+        self._filled.clear()
 
     def flush(self) -> None:
         pass  # summed at once
@@ -238,6 +271,8 @@ class GradReducer:
             if unit.frozen:
                 _check_frozen(unit)
                 continue
+            if self.stage == 0 and self._reduce_in_place(unit):
+                continue
             flat = self._flat_grads(unit)
             if self.stage == 0:
                 self.comm.all_reduce(flat)
@@ -247,6 +282,21 @@ class GradReducer:
                 self.comm.reduce_scatter(out, flat)
                 self._accumulate(unit, out)
         self.target.flush()
+
+    def _reduce_in_place(self, unit: FlatUnit) -> bool:
+        """Stage 0: flatten the unit's gradients straight into its zeroed region of the
+        gradient buffer and all-reduce them there (False: the target has no such region)."""
+        region = getattr(self.target, "region", None)
+        view = None if region is None else region(unit.shard_offset, unit.full)
+        if view is None:
+            return False
+        unit.layout.flatten_into(view, [p.grad for p in unit.params])
+        for p in unit.params:
+            p.grad = None
+        if self.comm.world_size > 1:
+            view.div_(self.comm.world_size)
+        self.comm.all_reduce(view)
+        return True
 
     def zero(self) -> None:
         """Drop every gradient: accumulated ones, and reductions a failed backward left in

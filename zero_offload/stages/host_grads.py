@@ -25,7 +25,7 @@ from ..swap.pinned import pinned_nbytes, unpin
 from .grads import GradTarget
 from .streams import Streams
 
-__all__ = ["HostGradQueue", "STAGING_BUFFERS", "staging_bytes"]
+__all__ = ["HostGradQueue", "STAGING_BUFFERS", "host_grad_dtype", "staging_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,16 @@ def staging_bytes(largest_piece: int, dtype_bytes: int, depth: int = STAGING_BUF
     device): ``depth`` buffers of the largest reduced shard, in the compute dtype. They are
     taken from the host budget first."""
     return depth * largest_piece * dtype_bytes
+
+
+def host_grad_dtype(stage: int, accumulation_steps: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an offloaded optimizer's host gradient shard. Where each element gets
+    one reduced value per update (stages 0-1, where autograd sums the micro-steps on the
+    device as torch does; stages 2-3 without accumulation) the compute dtype holds exactly
+    what fp32 would, in half the bytes. Stages 2-3 sum micro-steps on the host: fp32, as
+    DeepSpeed does (a shard that starts in the compute dtype widens itself when a second
+    backward comes anyway: :class:`~.grads.ResidentGrads`)."""
+    return torch.float32 if stage >= 2 and accumulation_steps > 1 else dtype
 
 
 class HostGradQueue:

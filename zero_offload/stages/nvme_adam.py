@@ -331,13 +331,10 @@ class NvmeAdam:
                 continue
             if out is not None and done < a:  # not stepped: the master as it is
                 out[done - lo:a - lo].copy_(state[0, done - lo:a - lo])
-            g = grad[a - lo:b - lo]
-            if factor != 1.0:
-                g.mul_(factor)  # in place: a host buffer or the host shard, both done after
             kw = dict(hyper, step=count,
                       weight_decay=hyper["weight_decay"] if decays else 0.0)
-            adam_update(state[0, a - lo:b - lo], g, state[1, a - lo:b - lo],
-                        state[2, a - lo:b - lo],
+            adam_update(state[0, a - lo:b - lo], grad[a - lo:b - lo], state[1, a - lo:b - lo],
+                        state[2, a - lo:b - lo], grad_scale=factor,  # scaled in registers
                         out=None if out is None else out[a - lo:b - lo], **kw)
             done = b
         if out is not None and done < hi:

@@ -39,7 +39,7 @@ __all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAd
 
 log = logging.getLogger(__name__)
 
-_GRAD_CHUNK = 1 << 22  # elements upcast and scaled at a time (16 MiB of fp32)
+_GRAD_CHUNK = 1 << 22  # elements per kernel call (the gradients may be on a device)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -195,20 +195,14 @@ class HostAdam(_ResidentAdam):
             if self.owns_out else out
         if dtype == torch.float32:
             self.out = None
-        self._scratch_buf: torch.Tensor | None = None
-
-    def _scratch(self, n: int) -> torch.Tensor:
-        if self._scratch_buf is None:
-            self._scratch_buf = torch.empty(min(_GRAD_CHUNK, self.master.numel()))
-        return self._scratch_buf[:n]
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
                ranges: list[StepRange] | None = None) -> None:
-        """One pass of the CPU kernel, chunk by chunk: a chunk of gradients is upcast and
-        scaled into a small fp32 buffer only when it is not fp32 already or ``factor`` != 1
-        (fp32 host gradients are scaled in place). Elements outside ``ranges`` are left as
-        they are (their compute-dtype copy is refreshed from the master). fp32 host gradients
-        that need no scaling go to the kernel as one range (it splits it among its threads)."""
+        """One pass of the CPU kernel over the gradients as they are (any float dtype): it
+        widens them and multiplies them by ``factor`` in registers, so they are read once
+        and never written; host gradients go to the kernel as one range per step range (it
+        splits it among its threads). Elements outside ``ranges`` are left as they are
+        (their compute-dtype copy is refreshed from the master)."""
         assert grads is not None
         start = time.perf_counter()
         state = self._moments()
@@ -216,7 +210,7 @@ class HostAdam(_ResidentAdam):
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
         decay = hyper["weight_decay"]
-        as_is = factor == 1.0 and grads.dtype == torch.float32 and grads.device.type == "cpu"
+        as_is = grads.device.type == "cpu"  # else copied to the host a chunk at a time
         done = 0
         for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
             self._copy_out(done, lo)
@@ -224,15 +218,10 @@ class HostAdam(_ResidentAdam):
             chunk = max(1, hi - lo) if as_is else _GRAD_CHUNK
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
-                g = grads[a:b].to("cpu", non_blocking=False)
-                if factor != 1.0:
-                    if g.dtype == torch.float32 and g.data_ptr() == grads[a:b].data_ptr():
-                        g.mul_(factor)
-                    else:
-                        g = self._scratch(b - a).copy_(g).mul_(factor)
-                adam_update(self.master[a:b], g, state["exp_avg"][a:b],
+                adam_update(self.master[a:b], grads[a:b].to("cpu"), state["exp_avg"][a:b],
                             state["exp_avg_sq"][a:b],
-                            out=None if self.out is None else self.out[a:b], **hyper)
+                            out=None if self.out is None else self.out[a:b],
+                            grad_scale=factor, **hyper)
             done = hi
         self._copy_out(done, n)
         self.steps = step
