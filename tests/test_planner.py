@@ -47,9 +47,13 @@ def test_design_formulas(n):
     for stage, nbytes in want.items():
         e = zo.estimate_memory(psi, num_gpus=n, stage=stage)
         assert e.model_state_bytes("device") == nbytes
-    # Offload moves the sharded optimizer state (and, fp32, the gradient shard) to the host.
+    # Offload moves the sharded optimizer state and the gradient shard to the host: in the
+    # compute dtype, or fp32 where micro-steps are summed there.
     e = zo.estimate_memory(psi, num_gpus=n, stage=2, offload_optimizer="cpu")
     assert e.model_state_bytes("device") == 2 * psi
+    assert e.model_state_bytes("host") == 12 * psi // n + 2 * psi // n
+    e = zo.estimate_memory(psi, num_gpus=n, stage=2, offload_optimizer="cpu",
+                           gradient_accumulation_steps=2)
     assert e.model_state_bytes("host") == 12 * psi // n + 4 * psi // n
     e = zo.estimate_memory(psi, num_gpus=n, stage=3, offload_optimizer="nvme",
                            offload_param="nvme")

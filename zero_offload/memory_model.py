@@ -259,7 +259,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
                     trainable_params: int | float | None = None,
                     host_available: int | None = None,
                     offload_optimizer_fraction: float | str | None = None,
-                    offload_param_fraction: float | None = None) -> MemoryEstimate:
+                    offload_param_fraction: float | None = None,
+                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -278,6 +279,7 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     share of the host budget first), as the engine places it.
     ``offload_param_fraction``: stage 3 with the params on NVMe, the share of the parameter
     shards in files (whole units; the leading ones stay in host memory).
+    ``gradient_accumulation_steps``: above 1, stages 2-3 sum offloaded gradients in fp32.
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -365,7 +367,8 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
     # budget too small for the fp32 shard, they go to files beside the optimizer state.
     grads_on_disk = offload_optimizer == "nvme" and sizing.grads_on_disk
-    g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else ("host", 4)
+    g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else (
+        "host", 4 if stage >= 2 and gradient_accumulation_steps > 1 else b)  # host_grad_dtype
     if grads_on_disk:
         g_tier = "nvme"
     if stage < 2:
@@ -403,10 +406,17 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
             f"4{T}/N, for torch's fused AdamW")
     # Optimizer state: fp32 master + Adam m + v, of the trainable params only.
     o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
+    # fp32 params beside the optimizer are its master (updaters.make_updater)
+    params_master = offload_optimizer == "none" and b == 4 and (stage == 0 or stage == 3 and (
+        offload_param == "none" or offload_param == "cpu" and on_cpu))
     on_nvme = split.nvme_numel if offload_optimizer == "nvme" else s_t
-    add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * on_nvme,
-        f"12{T}/N: fp32 master, m, v" if on_nvme == s_t else
-        f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files")
+    if params_master:
+        add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 8 * s_t,
+            f"8{T}/N: m, v (the fp32 params are the master)")
+    else:
+        add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * on_nvme,
+            f"12{T}/N: fp32 master, m, v" if on_nvme == s_t else
+            f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files")
     if on_nvme != s_t:
         add("optimizer state (host part)", "host", RESIDENT, MODEL_STATE,
             split.host_state_bytes, f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "

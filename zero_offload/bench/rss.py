@@ -8,6 +8,10 @@ and during training is sampled by a thread. RSS does not depend on the machine's
 numbers hold on a shared host where timings would not.
 
 Run: ``python -m zero_offload.bench.rss --params 2e8 --nvme-path DIR [--steps 6] [--json]``.
+
+``--ranks N`` runs N gloo ranks on this node (``LOCAL_WORLD_SIZE=N``, as ``torchrun`` sets it)
+with their default budgets, and adds up their peak RSS against the node's budget
+(``DEFAULT_HOST_FRACTION`` of the available memory): what several ranks on one node hold.
 """
 from __future__ import annotations
 
@@ -24,10 +28,13 @@ from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import zero_offload as zo
 
 from .gpt import GPT, synthetic_batch
+from ..swap.budget import DEFAULT_HOST_FRACTION
 from .io import parse_size
 from .step import DEFAULT_VOCAB, HEAD_DIM, model_config
 
@@ -119,8 +126,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-memory-limit", type=parse_size, default=None)
     p.add_argument("--sub-group-size", type=int, default=None)
     p.add_argument("--nvme-path", type=Path, required=True)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="gloo ranks on this node (default 1: this process)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+def _rank(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=args.ranks)
+    try:
+        result = measure(args)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    """``measure`` on ``args.ranks`` spawned ranks of one node; their results, the sum of
+    their peaks (an upper bound of the node's peak) and the node's default budget."""
+    import tempfile
+    node_budget = int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks)  # inherited by the spawned ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(args, os.path.join(tmp, "init"), tmp),
+                           nprocs=args.ranks, join=True, start_method="spawn")
+        ranks = []
+        for r in range(args.ranks):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    peaks = [max(row["peak"] for row in res["rows"]) for res in ranks]
+    return {"ranks": ranks, "peaks": peaks, "sum_of_peaks": sum(peaks),
+            "node_budget": node_budget}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,6 +219,18 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ranks > 1:
+        result = measure_ranks(args)
+        if args.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        for r, res in enumerate(result["ranks"]):
+            print(f"rank {r}")
+            print_table(res)
+        print(f"sum of the ranks' peak RSS {_mib(result['sum_of_peaks'])} MiB; node budget "
+              f"({DEFAULT_HOST_FRACTION:.0%} of available) {_mib(result['node_budget'])} MiB; "
+              f"ratio {result['sum_of_peaks'] / result['node_budget']:.2f}")
+        return 0
     result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))
