@@ -279,7 +279,7 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
         master = torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)
-    updater: _ResidentAdam = HostAdam(master, cfg, dtype, tier="device", out=out) \
+    updater: HostAdam | DeviceAdam = HostAdam(master, cfg, dtype, tier="device", out=out) \
         if device.type == "cpu" else DeviceAdam(master, cfg)
     updater.master_is_params = shared
     return updater
