@@ -337,8 +337,12 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     hyper = AdamHyper(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
                       eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
                       grad_scale=_f32(grad_scale))
-    # a tensor without memory (a rehearsal's fake tensor) must not reach the C kernel
-    k = get_kernel() if param.untyped_storage().data_ptr() else None
+    if not param.untyped_storage().data_ptr():
+        # A tensor without memory (a rehearsal's fake tensor) has no values to update, and
+        # the kernel it stands for allocates nothing: torch's path would count a widened
+        # copy of the gradients that a real run never makes.
+        return
+    k = get_kernel()
     if k is not None:
         threads = default_num_threads() if num_threads is None else int(num_threads)
         if threads < 1:

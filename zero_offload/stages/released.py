@@ -92,11 +92,15 @@ def guard(params: Iterable[nn.Parameter]) -> None:
     model and the user's references see the change). Other subclasses keep their class."""
     for p in params:
         if type(p) is nn.Parameter:
-            p.__class__ = ShardedParameter
+            _retype(p, ShardedParameter)
 
 
 def unguard(params: Iterable[nn.Parameter]) -> None:
     """Give guarded parameters back the ``nn.Parameter`` class."""
     for p in params:
         if type(p) is ShardedParameter:
-            p.__class__ = nn.Parameter
+            _retype(p, nn.Parameter)
+
+
+def _retype(p: nn.Parameter, cls: type[nn.Parameter]) -> None:
+    p.__class__ = cls
