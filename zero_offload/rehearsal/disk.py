@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..swap.buffers import ALIGNMENT, HUGE_PAGE, round_up
+from ..swap.buffers import ALIGNMENT, HUGE_PAGE, HostBuffer, round_up
 from ..swap.errors import SwapIOError
 
 __all__ = ["SimulatedDisk"]
@@ -77,42 +77,17 @@ def _failed(exc: BaseException) -> "Future[None]":
     return fut
 
 
-class _FakeHostBuffer:
-    """A pool buffer of the real size without memory (a fake ``uint8`` host tensor)."""
+class _FakeHostBuffer(HostBuffer):
+    """A pool buffer of the real size without memory (a fake ``uint8`` host tensor): only
+    the allocation differs from :class:`HostBuffer`; views, checks and close are its own."""
 
-    pinned = False
-
-    def __init__(self, nbytes: int, huge_pages: bool) -> None:
+    def __init__(self, nbytes: int, huge_pages: bool) -> None:  # noqa: D107 - no super(): no mmap
         self.nbytes = round_up(int(nbytes), ALIGNMENT)
         self.footprint = round_up(self.nbytes, HUGE_PAGE if huge_pages else ALIGNMENT)
-        self._tensor: torch.Tensor | None = torch.empty(self.nbytes, dtype=torch.uint8)
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise RuntimeError("HostBuffer is closed")
-        return self._tensor
-
-    @property
-    def closed(self) -> bool:
-        return self._tensor is None
-
-    @property
-    def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes > self.nbytes:
-            raise ValueError(f"view of {nbytes} bytes does not fit a HostBuffer of "
-                             f"{self.nbytes} bytes")
-        return self.tensor[:nbytes].view(dtype).view(shape)
-
-    def close(self) -> None:
-        self._tensor = None
+        self.huge_pages = huge_pages
+        self.pinned = False
+        self._mmap = None
+        self._tensor = torch.empty(self.nbytes, dtype=torch.uint8)
 
 
 class SimulatedDisk:
