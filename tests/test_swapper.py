@@ -68,6 +68,25 @@ def test_direct_path_and_prefetch_compute_write_back(tmp_path: Path) -> None:
         assert torch.equal(out, src * 2)
 
 
+def test_owned_buffer_is_written_in_place_and_returned(tmp_path: Path) -> None:
+    """A buffer from acquire() is filled by the caller and written from where it is (an
+    unaligned size: the padding is zeroed); it goes back to the pool once written, and a
+    tensor that does not start it is refused."""
+    with _swapper(tmp_path) as sw:
+        buf = sw.acquire(1001 * 2, "p")
+        assert sw.pool.available == sw.pool.count - 1
+        values = buf.view(torch.bfloat16, (1001,))
+        values.copy_(torch.randn(1001))
+        want = values.clone()
+        with pytest.raises(ValueError, match="does not start"):
+            sw.swap_out("p", values[1:], owned=buf)
+        sw.swap_out("p", values, owned=buf).result(T)
+        assert sw.pool.available == sw.pool.count and sw.where("p") is Tier.NVME
+        out = torch.empty(1001, dtype=torch.bfloat16)
+        sw.swap_in("p", out).result(T)
+        assert torch.equal(out, want)
+
+
 def test_many_keys_in_flight_with_few_buffers(tmp_path: Path) -> None:
     data = [torch.randn(5000) for _ in range(12)]
     with _swapper(tmp_path, buffer_count=2) as sw:

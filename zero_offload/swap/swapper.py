@@ -183,10 +183,13 @@ class Swapper:
 
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
-    def swap_out(self, key: str, tensor: torch.Tensor, copy: bool = False) -> "Future[None]":
+    def swap_out(self, key: str, tensor: torch.Tensor, copy: bool = False,
+                 owned: HostBuffer | None = None) -> "Future[None]":
         """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete.
         ``copy``: stage the bytes in a pool buffer first, so the caller may reuse ``tensor``
-        as soon as this returns (else it must not change until the future is done)."""
+        as soon as this returns (else it must not change until the future is done).
+        ``owned``: a buffer from :meth:`acquire` that ``tensor`` starts; it is written from
+        where it is (no copy) and goes back to the pool once written."""
         self._check_open()
         nbytes = tensor.numel() * tensor.element_size()
         entry = self._entries.get(key)
@@ -195,7 +198,15 @@ class Swapper:
         self._settle(entry)
         padded = round_up(nbytes, ALIGNMENT)
         release_after: HostBuffer | None = None
-        if entry.host is not None and tensor.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr \
+        if owned is not None:
+            if tensor.data_ptr() != owned.data_ptr or not tensor.is_contiguous() \
+                    or padded > owned.nbytes:
+                raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
+            self._drop_host(entry)
+            release_after = owned
+            owned.tensor[nbytes:padded].zero_()
+            src = owned.tensor[:padded]
+        elif entry.host is not None and tensor.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr \
                 and tensor.is_contiguous() and entry.host.nbytes >= padded:
             src = entry.host.tensor[:padded]  # writing back the buffer we lent out
         else:
@@ -276,6 +287,12 @@ class Swapper:
             fut.set_result(out)
 
         return self._track(entry, lambda: self.engine.read(entry.file, target), settle, buf)
+
+    def acquire(self, nbytes: int, key: str) -> HostBuffer:
+        """A free pool buffer of at least ``nbytes`` for the caller to fill and hand to
+        :meth:`swap_out` as ``owned`` (or give back with ``pool.release``)."""
+        self._check_open()
+        return self._acquire(round_up(nbytes, ALIGNMENT), key)
 
     def prefetch(self, key: str) -> "Future[torch.Tensor]":
         """Start reading ``key`` into a pool buffer (no new read if one holds it); the result
