@@ -44,8 +44,8 @@ from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
 from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
-from .update_api import (Sink, StateChunk, StepRange, StepTimings, adam_hyperparameters,
-                         adam_kwargs, whole_range)
+from .update_api import (Sink, StateChunk, StepRange, StepTimings, Targets,
+                         adam_hyperparameters, adam_kwargs, whole_range)
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
@@ -200,14 +200,16 @@ class NvmeAdam:
             self.disk_grads.release(i)
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[StepRange] | None = None) -> None:
+               ranges: list[StepRange] | None = None,
+               targets: Targets | None = None) -> None:
         """``grads``: the host fp32 shard, or None when the gradients are in files.
-        ``ranges``: what to step, with which step count (None: everything). All or
-        nothing: see the module's docstring."""
+        ``ranges``: what to step, with which step count (None: everything). ``targets``:
+        where new compute-dtype values go (the kernel writes them there). All or nothing:
+        see the module's docstring."""
         self._check_sound("step")
         changed: list[int] = []  # sub-groups whose state changed in memory
         try:
-            self._pipeline(grads, factor, sink, self.steps + 1, changed, ranges)
+            self._pipeline(grads, factor, sink, self.steps + 1, changed, ranges, targets)
         except BaseException as exc:
             self._abort(exc, changed)
             raise
@@ -258,7 +260,8 @@ class NvmeAdam:
             "engine.optimizer.load_state_dict) before stepping again") from exc
 
     def _pipeline(self, grads: torch.Tensor | None, factor: float, sink: Sink, step: int,
-                  changed: list[int], ranges: list[StepRange] | None) -> None:
+                  changed: list[int], ranges: list[StepRange] | None,
+                  targets: Targets | None = None) -> None:
         """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
         Adam step ``step``); each sub-group whose state is about to change is appended to
         ``changed``. Returns once all are on disk. Host-resident sub-groups come first and
@@ -286,7 +289,8 @@ class NvmeAdam:
                     assert grads is not None  # not in files: the host shard was passed
                     grad = grads[lo:hi]
                 changed.append(i)
-                self._step_group(resident, grad, lo, hi, factor, ranges, hyper, sink, timings)
+                self._step_group(resident, grad, lo, hi, factor, ranges, hyper, sink,
+                                 timings, targets)
                 self._release(i)
                 continue
             assert pending is not None and pending[0] is not None
@@ -299,7 +303,8 @@ class NvmeAdam:
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             changed.append(i)  # from here on, sub-group i (and its gradients) change
-            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings)
+            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink,
+                                 timings, targets)
             timings.bytes_written += 12 * (hi - lo)
             writes.append(self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)),
                                       "write_s", timings))
@@ -319,28 +324,52 @@ class NvmeAdam:
 
     def _step_group(self, state: torch.Tensor, grad: torch.Tensor, lo: int, hi: int,
                     factor: float, ranges: list[StepRange], hyper: dict,
-                    sink: Sink, timings: StepTimings) -> None:
+                    sink: Sink, timings: StepTimings, targets: Targets | None) -> None:
         """The CPU Adam on sub-group [lo, hi)'s (3, n) state, wherever it lives; elements
-        outside ``ranges`` keep their values. Hands the new values to ``sink``."""
-        t0 = time.perf_counter()
-        out = None if self.out.numel() == 0 else self.out[:hi - lo]
-        done = lo
-        for a, b, count, decays in ranges:
-            a, b = max(a, lo), min(b, hi)
-            if a >= b:
-                continue
-            if out is not None and done < a:  # not stepped: the master as it is
-                out[done - lo:a - lo].copy_(state[0, done - lo:a - lo])
-            kw = dict(hyper, step=count,
-                      weight_decay=hyper["weight_decay"] if decays else 0.0)
-            adam_update(state[0, a - lo:b - lo], grad[a - lo:b - lo], state[1, a - lo:b - lo],
-                        state[2, a - lo:b - lo], grad_scale=factor,  # scaled in registers
-                        out=None if out is None else out[a - lo:b - lo], **kw)
-            done = b
-        if out is not None and done < hi:
-            out[done - lo:].copy_(state[0, done - lo:])
-        timings.compute_s += time.perf_counter() - t0
-        sink(lo, hi, state[0] if out is None else out)
+        outside ``ranges`` keep their values. The new compute-dtype values go straight into
+        their ``targets`` (the rest into ``self.out``); each piece goes to ``sink`` once
+        computed."""
+        for p, q, out in self._outputs(lo, hi, targets):
+            t0 = time.perf_counter()
+            done = p
+            for a, b, count, decays in ranges:
+                a, b = max(a, p), min(b, q)
+                if a >= b:
+                    continue
+                if out is not None and done < a:  # not stepped: the master as it is
+                    out[done - p:a - p].copy_(state[0, done - lo:a - lo])
+                kw = dict(hyper, step=count,
+                          weight_decay=hyper["weight_decay"] if decays else 0.0)
+                adam_update(state[0, a - lo:b - lo], grad[a - lo:b - lo],
+                            state[1, a - lo:b - lo], state[2, a - lo:b - lo],
+                            grad_scale=factor,  # scaled in registers
+                            out=None if out is None else out[a - p:b - p], **kw)
+                done = b
+            if out is not None and done < q:
+                out[done - p:].copy_(state[0, done - lo:q - lo])
+            timings.compute_s += time.perf_counter() - t0
+            sink(p, q, state[0, p - lo:q - lo] if out is None else out)
+
+    def _outputs(self, lo: int, hi: int, targets: Targets | None
+                 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+        """Where the kernel writes sub-group [lo, hi)'s new compute-dtype values, piece by
+        piece: the ``targets`` pieces, the rest into ``self.out`` (None in fp32: the master
+        only). A target is asked for only after the piece before it went to the sink (which
+        may free the room it takes)."""
+        if self.out.numel() == 0:
+            yield lo, hi, None
+            return
+        at = lo
+        while at < hi:
+            piece = None if targets is None else targets(at, hi)
+            if piece is None:
+                yield at, hi, self.out[at - lo:hi - lo]
+                return
+            a, b, view = piece
+            if at < a:
+                yield at, a, self.out[at - lo:a - lo]
+            yield a, b, view
+            at = b
 
     # -- state out ------------------------------------------------------------------------
     def iter_state(self) -> Iterator[StateChunk]:

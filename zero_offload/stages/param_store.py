@@ -7,7 +7,10 @@ With ``offload_param_fraction`` the leading units (in rank-flat order) keep thei
 host memory instead and only the rest are in files (:func:`param_host_numel`, the rule the
 engine and ``estimate_memory`` share).
 The optimizer writes new values through :meth:`put` after a step — the only time a shard
-changes, so a shard is written back only then. The gatherer takes a unit's shard on the
+changes, so a shard is written back only then. A CPU optimizer asks :meth:`target` first for
+the host memory a unit's new values belong in (the resident slice, or a pool buffer that is
+written to disk from where it is) and writes them there, so that :meth:`put` copies nothing;
+``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a unit's shard on the
 compute device through :meth:`load` (with CUDA: copied on the host-to-device stream).
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
-from ..swap.buffers import pool_footprint
+from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
 from .streams import Streams
@@ -66,6 +69,9 @@ class ParamStore:
         self._writes: list[Future] = []
         self._prefetched: dict[int, FlatUnit] = {}  # reads started ahead, not yet gathered
         self.resident: torch.Tensor | None = None
+        self.dtype = dtype
+        self.copied_bytes = 0  # new values copied on the host by put (none when targeted)
+        self._lent: dict[int, HostBuffer] = {}  # pool buffers handed out by target()
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bytes = numel * itemsize
@@ -102,26 +108,59 @@ class ParamStore:
     def reads_from_disk(self) -> bool:
         return self.swapper is not None
 
+    def target(self, unit: FlatUnit) -> torch.Tensor | None:
+        """Host memory (compute dtype, the shard's size) for the unit's next :meth:`put`
+        to be written into in place: its slice in host memory, or an NVMe pool buffer held
+        until that put (or :meth:`give_back`). None: the shard lives on an accelerator."""
+        view = self.view(unit)
+        if view is not None:
+            return view if view.device.type == "cpu" else None
+        assert self.swapper is not None
+        buf = self._lent.get(unit.index)
+        if buf is None:
+            if self.swapper.pool.available == 0:
+                self.drop_prefetched()  # reads ahead give way to a write that needs a buffer
+            nbytes = unit.shard_numel * torch.empty(0, dtype=self.dtype).element_size()
+            buf = self._lent[unit.index] = self.swapper.acquire(nbytes, self._key(unit))
+        return buf.view(self.dtype, (unit.shard_numel,))
+
+    def give_back(self) -> None:
+        """Return the buffers of targets that were never put (a step that failed)."""
+        assert self.swapper is not None or not self._lent
+        lent, self._lent = self._lent, {}
+        for buf in lent.values():
+            assert self.swapper is not None
+            self.swapper.pool.release(buf)
+
     def put(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """Store new values of the unit's shard. An NVMe write runs on while the caller goes
         on (a later read of the unit waits for it); :meth:`flush` waits for all and raises the
         first failure. Into device memory from the host, the copy runs on the host-to-device
         stream: the caller keeps ``shard`` unchanged until ``streams.sync_h2d()`` (or
-        :meth:`flush`); otherwise it may reuse ``shard`` at once."""
+        :meth:`flush`); otherwise it may reuse ``shard`` at once. ``shard`` may be the
+        unit's :meth:`target`: then nothing is copied."""
         view = self.view(unit)
         if view is not None:
             if view.data_ptr() == shard.data_ptr():
-                pass  # the fp32 master is this buffer: the step wrote it in place
-            elif self.tier == "none":
+                pass  # the step wrote it in place (the unit's target, or the fp32 master)
+            elif self.tier == "none" and view.device.type != "cpu":
                 self.streams.copy_into(view, shard)
             else:
+                self.copied_bytes += view.numel() * view.element_size()
                 view.copy_(shard)
-        else:
-            assert self.swapper is not None
-            if self.swapper.pool.available == 0:
-                self.drop_prefetched()  # reads ahead give way to a write that needs a buffer
-            self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
-            self._writes.append(self.swapper.swap_out(self._key(unit), shard, copy=True))
+            return
+        assert self.swapper is not None
+        self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
+        buf = self._lent.pop(unit.index, None)
+        if buf is not None and shard.data_ptr() == buf.data_ptr:
+            self._writes.append(self.swapper.swap_out(self._key(unit), shard, owned=buf))
+            return
+        if buf is not None:  # a target not used after all
+            self.swapper.pool.release(buf)
+        if self.swapper.pool.available == 0:
+            self.drop_prefetched()  # reads ahead give way to a write that needs a buffer
+        self.copied_bytes += shard.numel() * shard.element_size()
+        self._writes.append(self.swapper.swap_out(self._key(unit), shard, copy=True))
 
     def flush(self) -> None:
         """Wait until every :meth:`put` is stored."""
@@ -184,6 +223,7 @@ class ParamStore:
                        pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.host))
 
     def close(self) -> None:
+        self.give_back()
         unpin(self.resident)
         unpin(self.host)
         if self.swapper is not None:

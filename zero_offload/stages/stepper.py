@@ -78,6 +78,9 @@ class ShardStepper:
         # A unit split across NVMe sub-groups is assembled here before it is stored.
         self._staging = host_empty(largest, dtype, crosses_pcie=True) \
             if cfg.offload.optimizer == "nvme" else None
+        self._staged_bytes = 0  # new values copied into the staging buffer, ever
+        # units whose new values the updater writes in place (their targets), until stored
+        self._targeted: dict[int, torch.Tensor] = {}
         p = cfg.precision
         self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
                        if p.dtype == torch.float16 else None)
@@ -208,8 +211,45 @@ class ShardStepper:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        self.updater.update(self.grads, factor, self._sink, self._update_ranges(had))
+        copied = self._copied_bytes()
+        try:
+            self.updater.update(self.grads, factor, self._sink, self._update_ranges(had),
+                                self._targets)
+        except BaseException:
+            self._targeted.clear()
+            if self.params is not None:
+                self.params.give_back()
+            raise
+        self.updater.last_timings.param_copy_bytes = self._copied_bytes() - copied
         return True
+
+    def _copied_bytes(self) -> int:
+        """New parameter values copied on the host so far (staging, parameter store)."""
+        return self._staged_bytes + (0 if self.params is None else self.params.copied_bytes)
+
+    def _targets(self, lo: int, hi: int) -> tuple[int, int, torch.Tensor] | None:
+        """Where the first new values of rank-flat [lo, hi) that have a place belong: a
+        stage-3 shard's host memory in the parameter store (its resident slice, or the
+        buffer it is written to disk from), so that the updater writes them there and
+        nothing is copied after; None: no unit in [lo, hi) has one."""
+        if self.params is None:
+            return None
+        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        for u in self._stepped[first:]:
+            start, end = u.shard_offset, u.shard_offset + u.shard_numel
+            if start >= hi:
+                break
+            if end <= lo or not u.sharded_params:
+                continue
+            dest = self._targeted.get(u.index)
+            if dest is None:
+                dest = self.params.target(u)
+                if dest is None:
+                    continue
+                self._targeted[u.index] = dest
+            a, b = max(lo, start), min(hi, end)
+            return a, b, dest[a - start:b - start]
+        return None
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -217,13 +257,21 @@ class ShardStepper:
         return self._grad_norm
 
     def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """New values for rank-flat [lo, hi): hand every unit completed by them to
-        :meth:`write_params` (a unit cut by a sub-group boundary waits in the staging buffer)."""
+        """New values for rank-flat [lo, hi): store every unit completed by them. A unit
+        the updater wrote in place (:meth:`_targets`) is stored from there; others go to
+        :meth:`write_params` (one cut by a sub-group boundary waits in the staging buffer)."""
         first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
         for u in self._stepped[first:]:
             start, end = u.shard_offset, u.shard_offset + u.shard_numel
             if start >= hi:
                 break
+            dest = self._targeted.get(u.index)
+            if dest is not None:  # written in place by the updater
+                if end <= hi:
+                    assert self.params is not None
+                    del self._targeted[u.index]
+                    self.params.put(u, dest)
+                continue
             if start >= lo and end <= hi:
                 self.write_params(u, values[start - lo:end - lo])
                 continue
@@ -232,6 +280,7 @@ class ShardStepper:
             if a == start:  # a copy issued above may still read the staging buffer
                 self.streams.sync_h2d()
             self._staging[a - start:b - start].copy_(values[a - lo:b - lo])
+            self._staged_bytes += (b - a) * self._staging.element_size()
             if b == end:
                 self.write_params(u, self._staging[:u.shard_numel])
         self.streams.sync_h2d()  # copies issued above read ``values`` (and the staging)

@@ -14,13 +14,20 @@ from ..ledger import MemoryReport
 if TYPE_CHECKING:
     from .disk_grads import DiskGrads
 
-__all__ = ["Sink", "StateChunk", "StepRange", "StepTimings", "Updater", "adam_hyperparameters",
-           "adam_kwargs", "whole_range"]
+__all__ = ["Sink", "StateChunk", "StepRange", "StepTimings", "Targets", "Updater",
+           "adam_hyperparameters", "adam_kwargs", "whole_range"]
 
 
 Sink = Callable[[int, int, torch.Tensor], None]
 """Receives the new parameter values of rank-flat elements [lo, hi) (fp32 or compute dtype),
 in increasing order; it must be done with the tensor when it returns."""
+
+Targets = Callable[[int, int], "tuple[int, int, torch.Tensor] | None"]
+"""Where new compute-dtype values belong: the first piece of rank-flat [lo, hi) that has a
+place, (a, b, view) with lo <= a < b <= hi and ``view`` holding elements [a, b), or None
+(no more in [lo, hi)). An updater that takes them writes the piece's values there in place
+and hands the piece to the sink before it asks for the next (a place may hold room that the
+sink frees); elements with no place reach the sink as values."""
 
 
 @dataclass
@@ -37,6 +44,9 @@ class StepTimings:
     wall_s: float = 0.0
     bytes_read: int = 0
     bytes_written: int = 0
+    param_copy_bytes: int = 0
+    """Bytes of new compute-dtype parameter values copied on the host after the update
+    computed them (0: written in place where they are stored)."""
 
     @property
     def overlap(self) -> float:
@@ -72,10 +82,12 @@ class Updater(Protocol):
                    exp_avg_sq: torch.Tensor | None = None) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: "list[StepRange] | None" = None) -> None:
+               ranges: "list[StepRange] | None" = None,
+               targets: Targets | None = None) -> None:
         """Step rank-flat ``ranges`` (lo, hi, Adam step count, weight decay or not; None:
         everything at ``steps + 1`` with weight decay), leave the rest as it is, hand every
-        value to ``sink``; ``steps`` becomes ``steps + 1``."""
+        value to ``sink`` (or write it into its ``targets`` piece, for updaters that take
+        them); ``steps`` becomes ``steps + 1``."""
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...

@@ -30,7 +30,8 @@ from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
-from .update_api import (Sink, StateChunk, StepRange, StepTimings, Updater, adam_hyperparameters,
+from .update_api import (Sink, StateChunk, StepRange, StepTimings, Targets, Updater,
+                         adam_hyperparameters,
                          whole_range,
                          adam_kwargs)
 
@@ -142,7 +143,8 @@ class DeviceAdam(_ResidentAdam):
         return self.optimizer
 
     def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink, ranges: list[StepRange] | None = None) -> None:
+               sink: Sink, ranges: list[StepRange] | None = None,
+               targets: Targets | None = None) -> None:
         """``factor`` may also be a device tensor."""
         start = time.perf_counter()
         assert grads is not None
@@ -197,7 +199,8 @@ class HostAdam(_ResidentAdam):
             self.out = None
 
     def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[StepRange] | None = None) -> None:
+               ranges: list[StepRange] | None = None,
+               targets: Targets | None = None) -> None:
         """One pass of the CPU kernel over the gradients as they are (any float dtype): it
         widens them and multiplies them by ``factor`` in registers, so they are read once
         and never written; host gradients go to the kernel as one range per step range (it
