@@ -14,6 +14,7 @@ peak RSS shows what the engine holds rather than what the allocator keeps for re
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 makes the fresh gather and gradient buffers fault in
 2 MiB pages, which shortens forward/backward (see the README).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--host-memory-limit", type=float, default=2.0,
-                   help="GiB of host buffers the swap manager may use")
+    p.add_argument(
+        "--host-memory-limit",
+        type=float,
+        default=2.0,
+        help="GiB of host buffers the swap manager may use",
+    )
     p.add_argument("--prefetch-depth", type=int, default=2)
     return p.parse_args(argv)
 
@@ -53,23 +58,37 @@ def gib(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = GPTConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
-                    seq=args.seq)
+    cfg = GPTConfig(
+        layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq
+    )
     ram = psutil.virtual_memory().total
-    print(f"model: {cfg.num_params / 1e9:.2f}B params, training state "
-          f"{gib(16 * cfg.num_params)} ({16 * cfg.num_params / ram:.1f}x this machine's RAM "
-          f"of {gib(ram)})", flush=True)
+    print(
+        f"model: {cfg.num_params / 1e9:.2f}B params, training state "
+        f"{gib(16 * cfg.num_params)} ({16 * cfg.num_params / ram:.1f}x this machine's RAM "
+        f"of {gib(ram)})",
+        flush=True,
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
     start = time.perf_counter()
     engine = zo.initialize(
-        model, stage=3, lr=args.lr, dtype=torch.bfloat16, max_grad_norm=1.0,
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=args.nvme_path,
+        model,
+        stage=3,
+        lr=args.lr,
+        dtype=torch.bfloat16,
+        max_grad_norm=1.0,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=args.nvme_path,
         prefetch_depth=args.prefetch_depth,
-        host_memory_limit=int(args.host_memory_limit * 2**30))
-    print(f"materialized into NVMe in {time.perf_counter() - start:.1f} s; gradients on NVMe: "
-          f"{engine.grads is None}", flush=True)
+        host_memory_limit=int(args.host_memory_limit * 2**30),
+    )
+    print(
+        f"materialized into NVMe in {time.perf_counter() - start:.1f} s; gradients on NVMe: "
+        f"{engine.grads is None}",
+        flush=True,
+    )
     x, y = synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(0))
     losses = []
     store = engine.param_store
@@ -84,21 +103,26 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss.item())
         opt = engine.last_step_timings
         param_wait = store.wait_s - wait0
-        print(f"step {step}/{args.steps}  loss {losses[-1]:.4f}  total {t2 - t0:.1f} s = "
-              f"forward/backward {t1 - t0:.1f} s (of which param I/O wait {param_wait:.1f} s) + "
-              f"optimizer {t2 - t1:.1f} s (Adam {opt.compute_s:.1f} s, I/O wait "
-              f"{max(opt.wall_s - opt.compute_s, 0):.1f} s, disk busy {opt.io_busy_s:.1f} s)",
-              flush=True)
+        print(
+            f"step {step}/{args.steps}  loss {losses[-1]:.4f}  total {t2 - t0:.1f} s = "
+            f"forward/backward {t1 - t0:.1f} s (of which param I/O wait {param_wait:.1f} s) + "
+            f"optimizer {t2 - t1:.1f} s (Adam {opt.compute_s:.1f} s, I/O wait "
+            f"{max(opt.wall_s - opt.compute_s, 0):.1f} s, disk busy {opt.io_busy_s:.1f} s)",
+            flush=True,
+        )
     rep = engine.memory_report()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"peak RSS {gib(peak)}; on NVMe {gib(rep.total('nvme'))} "
-          f"(params {gib(rep.bytes['nvme']['params'])}, grads {gib(rep.bytes['nvme']['grads'])}, "
-          f"optimizer {gib(rep.bytes['nvme']['optimizer'])}); host buffers "
-          f"{gib(rep.total('host'))}")
+    print(
+        f"peak RSS {gib(peak)}; on NVMe {gib(rep.total('nvme'))} "
+        f"(params {gib(rep.bytes['nvme']['params'])}, grads {gib(rep.bytes['nvme']['grads'])}, "
+        f"optimizer {gib(rep.bytes['nvme']['optimizer'])}); host buffers "
+        f"{gib(rep.total('host'))}"
+    )
     engine.close(hand_back=False)  # the model is not used after training here
     if not losses[-1] < losses[0]:
-        print(f"error: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})",
-              file=sys.stderr)
+        print(
+            f"error: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})", file=sys.stderr
+        )
         return 1
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return 0

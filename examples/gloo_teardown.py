@@ -18,6 +18,7 @@ leave with ``barrier`` and ``destroy_process_group``, print the threads still ru
     python examples/gloo_teardown.py --runs 5            # imported after init: group kept
     python examples/gloo_teardown.py --runs 5 --early    # imported before init: group freed
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def native_threads() -> list[str]:
 def rank_main(early: bool) -> None:
     import torch
     import torch.distributed as dist
+
     if early:
         import torch.distributed.nn.functional  # noqa: F401 - before init_process_group
     dist.init_process_group("gloo")
@@ -51,8 +53,10 @@ def rank_main(early: bool) -> None:
     torch.optim.AdamW([p]).step()
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {os.environ['RANK']}: threads after destroy_process_group: "
-          f"{native_threads()}", flush=True)
+    print(
+        f"rank {os.environ['RANK']}: threads after destroy_process_group: {native_threads()}",
+        flush=True,
+    )
 
 
 def free_port() -> int:
@@ -65,12 +69,23 @@ def launch(runs: int, early: bool) -> int:
     outcome: collections.Counter[str] = collections.Counter()
     alive: collections.Counter[str] = collections.Counter()
     for _ in range(runs):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank-main"]
-                                  + (["--early"] if early else []),
-                                  env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank-main"] + (["--early"] if early else []),
+                env=dict(env, RANK=str(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             outcome[f"exit {proc.returncode}"] += 1
@@ -79,8 +94,10 @@ def launch(runs: int, early: bool) -> int:
             for line in out.splitlines():
                 if "threads after" in line:
                     alive[line.split(": ", 2)[2]] += 1
-    print(f"{runs} runs x 2 ranks, torch.distributed.nn imported "
-          f"{'before' if early else 'after'} init_process_group")
+    print(
+        f"{runs} runs x 2 ranks, torch.distributed.nn imported "
+        f"{'before' if early else 'after'} init_process_group"
+    )
     for k, v in sorted(outcome.items()):
         print(f"  {k}: {v}")
     for k, v in alive.most_common():
@@ -89,11 +106,13 @@ def launch(runs: int, early: bool) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--early", action="store_true",
-                        help="import torch.distributed.nn before init_process_group")
+    parser.add_argument(
+        "--early", action="store_true", help="import torch.distributed.nn before init_process_group"
+    )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_main:

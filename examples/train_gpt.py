@@ -7,6 +7,7 @@ Offload:          python examples/train_gpt.py --stage 3 --offload-optimizer cpu
 Data is a fixed synthetic batch per rank (or --text FILE, read as bytes), so the loss must fall;
 the script exits non-zero if it does not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     p.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
-    p.add_argument("--nvme-path", default=None,
-                   help="swap folder for nvme offload (default: a temporary folder)")
+    p.add_argument(
+        "--nvme-path",
+        default=None,
+        help="swap folder for nvme offload (default: a temporary folder)",
+    )
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: the preset's, " + ", ".join(
-                       f"{k} {v:g}" for k, v in PRESET_LR.items()) + ")")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default: the preset's, "
+        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+        + ")",
+    )
     p.add_argument("--text", default=None, help="train on this file's bytes (vocab 256)")
     p.add_argument("--checkpoint-activations", action="store_true")
     return p.parse_args(argv)
@@ -58,12 +67,13 @@ def text_batch(path: str, cfg: GPTConfig, batch: int, rank: int) -> tuple[torch.
     need = batch * (cfg.seq + 1)
     if data.numel() < need * (rank + 1):
         raise SystemExit(f"{path} is too short: need {need * (rank + 1)} bytes for this batch")
-    idx = data[rank * need:(rank + 1) * need].view(batch, cfg.seq + 1)
+    idx = data[rank * need : (rank + 1) * need].view(batch, cfg.seq + 1)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def train(engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int,
-          rank: int) -> tuple[float, float]:
+def train(
+    engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int, rank: int
+) -> tuple[float, float]:
     """Steps on one fixed batch; a ``\\r`` progress line with loss and tokens/s."""
     tokens = x.numel() * engine.comm.world_size
     first = last = math.nan
@@ -75,8 +85,10 @@ def train(engine: zo.Engine, x: torch.Tensor, y: torch.Tensor, steps: int,
         last = loss.item()
         first = last if step == 1 else first
         if rank == 0:
-            line = (f"step {step}/{steps}  loss {last:.4f}  "
-                    f"{tokens / (time.perf_counter() - t0):,.0f} tokens/s")
+            line = (
+                f"step {step}/{steps}  loss {last:.4f}  "
+                f"{tokens / (time.perf_counter() - t0):,.0f} tokens/s"
+            )
             print(f"\r{line:<60}", end="\n" if step == steps else "", flush=True)
     return first, last
 
@@ -87,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    overrides = {k: v for k, v in (("layers", args.layers), ("width", args.width),
-                                    ("seq", args.seq)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("layers", args.layers), ("width", args.width), ("seq", args.seq))
+        if v is not None
+    }
     if args.text:
         overrides["vocab"] = 256
     cfg = GPTConfig.preset(args.preset, checkpoint=args.checkpoint_activations, **overrides)
@@ -99,9 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         if nvme_path is None and "nvme" in (args.offload_optimizer, args.offload_param):
             nvme_path = stack.enter_context(tempfile.TemporaryDirectory(prefix="train_gpt_"))
         lr = args.lr if args.lr is not None else PRESET_LR[args.preset]
-        engine = zo.initialize(model, stage=args.stage, lr=lr, dtype=args.dtype, offload_optimizer=args.offload_optimizer,
-                               offload_param=args.offload_param, nvme_path=nvme_path,
-                               prefetch_depth=args.prefetch_depth, max_grad_norm=1.0)
+        engine = zo.initialize(
+            model,
+            stage=args.stage,
+            lr=lr,
+            dtype=args.dtype,
+            offload_optimizer=args.offload_optimizer,
+            offload_param=args.offload_param,
+            nvme_path=nvme_path,
+            prefetch_depth=args.prefetch_depth,
+            max_grad_norm=1.0,
+        )
         return run(engine, args, cfg, rank)
 
 
@@ -115,9 +138,11 @@ def run(engine: zo.Engine, args: argparse.Namespace, cfg: GPTConfig, rank: int) 
     first, last = train(engine, x, y, args.steps, rank)
     if rank == 0:
         elapsed = time.perf_counter() - start
-        print(f"{cfg.num_params / 1e6:.1f}M params, stage {args.stage}, "
-              f"offload optimizer={args.offload_optimizer} param={args.offload_param}: "
-              f"loss {first:.4f} -> {last:.4f} in {elapsed:.1f} s")
+        print(
+            f"{cfg.num_params / 1e6:.1f}M params, stage {args.stage}, "
+            f"offload optimizer={args.offload_optimizer} param={args.offload_param}: "
+            f"loss {first:.4f} -> {last:.4f} in {elapsed:.1f} s"
+        )
         print(engine.memory_report())
     return finish(engine, first, last)
 

@@ -10,6 +10,7 @@ operation, each hyperparameter constant rounded once too), propagated step by st
 param, exp_avg and exp_avg_sq. The bound holds for any IEEE float32 implementation of the
 formula on any CPU; it does not depend on which one is tested.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,17 +26,28 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 class Float32Bound:
     """A float64 reference trajectory and, per element, how far float32 may stray from it."""
 
-    def __init__(self, p0: Tensor, *, adamw: bool, lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float, state: dict | None = None) -> None:
+    def __init__(
+        self,
+        p0: Tensor,
+        *,
+        adamw: bool,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        state: dict | None = None,
+    ) -> None:
         self.param = p0.detach().double().clone().requires_grad_()
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        self.opt = cls([self.param], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                       foreach=False)
+        self.opt = cls(
+            [self.param], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
         self.adamw = adamw
         if state is not None:  # start from a float32 state, taken as exact
             self.opt.state[self.param] = {
                 "step": torch.tensor(float(state["step"]), dtype=torch.float64),
-                **{k: state[k].detach().double().clone() for k in STATE_KEYS}}
+                **{k: state[k].detach().double().clone() for k in STATE_KEYS},
+            }
         zero = torch.zeros_like(self.param, dtype=torch.float64)
         self.err = {"param": zero, "exp_avg": zero.clone(), "exp_avg_sq": zero.clone()}
 
@@ -78,8 +90,9 @@ class Float32Bound:
         # p = p - (lr / bc1) * m / d
         a = lr / bc1
         upd = a * m1 / d
-        eupd = a * (em1 / d + m1.abs() * ed / (d * torch.maximum(d - ed, d / 2))) \
-            + 4 * U * upd.abs()
+        eupd = (
+            a * (em1 / d + m1.abs() * ed / (d * torch.maximum(d - ed, d / 2))) + 4 * U * upd.abs()
+        )
         p2 = p1 - upd
         ep2 = ep1 + eupd + U * p2.abs()
 
@@ -89,12 +102,12 @@ class Float32Bound:
         # which is enough to catch a different formula and keeps large runs cheap).
         pick = slice(None, None, max(1, p.numel() // 4096))
         for name, mine in (("param", p2), ("exp_avg", m1), ("exp_avg_sq", v1)):
-            torch.testing.assert_close(self.state(name).flatten()[pick], mine.flatten()[pick],
-                                       rtol=1e-9, atol=1e-15)
+            torch.testing.assert_close(
+                self.state(name).flatten()[pick], mine.flatten()[pick], rtol=1e-9, atol=1e-15
+            )
         self.err = {"param": ep2, "exp_avg": em1, "exp_avg_sq": ev1}
 
-    def assert_within(self, who: str, param: Tensor, exp_avg: Tensor,
-                      exp_avg_sq: Tensor) -> None:
+    def assert_within(self, who: str, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
         """Every element of a float32 run lies within float32 rounding of the reference."""
         for name, got in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             ref, bound = self.state(name), self.err[name] + TINY
@@ -106,4 +119,5 @@ class Float32Bound:
                     f"{who}: {int(bad.sum())} of {bad.numel()} {name} elements are beyond "
                     f"float32 rounding of the float64 reference; first at {i}: "
                     f"got {got.flatten()[i].item()!r}, exact {ref.flatten()[i].item()!r}, "
-                    f"|diff| {diff.flatten()[i].item():.3e} > bound {bound.flatten()[i].item():.3e}")
+                    f"|diff| {diff.flatten()[i].item():.3e} > bound {bound.flatten()[i].item():.3e}"
+                )

@@ -1,4 +1,5 @@
 """Shared fixtures."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Run a function on N spawned ranks joined by a gloo process group, collect their results."""
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable,
-           args: tuple, timeout: float | None = None) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    fn: Callable,
+    args: tuple,
+    timeout: float | None = None,
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=None if timeout is None else timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=None if timeout is None else timedelta(seconds=timeout),
+    )
     try:
         result = fn(rank, world_size, *args)
         path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -29,8 +41,7 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any,
-              timeout: float | None = None) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank return values.
     ``timeout``: seconds a collective may wait before it fails (for a test that could hang).
 
@@ -41,11 +52,15 @@ def run_ranks(world_size: int, fn: Callable, *args: Any,
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.start_processes(_entry, args=(world_size, init_file, tmp, fn, args, timeout),
-                               nprocs=world_size, join=True, start_method="spawn")
+            mp.start_processes(
+                _entry,
+                args=(world_size, init_file, tmp, fn, args, timeout),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
         except mp.ProcessExitedException as exc:
-            done = all(os.path.exists(os.path.join(tmp, f"rank{r}.pkl"))
-                       for r in range(world_size))
+            done = all(os.path.exists(os.path.join(tmp, f"rank{r}.pkl")) for r in range(world_size))
             if exc.signal_name is None or not done:
                 raise
             print(f"warning: {exc} after all ranks finished; results kept", file=sys.stderr)
@@ -60,6 +75,7 @@ def finish_torchrun_worker(results: Any, out: str, rank: int) -> None:
     """End a worker script launched by torchrun: rank 0 writes ``results`` as JSON to ``out``,
     and every rank leaves the process group (the script then returns and exits 0)."""
     import json
+
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

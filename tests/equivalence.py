@@ -1,5 +1,6 @@
 """The equivalence worker: train with the engine on every rank and compare with single-process
 torch.optim.AdamW on the same global batch (run on rank 0)."""
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,9 @@ class CaseResult:
     extra: dict = field(default_factory=dict)
 
 
-def reference(model: torch.nn.Module, name: str, dtype: torch.dtype, steps: int,
-              gas: int = 1) -> dict[str, torch.Tensor]:
+def reference(
+    model: torch.nn.Module, name: str, dtype: torch.dtype, steps: int, gas: int = 1
+) -> dict[str, torch.Tensor]:
     """Single process: AdamW on fp32 master weights; compute in ``dtype``."""
     compute = copy.deepcopy(model).to(dtype)
     master = copy.deepcopy(model)
@@ -42,8 +44,9 @@ def reference(model: torch.nn.Module, name: str, dtype: torch.dtype, steps: int,
     return {k: v.float() for k, v in master.state_dict().items()}
 
 
-def master_step(master: torch.nn.Module, compute: torch.nn.Module,
-                opt: torch.optim.Optimizer) -> None:
+def master_step(
+    master: torch.nn.Module, compute: torch.nn.Module, opt: torch.optim.Optimizer
+) -> None:
     """Mixed precision the plain way: the compute copy's gradients (None for frozen
     parameters) go to the fp32 master, which is clipped and stepped and copied back."""
     for pm, pc in zip(master.parameters(), compute.parameters()):
@@ -57,13 +60,21 @@ def master_step(master: torch.nn.Module, compute: torch.nn.Module,
             pc.copy_(pm)
 
 
-def train(rank: int, world: int, name: str, dtype: torch.dtype, steps: int, gas: int = 1,
-          **kwargs) -> tuple[zo.Engine, torch.nn.Module]:
+def train(
+    rank: int, world: int, name: str, dtype: torch.dtype, steps: int, gas: int = 1, **kwargs
+) -> tuple[zo.Engine, torch.nn.Module]:
     torch.manual_seed(0)
     model = make(name)
     initial = copy.deepcopy(model)
-    engine = zo.initialize(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP, dtype=dtype,
-                           gradient_accumulation_steps=gas, **kwargs)
+    engine = zo.initialize(
+        model,
+        lr=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        dtype=dtype,
+        gradient_accumulation_steps=gas,
+        **kwargs,
+    )
     gen = torch.Generator().manual_seed(1234)
     per_rank = GLOBAL_BATCH // world
     for _ in range(steps):
@@ -82,8 +93,9 @@ def compare(engine_sd: dict, ref_sd: dict) -> tuple[float, float]:
     return d.max().item() / LR, d.mean().item()
 
 
-def run_case(rank: int, world: int, name: str, dtype: torch.dtype, stage: int,
-             gas: int = 1, **kwargs) -> CaseResult:
+def run_case(
+    rank: int, world: int, name: str, dtype: torch.dtype, stage: int, gas: int = 1, **kwargs
+) -> CaseResult:
     engine, initial = train(rank, world, name, dtype, STEPS, gas=gas, stage=stage, **kwargs)
     sd = engine.full_state_dict()
     res = CaseResult()
@@ -92,8 +104,7 @@ def run_case(rank: int, world: int, name: str, dtype: torch.dtype, stage: int,
     res.largest_unit_bytes = max(u.full_bytes for u in engine.units)
     res.units = len(engine.units)
     res.report = engine.memory_report()
-    res.clipped = engine.last_grad_norm is not None and \
-        engine.last_grad_norm > CLIP
+    res.clipped = engine.last_grad_norm is not None and engine.last_grad_norm > CLIP
     if rank == 0:
         ref = reference(initial, name, dtype, STEPS, gas=gas)
         res.max_diff_lr, res.mean_diff = compare(sd, ref)
@@ -106,5 +117,6 @@ def run_matrix(rank: int, world: int, cases: list[tuple]) -> dict:
         name, dtype_name, stage, kwargs = case
         dtype = getattr(torch, dtype_name)
         out[(name, dtype_name, stage, tuple(sorted(kwargs.items())))] = run_case(
-            rank, world, name, dtype, stage, **kwargs)
+            rank, world, name, dtype, stage, **kwargs
+        )
     return out

@@ -4,6 +4,7 @@ ZeroOffloadTrainer resumed from the checkpoint the second run saved halfway. Ran
 what it measured as JSON: ``python hf_trainer_worker.py OUT.json ROOT CASES_JSON``.
 
 Each case: (model name, zero_offload config: keywords or a DeepSpeed dict)."""
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,29 @@ def make(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False)
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      attn_implementation="eager", **common)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="eager",
+            **common,
+        )
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, attention_dropout=0.0,
-                                   attn_implementation="sdpa", **common)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+        **common,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -46,12 +62,27 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def arguments(out: str, **kw) -> TrainingArguments:
-    kw = dict(dict(
-        per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=GAS,
-        max_steps=STEPS, learning_rate=LR, weight_decay=0.1, max_grad_norm=CLIP,
-        lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, optim="adamw_torch", disable_tqdm=True,
-        dataloader_num_workers=0), **kw)
+    kw = dict(
+        dict(
+            per_device_train_batch_size=PER_DEVICE,
+            gradient_accumulation_steps=GAS,
+            max_steps=STEPS,
+            learning_rate=LR,
+            weight_decay=0.1,
+            max_grad_norm=CLIP,
+            lr_scheduler_type="linear",
+            warmup_steps=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            optim="adamw_torch",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        ),
+        **kw,
+    )
     return TrainingArguments(output_dir=out, **kw)
 
 
@@ -76,9 +107,12 @@ def run_case(root: str, index: int, name: str, config, rank: int) -> dict:
     start = params(make(name))
     res["moved_lr"] = diff_lr(ref, start)
 
-    zo = ZeroOffloadTrainer(model=make(name), args=arguments(f"{tag}/zo", save_strategy="steps",
-                                                             save_steps=STEPS // 2),
-                            train_dataset=dataset(), zero_offload=config)
+    zo = ZeroOffloadTrainer(
+        model=make(name),
+        args=arguments(f"{tag}/zo", save_strategy="steps", save_steps=STEPS // 2),
+        train_dataset=dataset(),
+        zero_offload=config,
+    )
     zo.train()
     res["eval_loss"] = zo.evaluate(dataset()[:8])["eval_loss"]  # forward through the engine
     full = zo.engine.full_state_dict()
@@ -91,8 +125,12 @@ def run_case(root: str, index: int, name: str, config, rank: int) -> dict:
     res["plain_losses"] = [h["loss"] for h in plain.state.log_history if "loss" in h]
     zo.engine.close()
 
-    resumed = ZeroOffloadTrainer(model=make(name), args=arguments(f"{tag}/resumed"),
-                                 train_dataset=dataset(), zero_offload=config)
+    resumed = ZeroOffloadTrainer(
+        model=make(name),
+        args=arguments(f"{tag}/resumed"),
+        train_dataset=dataset(),
+        zero_offload=config,
+    )
     resumed.train(resume_from_checkpoint=f"{tag}/zo/checkpoint-{STEPS // 2}")
     again = resumed.engine.full_state_dict()
     resumed.engine.close()

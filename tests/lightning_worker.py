@@ -6,6 +6,7 @@ a new Trainer resumed with ``fit(ckpt_path=...)``. Rank 0 writes what it measure
 ZeroOffloadStrategy keywords, where ``"configure_model": true`` builds the model in
 ``configure_model`` (the strategy's sharded-construction context) and starts the engine from
 the plain run's initial weights (``init_weights``)."""
+
 from __future__ import annotations
 
 import csv
@@ -44,9 +45,14 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         named = list(self.named_parameters())  # biases and norms without weight decay
-        opt = torch.optim.AdamW([{"params": [p for _, p in named if p.ndim > 1]},
-                                 {"params": [p for _, p in named if p.ndim <= 1],
-                                  "weight_decay": 0.0}], lr=LR, weight_decay=WD)
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for _, p in named if p.ndim > 1]},
+                {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+            ],
+            lr=LR,
+            weight_decay=WD,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
@@ -67,18 +73,32 @@ class LateLitGPT(LitGPT):
 
 def loader() -> torch.utils.data.DataLoader:
     x, y = batch("gpt", SAMPLES, torch.Generator().manual_seed(1234))
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                       batch_size=PER_DEVICE, shuffle=False)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=PER_DEVICE, shuffle=False
+    )
 
 
-def fit(strategy, epochs: int, logdir: str | None = None, ckpt: str | None = None,
-        module_class: type = LitGPT):
+def fit(
+    strategy,
+    epochs: int,
+    logdir: str | None = None,
+    ckpt: str | None = None,
+    module_class: type = LitGPT,
+):
     world = int(os.environ.get("WORLD_SIZE", 1))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
-                        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
-                        logger=CSVLogger(logdir) if logdir else False, log_every_n_steps=1,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        logger=CSVLogger(logdir) if logdir else False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module = module_class()
     trainer.fit(module, loader(), ckpt_path=ckpt)
     return trainer, module
@@ -107,6 +127,7 @@ def run_case(root: str, index: int, case, rank: int) -> dict:
     module_class: type = LitGPT
     if isinstance(case, dict) and case.get("configure_model"):
         from safetensors.torch import save_file
+
         os.makedirs(tag, exist_ok=True)
         path = f"{tag}/start{rank}.safetensors"
         save_file({k: v for k, v in start.items() if k != "net.lm_head.weight"}, path)  # tied
@@ -120,8 +141,9 @@ def run_case(root: str, index: int, case, rank: int) -> dict:
     half, _ = fit(strategy_for(case), 1, module_class=module_class)
     half.save_checkpoint(f"{tag}/half.ckpt")
     half.strategy.engine.close()
-    resumed = weights(*fit(strategy_for(case), 2, ckpt=f"{tag}/half.ckpt",
-                           module_class=module_class))
+    resumed = weights(
+        *fit(strategy_for(case), 2, ckpt=f"{tag}/half.ckpt", module_class=module_class)
+    )
     if rank == 0:
         res["moved_lr"] = max((plain[k] - start[k]).abs().max().item() for k in plain) / LR
         res["max_diff_lr"] = max((full[k] - plain[k]).abs().max().item() for k in plain) / LR

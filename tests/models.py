@@ -1,5 +1,6 @@
 """Small models for the equivalence tests: an MLP, a GPT-style LM with tied embeddings, the
 same with activation checkpointing, and a net that calls one block twice."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ VOCAB, SEQ, WIDTH = 64, 8, 32
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
-                                 nn.Linear(32, 8))
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -37,17 +39,23 @@ class TwiceNet(nn.Module):
         return self.out(h)
 
 
-def TinyGPT(layers: int = 2, width: int = WIDTH, heads: int = 2,
-            checkpoint: bool = False) -> GPT:
+def TinyGPT(layers: int = 2, width: int = WIDTH, heads: int = 2, checkpoint: bool = False) -> GPT:
     """The library's GPT-style LM at toy size; its output projection is tied to the token
     embedding, and ``checkpoint`` recomputes each block in backward."""
-    return GPT(GPTConfig(layers=layers, width=width, heads=heads, vocab=VOCAB, seq=SEQ,
-                         checkpoint=checkpoint))
+    return GPT(
+        GPTConfig(
+            layers=layers, width=width, heads=heads, vocab=VOCAB, seq=SEQ, checkpoint=checkpoint
+        )
+    )
 
 
 def make(name: str) -> nn.Module:
-    return {"mlp": MLP, "gpt": TinyGPT, "gpt_ckpt": lambda: TinyGPT(checkpoint=True),
-            "twice": TwiceNet}[name]()
+    return {
+        "mlp": MLP,
+        "gpt": TinyGPT,
+        "gpt_ckpt": lambda: TinyGPT(checkpoint=True),
+        "twice": TwiceNet,
+    }[name]()
 
 
 def batch(name: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
 """Fault injection for the swap tests: a backend that fails chosen syscalls."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,16 @@ from zero_offload.swap.io import OsBackend
 class FaultBackend(OsBackend):
     """OsBackend that fails the chosen call: raise ``errno`` or transfer ``short`` bytes."""
 
-    def __init__(self, op: str, *, errno_: int | None = None, short: int | None = None,
-                 times: int = 10**9, after: int = 0, refuse_direct: bool = False) -> None:
+    def __init__(
+        self,
+        op: str,
+        *,
+        errno_: int | None = None,
+        short: int | None = None,
+        times: int = 10**9,
+        after: int = 0,
+        refuse_direct: bool = False,
+    ) -> None:
         self.op, self.errno_, self.short, self.times, self.after = op, errno_, short, times, after
         self.refuse_direct = refuse_direct
         self.calls = 0
@@ -49,10 +58,13 @@ def mounted_tmpfs(where: Path, options: str) -> Iterator[Path]:
     """A small real filesystem (tmpfs with ``options``) at ``where``; skips the test when this
     container refuses the mount."""
     where.mkdir(exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
+    )
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs ({options}) here: {res.stderr.strip() or res.returncode}")
+        pytest.skip(
+            f"cannot mount a tmpfs ({options}) here: {res.stderr.strip() or res.returncode}"
+        )
     try:
         yield where
     finally:

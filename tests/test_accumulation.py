@@ -1,6 +1,7 @@
 """Gradient accumulation is exact on every tier: the clipping norm is the norm of the summed
 gradient (gradients on NVMe included), and a checkpoint is never taken from the middle of an
 accumulation window (it would lose the gradients accumulated so far)."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,9 @@ LR, WD, CLIP, GAS = 1e-2, 0.1, 0.05, 2
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(),
-                         nn.Linear(96, 96))
+    return nn.Sequential(
+        nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 96)
+    )
 
 
 def _x(i: int) -> torch.Tensor:
@@ -27,9 +29,16 @@ def _x(i: int) -> torch.Tensor:
 def _train(model: nn.Module, steps: int, loop: str, **kwargs) -> tuple[zo.Engine, list[float]]:
     """``loop`` "gas": gradient_accumulation_steps=2, step() after each backward; "plain":
     two backwards, then one step() (torch style, gradient_accumulation_steps=1)."""
-    engine = zo.initialize(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                           gradient_accumulation_steps=GAS if loop == "gas" else 1,
-                           dtype=torch.float32, sub_group_size=4096, **kwargs)
+    engine = zo.initialize(
+        model,
+        lr=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        gradient_accumulation_steps=GAS if loop == "gas" else 1,
+        dtype=torch.float32,
+        sub_group_size=4096,
+        **kwargs,
+    )
     norms = []
     for i in range(steps * GAS):
         loss = engine(_x(i)).square().mean()
@@ -50,11 +59,16 @@ def test_clipping_norm_with_gradients_on_nvme_is_the_summed_gradients(tmp_path, 
         (ref(_x(i)).square().mean() / GAS).backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
 
-    cpu, cpu_norms = _train(copy.deepcopy(model), 3, loop, stage=stage,
-                            offload_optimizer="cpu")
-    disk, disk_norms = _train(copy.deepcopy(model), 3, loop, stage=stage,
-                              offload_optimizer="nvme", nvme_path=tmp_path,
-                              host_memory_limit=128 << 10)
+    cpu, cpu_norms = _train(copy.deepcopy(model), 3, loop, stage=stage, offload_optimizer="cpu")
+    disk, disk_norms = _train(
+        copy.deepcopy(model),
+        3,
+        loop,
+        stage=stage,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        host_memory_limit=128 << 10,
+    )
     assert disk.grads is None, "this case is meant to keep the gradients on NVMe"
     assert disk_norms[0] == pytest.approx(expected, rel=1e-5)
     # fp64 sums of squares per sub-group or over the shard: equal to far below fp32's
@@ -70,8 +84,9 @@ def test_clipping_norm_with_gradients_on_nvme_is_the_summed_gradients(tmp_path, 
 def test_checkpoint_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
     """A checkpoint does not carry accumulated gradients: saving mid-window would resume with
     half the batch. It is refused with the fix, writes nothing, and works at the boundary."""
-    engine = zo.initialize(_model(), lr=LR, gradient_accumulation_steps=GAS,
-                           dtype=torch.float32, stage=2)
+    engine = zo.initialize(
+        _model(), lr=LR, gradient_accumulation_steps=GAS, dtype=torch.float32, stage=2
+    )
     engine.backward(engine(_x(0)).square().mean())
     engine.step()  # the first of two micro-steps: gradients accumulated, no update yet
     assert engine.is_accumulation_boundary
@@ -90,8 +105,14 @@ def test_the_step_agrees_in_one_fp64_exchange(stage):
     """float16 with clipping: the gradient flags, the overflow check and the norm travel in
     one all-reduce of fp64 values (the same dtype on every device, so the clip factor is the
     same bit for bit everywhere) - one host read per step, not one per question."""
-    engine = zo.initialize(_model(), lr=LR, max_grad_norm=CLIP, dtype=torch.float16,
-                           stage=stage, offload_optimizer="cpu" if stage else "none")
+    engine = zo.initialize(
+        _model(),
+        lr=LR,
+        max_grad_norm=CLIP,
+        dtype=torch.float16,
+        stage=stage,
+        offload_optimizer="cpu" if stage else "none",
+    )
     calls = []
     all_reduce = engine.comm.all_reduce
 

@@ -1,5 +1,6 @@
 """``bench step`` at tiny size: it runs every optimizer tier, reports sane numbers as JSON,
 sweeps prefetch depth against the resident stage-3 run, and refuses a memory filesystem."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,32 @@ import pytest
 
 from zero_offload.bench import step
 
-TINY = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--sub-group-size", "4096",
-        "--baseline-size", "1MiB", "--json"]
-SAMPLE_KEYS = {"fwd_bwd_s", "step_s", "total_s", "opt_read_s", "opt_write_s", "opt_io_busy_s",
-               "opt_compute_s",
-               "opt_wall_s", "bytes_read", "bytes_written", "overlap"}
+TINY = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--sub-group-size",
+    "4096",
+    "--baseline-size",
+    "1MiB",
+    "--json",
+]
+SAMPLE_KEYS = {
+    "fwd_bwd_s",
+    "step_s",
+    "total_s",
+    "opt_read_s",
+    "opt_write_s",
+    "opt_io_busy_s",
+    "opt_compute_s",
+    "opt_wall_s",
+    "bytes_read",
+    "bytes_written",
+    "overlap",
+}
 
 
 def _bench(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
@@ -23,8 +45,9 @@ def _bench(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
 
 
 def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    rc, rep = _bench(capsys, *TINY, "--offload-optimizer", "none", "cpu", "nvme",
-                     "--nvme-path", str(tmp_path))
+    rc, rep = _bench(
+        capsys, *TINY, "--offload-optimizer", "none", "cpu", "nvme", "--nvme-path", str(tmp_path)
+    )
     assert rc == 0
     assert rep["model"]["params"] > 0 and rep["steps"] == 2 and rep["sweep"] is None
     assert rep["baseline"]["read_gbps"] > 0 and rep["baseline"]["write_gbps"] > 0
@@ -48,9 +71,22 @@ def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert list(tmp_path.iterdir()) == [], "swap and baseline files must be removed"
 
 
-def test_prefetch_depth_sweep_against_resident(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    rc, rep = _bench(capsys, *TINY, "--offload-optimizer", "cpu", "--offload-param", "cpu",
-                     "--prefetch-depth", "0", "1", "--nvme-path", str(tmp_path))
+def test_prefetch_depth_sweep_against_resident(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    rc, rep = _bench(
+        capsys,
+        *TINY,
+        "--offload-optimizer",
+        "cpu",
+        "--offload-param",
+        "cpu",
+        "--prefetch-depth",
+        "0",
+        "1",
+        "--nvme-path",
+        str(tmp_path),
+    )
     assert rc == 0
     runs = {(r["offload_param"], r["prefetch_depth"]): r for r in rep["runs"]}
     assert set(runs) == {("cpu", 0), ("cpu", 1), ("none", step.REFERENCE_DEPTH)}
@@ -63,10 +99,17 @@ def test_prefetch_depth_sweep_against_resident(tmp_path: Path, capsys: pytest.Ca
         assert row["error"] is None and row["total_s"] > 0 and row["ratio_to_resident"] > 0
 
 
-def test_refuses_missing_or_memory_nvme_path(tiny_tmpfs: Path, capsys: pytest.CaptureFixture) -> None:
+def test_refuses_missing_or_memory_nvme_path(
+    tiny_tmpfs: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert step.main(["--preset", "tiny", "--offload-optimizer", "nvme"]) == 2
     assert "--nvme-path" in capsys.readouterr().err
-    assert step.main(["--preset", "tiny", "--offload-optimizer", "nvme", "--nvme-path", str(tiny_tmpfs)]) == 2
+    assert (
+        step.main(
+            ["--preset", "tiny", "--offload-optimizer", "nvme", "--nvme-path", str(tiny_tmpfs)]
+        )
+        == 2
+    )
     assert "lives in memory" in capsys.readouterr().err
 
 
@@ -81,17 +124,29 @@ def test_model_config_follows_params() -> None:
 
 def test_cli_wiring() -> None:
     from zero_offload import cli
+
     args = cli.build_parser().parse_args(["bench", "step", "--preset", "tiny", "--json"])
     assert args._module == "zero_offload.bench.step" and args.json
 
 
 def test_optimizer_fraction_sweep_reports_disk_bytes_per_point(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """--optimizer-fraction 0,0.5,1 with two interleaved rounds: each point keeps the samples
     of both rounds, the disk bytes of the optimizer step follow the share on NVMe, and the
     table compares each point with all on NVMe."""
-    rc, rep = _bench(capsys, *TINY, "--offload-optimizer", "nvme", "--optimizer-fraction",
-                     "0,0.5,1", "--rounds", "2", "--nvme-path", str(tmp_path))
+    rc, rep = _bench(
+        capsys,
+        *TINY,
+        "--offload-optimizer",
+        "nvme",
+        "--optimizer-fraction",
+        "0,0.5,1",
+        "--rounds",
+        "2",
+        "--nvme-path",
+        str(tmp_path),
+    )
     assert rc == 0 and rep["rounds"] == 2
     assert [r["optimizer_fraction"] for r in rep["runs"]] == [0.0, 0.5, 1.0]
     assert all(len(r["samples"]) == 4 and r["error"] is None for r in rep["runs"])

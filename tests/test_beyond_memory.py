@@ -1,5 +1,6 @@
 """Training what does not fit: pretrained weights streamed into shards from safetensors, and a
 model whose training state is far larger than host_memory_limit trained within it."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ def _write_hf_folder(folder, state: dict[str, torch.Tensor], shards: int = 3) ->
         save_file({n: state[n].contiguous() for n in part}, str(folder / file))
         weight_map.update({n: file for n in part})
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 def test_init_weights_streams_a_hf_folder_into_nvme_shards(tmp_path):
@@ -38,8 +40,14 @@ def test_init_weights_streams_a_hf_folder_into_nvme_shards(tmp_path):
     _write_hf_folder(tmp_path / "hf", stored)
     with torch.device("meta"):
         model = TinyGPT()
-    engine = zo.initialize(model, stage=3, offload_param="nvme", offload_optimizer="nvme",
-                           nvme_path=tmp_path, init_weights=tmp_path / "hf")
+    engine = zo.initialize(
+        model,
+        stage=3,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        init_weights=tmp_path / "hf",
+    )
     got = engine.full_state_dict()
     assert set(got) == set(want)
     for name in want:
@@ -51,8 +59,10 @@ def test_init_weights_single_file_with_the_tied_name(tmp_path):
     torch.manual_seed(7)
     source = TinyGPT()
     want = source.state_dict()
-    save_file({k: v.clone() for k, v in want.items()
-               if k != "wte.weight"}, str(tmp_path / "model.safetensors"))  # only the alias
+    save_file(
+        {k: v.clone() for k, v in want.items() if k != "wte.weight"},
+        str(tmp_path / "model.safetensors"),
+    )  # only the alias
     engine = zo.initialize(TinyGPT(), stage=2, init_weights=tmp_path / "model.safetensors")
     got = engine.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -114,8 +124,9 @@ def _train(tmp_path, name, limit):
     # glibc keeps freed heap memory for reuse, so ru_maxrss would count what the allocator
     # holds, not what the engine does; a fixed mmap threshold returns large blocks at once.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(out)
 

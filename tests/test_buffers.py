@@ -57,7 +57,9 @@ def test_budget_error_names_limit_and_minimum() -> None:
 def test_default_budget_is_the_ranks_host_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Half of the available memory, for a node running one rank (swap.budget)."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(budget_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=9 * MiB))
+    monkeypatch.setattr(
+        budget_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=9 * MiB)
+    )
     with pytest.raises(BufferBudgetError, match="host_memory_limit=4718592"):
         BufferPool(2 * MiB, needed=4, minimum=3)
     with BufferPool(2 * MiB, needed=4) as pool:
@@ -94,8 +96,10 @@ def test_acquire_blocks_until_release() -> None:
 
 
 def test_timeout_foreign_and_double_release() -> None:
-    with BufferPool(4096, needed=1, host_memory_limit=1 << 30) as pool, \
-            BufferPool(4096, needed=1, host_memory_limit=1 << 30) as other:
+    with (
+        BufferPool(4096, needed=1, host_memory_limit=1 << 30) as pool,
+        BufferPool(4096, needed=1, host_memory_limit=1 << 30) as other,
+    ):
         buf = pool.acquire()
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="host_memory_limit"):
@@ -136,8 +140,14 @@ def test_borrow_and_close_wake_waiters() -> None:
 
 def _run_child(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter: a segfault must fail the test, not kill pytest."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[1], check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
 
 
 def test_views_keep_their_mapping_alive_after_close() -> None:

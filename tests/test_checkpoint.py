@@ -1,5 +1,6 @@
 """Checkpoints: exact resume in a new process, another world size, consolidation with bounded
 memory, and damaged or interrupted checkpoints that never replace a good one."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ CONFIGS = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
 
 
 def _kwargs(stage, offload, nvme):
-    kw = dict(stage=stage, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05,
-              offload_optimizer=offload, nvme_path=nvme, sub_group_size=3000)
+    kw = dict(
+        stage=stage,
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        offload_optimizer=offload,
+        nvme_path=nvme,
+        sub_group_size=3000,
+    )
     if stage == 3:
         kw["offload_param"] = offload
     return kw
@@ -44,11 +52,18 @@ def _steps(engine, rank, world, start, end):
 def _optimizer_state(engine) -> dict[str, torch.Tensor]:
     """This rank's flat [master | m | v] and the step count, as plain tensors."""
     # clone each piece as it comes: NVMe state arrives in pool buffers that the next piece reuses
-    chunks = [[a.clone() for a in arrays] for _lo, arrays in engine.state_chunks()
-              if arrays[1] is not None]
+    chunks = [
+        [a.clone() for a in arrays]
+        for _lo, arrays in engine.state_chunks()
+        if arrays[1] is not None
+    ]
     parts = [torch.cat([c[k] for c in chunks]) for k in range(3)]
-    return {"master": parts[0], "exp_avg": parts[1], "exp_avg_sq": parts[2],
-            "steps": torch.tensor(engine.optimizer_steps)}
+    return {
+        "master": parts[0],
+        "exp_avg": parts[1],
+        "exp_avg_sq": parts[2],
+        "steps": torch.tensor(engine.optimizer_steps),
+    }
 
 
 def _train(rank, world, ckpt, nvme, phase):
@@ -133,9 +148,11 @@ def test_consolidate_cli_and_tied_names(tmp_path):
     want = engine.full_state_dict()
     out = tmp_path / "full.pt"
     from zero_offload.cli import main
+
     assert main(["consolidate", str(tmp_path / "ck"), str(out)]) == 0
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     got = load_file(str(out))  # safetensors is a dependency: consolidate writes it
     with safe_open(str(out), framework="pt") as f:
         assert f.metadata() == {"alias:lm_head.weight": "wte.weight"}  # the tie, recorded
@@ -203,8 +220,9 @@ def test_names_that_do_not_match_are_listed(tmp_path):
 
 def test_lr_scheduler_and_loss_scale_come_back(tmp_path):
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(), stage=2, lr=1.0, dtype=torch.float16,
-                           initial_loss_scale=2.0**10)
+    engine = zo.initialize(
+        TinyGPT(), stage=2, lr=1.0, dtype=torch.float16, initial_loss_scale=2.0**10
+    )
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     for i in range(3):
         _steps(engine, 0, 1, i, i + 1)
@@ -240,8 +258,9 @@ KILLER = textwrap.dedent("""
 
 def test_killed_save_leaves_the_previous_checkpoint_and_latest(tmp_path):
     script = KILLER.format(tests=str(Path(__file__).parent), root=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (tmp_path / "latest").read_text() == "first"
     assert not (tmp_path / "second").exists()
@@ -271,8 +290,12 @@ def test_consolidation_memory_is_one_copy_of_the_params(tmp_path):
     engine.step()
     engine.save_checkpoint(tmp_path)  # 12 bytes per param: ~300 MB
     del engine, model
-    proc = subprocess.run([sys.executable, "-c", RSS.format(root=str(tmp_path))],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS.format(root=str(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     grown = int(proc.stdout.split()[-1])
     largest = 2048 * 2048 * 4
@@ -341,9 +364,25 @@ def test_poisoned_checkpoint_file_is_refused_and_runs_nothing(tmp_path, reader):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("tag", ["latest", "latest.tmp", " best", "best ", "a/b", "..", ".best",
-                                 "", "best.partial", "best.replaced", "a\\b", "tab\there",
-                                 "x" * 201, 7])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "latest",
+        "latest.tmp",
+        " best",
+        "best ",
+        "a/b",
+        "..",
+        ".best",
+        "",
+        "best.partial",
+        "best.replaced",
+        "a\\b",
+        "tab\there",
+        "x" * 201,
+        7,
+    ],
+)
 def test_bad_tags_are_refused_before_anything_is_written(tmp_path, tag):
     engine = zo.initialize(TinyGPT(), stage=1)
     with pytest.raises(ValueError, match="cannot name a checkpoint"):
@@ -395,6 +434,7 @@ def test_overwriting_a_tag_keeps_a_loadable_checkpoint_at_every_instant(tmp_path
             if len(calls) > stopped_at:
                 raise _Killed(dst)
             return real(src, dst)
+
         monkeypatch.setattr(os, "replace", replace)
         try:
             engine.save_checkpoint(folder, tag="best")
@@ -402,8 +442,9 @@ def test_overwriting_a_tag_keeps_a_loadable_checkpoint_at_every_instant(tmp_path
         except _Killed:
             finished = False
         monkeypatch.setattr(os, "replace", real)
-        assert _loads_old_or_new(folder, old, new) == ("new" if finished else
-                                                       _loads_old_or_new(folder, old, new, "best"))
+        assert _loads_old_or_new(folder, old, new) == (
+            "new" if finished else _loads_old_or_new(folder, old, new, "best")
+        )
         if finished:
             break
         engine.save_checkpoint(folder, tag="best")  # after a stopped save: back to normal
@@ -434,8 +475,9 @@ def test_killed_between_the_renames_of_a_tag_still_loads(tmp_path):
     engine, old, new = _old_and_new(tmp_path)
     root = tmp_path / "template"
     script = KILL_BETWEEN_RENAMES.format(tests=str(Path(__file__).parent), root=str(root))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert sorted(os.listdir(root)) == [".best.partial", ".best.replaced", "latest"]
     for tag in (None, "best"):
@@ -466,8 +508,7 @@ def test_scheduler_state_is_stored_as_plain_data_or_refused_before_writing(tmp_p
     other = zo.initialize(TinyGPT(), stage=1)
     sched2 = _NumpyStepLR(other.optimizer, step_size=1)
     other.load_checkpoint(tmp_path / "ok", lr_scheduler=sched2)
-    assert sched2.loaded["best"] == 0.25 and torch.equal(sched2.loaded["history"],
-                                                         torch.arange(3))
+    assert sched2.loaded["best"] == 0.25 and torch.equal(sched2.loaded["history"], torch.arange(3))
     sched.opaque = _Opaque()  # StepLR.state_dict() carries every attribute
     with pytest.raises(CheckpointError, match="lr_scheduler state holds objects other than"):
         engine.save_checkpoint(tmp_path / "bad", lr_scheduler=sched)

@@ -6,34 +6,44 @@ import torch
 
 import zero_offload as zo
 from models import MLP, batch, loss_fn
-from zero_offload.config import (OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig,
-                                  _flat_keys, build_config, describe)
+from zero_offload.config import (
+    OffloadConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+    _flat_keys,
+    build_config,
+    describe,
+)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(stage=5), ["stage=5", "0, 1, 2 or 3"]),
-    (dict(stage=True), ["stage=True"]),
-    (dict(prefetch_depth=-1), ["prefetch_depth=-1", ">= 0"]),
-    (dict(stage=2, offload_param="cpu"), ["offload_param='cpu'", "stage=3"]),
-    (dict(stage=1, offload_optimizer="nvme"), ["nvme_path"]),
-    (dict(stage=3, offload_param="nvme"), ["nvme_path"]),
-    (dict(prefetch_dept=2), ["prefetch_dept", "did you mean 'prefetch_depth'"]),
-    (dict(lr=-1.0), ["lr=-1.0", ">= 0"]),
-    (dict(lr="fast"), ["lr='fast'"]),
-    (dict(betas=(0.9,)), ["betas"]),
-    (dict(betas=(0.9, 1.5)), ["betas", "[0, 1)"]),
-    (dict(eps=0), ["eps=0"]),
-    (dict(dtype="int8"), ["dtype='int8'"]),
-    (dict(dtype=torch.int32), ["dtype=torch.int32"]),
-    (dict(offload_optimizer="disk"), ["offload_optimizer='disk'", "'none', 'cpu' or 'nvme'"]),
-    (dict(gradient_accumulation_steps=0), ["gradient_accumulation_steps=0"]),
-    (dict(max_grad_norm=0.0), ["max_grad_norm=0.0"]),
-    (dict(reduce_bucket_size=2.5), ["reduce_bucket_size=2.5", "integer"]),
-    (dict(host_memory_limit=0), ["host_memory_limit=0"]),
-    (dict(device="gpu:zero"), ["device='gpu:zero'"]),
-    (dict(stage=0, offload_optimizer="cpu"), ["stage 1, 2 or 3"]),
-    (dict(broadcast_buffers="yes"), ["broadcast_buffers='yes'", "True or False"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(stage=5), ["stage=5", "0, 1, 2 or 3"]),
+        (dict(stage=True), ["stage=True"]),
+        (dict(prefetch_depth=-1), ["prefetch_depth=-1", ">= 0"]),
+        (dict(stage=2, offload_param="cpu"), ["offload_param='cpu'", "stage=3"]),
+        (dict(stage=1, offload_optimizer="nvme"), ["nvme_path"]),
+        (dict(stage=3, offload_param="nvme"), ["nvme_path"]),
+        (dict(prefetch_dept=2), ["prefetch_dept", "did you mean 'prefetch_depth'"]),
+        (dict(lr=-1.0), ["lr=-1.0", ">= 0"]),
+        (dict(lr="fast"), ["lr='fast'"]),
+        (dict(betas=(0.9,)), ["betas"]),
+        (dict(betas=(0.9, 1.5)), ["betas", "[0, 1)"]),
+        (dict(eps=0), ["eps=0"]),
+        (dict(dtype="int8"), ["dtype='int8'"]),
+        (dict(dtype=torch.int32), ["dtype=torch.int32"]),
+        (dict(offload_optimizer="disk"), ["offload_optimizer='disk'", "'none', 'cpu' or 'nvme'"]),
+        (dict(gradient_accumulation_steps=0), ["gradient_accumulation_steps=0"]),
+        (dict(max_grad_norm=0.0), ["max_grad_norm=0.0"]),
+        (dict(reduce_bucket_size=2.5), ["reduce_bucket_size=2.5", "integer"]),
+        (dict(host_memory_limit=0), ["host_memory_limit=0"]),
+        (dict(device="gpu:zero"), ["device='gpu:zero'"]),
+        (dict(stage=0, offload_optimizer="cpu"), ["stage 1, 2 or 3"]),
+        (dict(broadcast_buffers="yes"), ["broadcast_buffers='yes'", "True or False"]),
+    ],
+)
 def test_bad_input_names_key_value_and_fix(kwargs, words):
     with pytest.raises(zo.ConfigError) as err:
         build_config(**kwargs)
@@ -72,8 +82,11 @@ def test_every_key_has_a_default_and_round_trips():
 def _integer_keys() -> list[str]:
     """Every flat key whose dataclass field is typed ``int`` or ``int | None``, read from the
     dataclasses themselves so a new whole-number knob is covered without editing this test."""
-    sections = {"optimizer": OptimizerConfig, "precision": PrecisionConfig,
-                "offload": OffloadConfig}
+    sections = {
+        "optimizer": OptimizerConfig,
+        "precision": PrecisionConfig,
+        "offload": OffloadConfig,
+    }
     out = []
     for key, (section, name) in _flat_keys().items():
         hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
@@ -84,8 +97,13 @@ def _integer_keys() -> list[str]:
 
 def test_integer_keys_are_found():
     keys = _integer_keys()
-    assert {"stage", "prefetch_depth", "sub_group_size", "host_memory_limit",
-            "loss_scale_window"} <= set(keys)
+    assert {
+        "stage",
+        "prefetch_depth",
+        "sub_group_size",
+        "host_memory_limit",
+        "loss_scale_window",
+    } <= set(keys)
     assert "lr" not in keys and "nvme_path" not in keys
 
 
@@ -128,17 +146,29 @@ def test_whole_number_keys_refuse_fractions(key, value):
 def test_float_keys_train_like_ints(tmp_path):
     """Stage 3 with everything on NVMe and every whole-number knob given as a float trains
     exactly like the same run with ints (floats used to fail in initialize or the forward)."""
-    keys = dict(stage=3, prefetch_depth=2, reduce_bucket_size=1_000_000, sub_group_size=1000,
-                gradient_accumulation_steps=1, prefetch_bytes=8_000_000_000,
-                param_persistence_threshold=0, loss_scale_window=1000,
-                host_memory_limit=1_000_000_000)
+    keys = dict(
+        stage=3,
+        prefetch_depth=2,
+        reduce_bucket_size=1_000_000,
+        sub_group_size=1000,
+        gradient_accumulation_steps=1,
+        prefetch_bytes=8_000_000_000,
+        param_persistence_threshold=0,
+        loss_scale_window=1000,
+        host_memory_limit=1_000_000_000,
+    )
     assert set(keys) == set(_integer_keys())
     results = []
     for convert in (int, float):
         torch.manual_seed(0)
-        engine = zo.initialize(MLP(), lr=1e-2, offload_optimizer="nvme", offload_param="nvme",
-                               nvme_path=tmp_path / convert.__name__,
-                               **{k: convert(v) for k, v in keys.items()})
+        engine = zo.initialize(
+            MLP(),
+            lr=1e-2,
+            offload_optimizer="nvme",
+            offload_param="nvme",
+            nvme_path=tmp_path / convert.__name__,
+            **{k: convert(v) for k, v in keys.items()},
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             x, y = batch("mlp", 4, gen)

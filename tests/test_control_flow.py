@@ -3,6 +3,7 @@ hooks fire for different units, in different orders) and a weight used in two re
 checkpoint segments (its gradient arrives in two pieces). Every collective still pairs the
 same units on every rank, and a unit is reduced only once all of its gradient is there:
 the engine trains like ``torch.optim.AdamW`` on the global batch with the same branches."""
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,10 @@ from distributed import run_ranks
 LR, WD, STEPS, BATCH = 1e-2, 0.1, 4, 8
 
 # per world size: which of the branches b1, b2 each rank runs
-BRANCHES = {2: [(True, False), (False, True)],
-            4: [(True, True), (False, True), (True, False), (False, False)]}
+BRANCHES = {
+    2: [(True, False), (False, True)],
+    4: [(True, True), (False, True), (True, False), (False, False)],
+}
 
 
 class Branchy(nn.Module):
@@ -53,8 +56,16 @@ def _reference(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
     per = BATCH // world
     for step in range(STEPS):
         x, y = _batch(step)
-        loss = sum(F.mse_loss(model(x[r * per:(r + 1) * per], BRANCHES[world][r]),
-                              y[r * per:(r + 1) * per]) for r in range(world)) / world
+        loss = (
+            sum(
+                F.mse_loss(
+                    model(x[r * per : (r + 1) * per], BRANCHES[world][r]),
+                    y[r * per : (r + 1) * per],
+                )
+                for r in range(world)
+            )
+            / world
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -78,9 +89,17 @@ def _train_branchy_case(rank: int, world: int, stage: int, offload: str, nvme: s
     initial = copy.deepcopy(model)
     # small buckets: every weight is a unit of its own, so b1 and b2 have the same size;
     # stage 3 keeps every unit resident (its forward gathers are not what this tests)
-    engine = zo.initialize(model, stage=stage, lr=LR, weight_decay=WD, dtype=torch.float32,
-                           reduce_bucket_size=256, param_persistence_threshold=1 << 20,
-                           offload_optimizer=offload, nvme_path=nvme)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        dtype=torch.float32,
+        reduce_bucket_size=256,
+        param_persistence_threshold=1 << 20,
+        offload_optimizer=offload,
+        nvme_path=nvme,
+    )
     per = BATCH // world
     for step in range(STEPS):
         x, y = _batch(step)
@@ -125,24 +144,51 @@ class ReentrantTwice(nn.Module):
 
 
 def _train_reentrant(rank: int, world: int, nvme: str) -> dict:
-    out = {(stage, gas, "none"): _train_reentrant_case(rank, world, stage, gas)
-           for stage in (2, 3) for gas in (1, 2)}
+    out = {
+        (stage, gas, "none"): _train_reentrant_case(rank, world, stage, gas)
+        for stage in (2, 3)
+        for gas in (1, 2)
+    }
     # gradients in files (a small host budget), no clipping: the late pieces reduced at the
     # step must reach the files before the update reads them
     out[(2, 2, "nvme")] = _train_reentrant_case(
-        rank, world, 2, 2, clip=None, width=160, offload_optimizer="nvme", nvme_path=nvme,
-        host_memory_limit=64 << 10, sub_group_size=4096)
+        rank,
+        world,
+        2,
+        2,
+        clip=None,
+        width=160,
+        offload_optimizer="nvme",
+        nvme_path=nvme,
+        host_memory_limit=64 << 10,
+        sub_group_size=4096,
+    )
     return out
 
 
-def _train_reentrant_case(rank: int, world: int, stage: int, gas: int, clip: float | None = 0.05,
-                          width: int = 32, **kwargs) -> dict:
+def _train_reentrant_case(
+    rank: int,
+    world: int,
+    stage: int,
+    gas: int,
+    clip: float | None = 0.05,
+    width: int = 32,
+    **kwargs,
+) -> dict:
     torch.manual_seed(0)
     model = ReentrantTwice(width)
     initial = copy.deepcopy(model)
-    engine = zo.initialize(model, stage=stage, lr=LR, weight_decay=WD, dtype=torch.float32,
-                           max_grad_norm=clip, gradient_accumulation_steps=gas,
-                           reduce_bucket_size=512, **kwargs)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        dtype=torch.float32,
+        max_grad_norm=clip,
+        gradient_accumulation_steps=gas,
+        reduce_bucket_size=512,
+        **kwargs,
+    )
     if "host_memory_limit" in kwargs:
         assert engine.grads is None, "this case is meant to keep the gradients on NVMe"
     per = BATCH // world

@@ -28,7 +28,7 @@ SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
 HYPERS = [
     dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
     dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-    dict(lr=0.5, betas=(0.0, 0.5), eps=1e-3, weight_decay=1e-2),    # lerp weight 1: other branch
+    dict(lr=0.5, betas=(0.0, 0.5), eps=1e-3, weight_decay=1e-2),  # lerp weight 1: other branch
     dict(lr=3e-4, betas=(0.3, 0.999), eps=1e-10, weight_decay=0.05),  # lerp weight 0.7
     dict(lr=1e-3, betas=(0.95, 0.95), eps=1e-8, weight_decay=1.0),
 ]
@@ -58,7 +58,9 @@ def isa(request, monkeypatch) -> str:
     return request.param
 
 
-def _grads(n: int, steps: int, seed: int, shape: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+def _grads(
+    n: int, steps: int, seed: int, shape: tuple[int, ...] | None = None
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for s in range(steps):
@@ -67,8 +69,15 @@ def _grads(n: int, steps: int, seed: int, shape: tuple[int, ...] | None = None) 
     return out
 
 
-def _run_pair(n: int, hyper: dict, adamw: bool, steps: int = 20, grad_dtype=torch.float32,
-              shape: tuple[int, ...] | None = None, seed: int = 0):
+def _run_pair(
+    n: int,
+    hyper: dict,
+    adamw: bool,
+    steps: int = 20,
+    grad_dtype=torch.float32,
+    shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+):
     """Train the same param with CPUAdam, torch in float32 and torch in float64 (the
     reference with its float32 rounding bound): ours, its optimizer, torch's, its optimizer,
     the reference."""
@@ -124,8 +133,9 @@ def test_the_bound_catches_a_slightly_wrong_update() -> None:
         opt.step()
         exact.step(g)
     with pytest.raises(AssertionError, match="beyond float32 rounding"):
-        exact.assert_within("off by 1e-4", wrong, opt.state[wrong]["exp_avg"],
-                            opt.state[wrong]["exp_avg_sq"])
+        exact.assert_within(
+            "off by 1e-4", wrong, opt.state[wrong]["exp_avg"], opt.state[wrong]["exp_avg_sq"]
+        )
 
 
 def test_shaped_params_and_cpuadamw() -> None:
@@ -152,13 +162,44 @@ def test_low_precision_grads(isa: str, grad_dtype: torch.dtype, n: int, adamw: b
 def _special_params(dtype: torch.dtype) -> torch.Tensor:
     """Values where rounding to bf16/fp16 is easy to get wrong: exact ties (odd and even),
     just off ties, fp32 denormals, fp16 denormals, fp16 overflow, infinities, signed zeros."""
-    bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0x00000001, 0x807FFFFF, 0x00008000,
-            0x7F7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000, 0x80000000, 0x00000000]
+    bits = [
+        0x3F808000,
+        0x3F818000,
+        0x3F808001,
+        0x3F817FFF,
+        0x00000001,
+        0x807FFFFF,
+        0x00008000,
+        0x7F7FFFFF,
+        0x7F7F8000,
+        0x7F800000,
+        0xFF800000,
+        0x80000000,
+        0x00000000,
+    ]
     vals = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    extra = torch.tensor([65504.0, 65519.0, 65520.0, -65520.0, 6e-8, 3e-8, 2.9e-8, 1e-6, 6.1e-5,
-                          1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8])
-    rand = torch.randn(4000, generator=torch.Generator().manual_seed(9)) * 10.0 ** torch.randint(
-        -12, 6, (4000,), generator=torch.Generator().manual_seed(10)).float()
+    extra = torch.tensor(
+        [
+            65504.0,
+            65519.0,
+            65520.0,
+            -65520.0,
+            6e-8,
+            3e-8,
+            2.9e-8,
+            1e-6,
+            6.1e-5,
+            1.0 + 2**-11,
+            1.0 + 3 * 2**-11,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+        ]
+    )
+    rand = (
+        torch.randn(4000, generator=torch.Generator().manual_seed(9))
+        * 10.0
+        ** torch.randint(-12, 6, (4000,), generator=torch.Generator().manual_seed(10)).float()
+    )
     return torch.cat([vals, extra, rand, vals, extra])
 
 
@@ -172,8 +213,19 @@ def test_fused_out_rounds_like_torch(isa: str, out_dtype: torch.dtype, offset: i
     out = storage[offset:]  # contiguous but not line-aligned: the unaligned head path
     g = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for step, lr in ((1, 0.0), (2, 1e-3)):  # lr 0 keeps the special values as they are
-        adam_update(p, g, m, v, step=step, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
-                    weight_decay=0.0, out=out)
+        adam_update(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            lr=lr,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            out=out,
+        )
         expect = p.to(out_dtype)
         assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
 
@@ -181,8 +233,19 @@ def test_fused_out_rounds_like_torch(isa: str, out_dtype: torch.dtype, offset: i
 def test_nan_out_stays_nan(isa: str) -> None:
     p = torch.tensor([float("nan")] * 40 + [1.0] * 40)
     out = torch.zeros(80, dtype=torch.bfloat16)
-    adam_update(p, torch.ones(80), torch.zeros(80), torch.zeros(80), step=1, lr=1e-3,
-                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, out=out)
+    adam_update(
+        p,
+        torch.ones(80),
+        torch.zeros(80),
+        torch.zeros(80),
+        step=1,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        out=out,
+    )
     assert torch.isnan(out[:40]).all() and torch.equal(out[40:], p[40:].bfloat16())
 
 
@@ -195,8 +258,20 @@ def test_multithread_split_equals_single_thread(isa: str) -> None:
         p, m, v = base.clone(), base.abs() * 0.1, base.square() * 1e-3
         out = torch.empty(n, dtype=torch.bfloat16)
         for step in (1, 2, 3):
-            adam_update(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.1, out=out, num_threads=threads)
+            adam_update(
+                p,
+                g,
+                m,
+                v,
+                step=step,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.1,
+                out=out,
+                num_threads=threads,
+            )
         results.append((p, m, v, out))
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -207,8 +282,9 @@ def test_python_thread_split_equals_openmp(isa: str) -> None:
     k = K.get_kernel()
     n = 300_007
     g = torch.randn(n, generator=torch.Generator().manual_seed(6)).half()
-    sc = K.adam_scalars(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
-                        adamw=False)
+    sc = K.adam_scalars(
+        step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=False
+    )
     runs = []
     for openmp in (True, False):
         p, m, v = torch.ones(n), torch.full((n,), 0.1), torch.full((n,), 0.01)
@@ -231,20 +307,29 @@ def test_every_code_path_gives_identical_bits() -> None:
     assert "scalar" in kernels and len(kernels) >= 1
     n = 50_001
     base = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    cases = ((torch.float32, None, True), (torch.bfloat16, torch.bfloat16, False),
-             (torch.float16, torch.float16, True), (torch.float32, torch.bfloat16, False))
+    cases = (
+        (torch.float32, None, True),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float16, torch.float16, True),
+        (torch.float32, torch.bfloat16, False),
+    )
     for gd, od, adamw in cases:
         g = base.flip(0).to(gd)
-        sc = K.adam_scalars(step=2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                            weight_decay=0.1, adamw=adamw)
+        sc = K.adam_scalars(
+            step=2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw
+        )
         runs = {}
         for path, kern in kernels.items():
             p, m, v = base.clone(), base.abs() * 0.1, base.square()
             out = None if od is None else torch.empty(n + 3, dtype=od)[3:]
             for lo, hi in ((0, 5), (5, 1029), (1029, n)):  # unaligned ranges
                 sl = slice(lo, hi)
-                assert K.native_update(kern, p[sl], g[sl], m[sl], v[sl],
-                                       None if out is None else out[sl], sc, 1) == 0
+                assert (
+                    K.native_update(
+                        kern, p[sl], g[sl], m[sl], v[sl], None if out is None else out[sl], sc, 1
+                    )
+                    == 0
+                )
             runs[path] = [p, m, v] + ([] if out is None else [out.view(torch.int16)])
         first = next(iter(runs))
         for path, tensors in runs.items():
@@ -304,8 +389,10 @@ def test_lr_scheduler_takes_effect() -> None:
     ours, ref = p0.clone().requires_grad_(), p0.clone().requires_grad_()
     opt, ref_opt = CPUAdam([ours], lr=1e-1), torch.optim.AdamW([ref], lr=1e-1)
     exact = Float32Bound(p0, adamw=True, lr=1e-1, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1)
-              for o in (opt, ref_opt, exact.opt)]
+    scheds = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1)
+        for o in (opt, ref_opt, exact.opt)
+    ]
     for g in _grads(257, 10, 12):
         ours.grad, ref.grad = g.clone(), g.clone()
         opt.step()
@@ -336,8 +423,9 @@ def test_step_param_uses_its_group_and_state() -> None:
 
 
 @pytest.mark.parametrize("mode", ["off", "no-compiler"])
-def test_fallback_gives_same_results(mode: str, monkeypatch, tmp_path, caplog,
-                                     fresh_kernel_cache) -> None:
+def test_fallback_gives_same_results(
+    mode: str, monkeypatch, tmp_path, caplog, fresh_kernel_cache
+) -> None:
     if mode == "off":
         monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "off")
     else:
@@ -349,8 +437,19 @@ def test_fallback_gives_same_results(mode: str, monkeypatch, tmp_path, caplog,
         for adamw in (True, False):
             _assert_exact_math(*_run_pair(1023, HYPERS[1], adamw))
         p, out = torch.randn(99), torch.empty(99, dtype=torch.float16)
-        adam_update(p, torch.randn(99).bfloat16(), torch.zeros(99), torch.zeros(99), step=1,
-                    lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, out=out)
+        adam_update(
+            p,
+            torch.randn(99).bfloat16(),
+            torch.zeros(99),
+            torch.zeros(99),
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            out=out,
+        )
         assert torch.equal(out, p.half())
     warnings = [r for r in caplog.records if "falling back" in r.getMessage()]
     assert len(warnings) == (0 if mode == "off" else 1)
@@ -363,8 +462,10 @@ def test_fallback_gives_same_results(mode: str, monkeypatch, tmp_path, caplog,
 
 def test_failed_build_reports_compiler_stderr(monkeypatch, tmp_path, fresh_kernel_cache) -> None:
     cc = tmp_path / "broken-cc"
-    cc.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\n"
-                  "echo 'error: the flux capacitor is empty' >&2\nexit 1\n")
+    cc.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1.0; exit 0; fi\n'
+        "echo 'error: the flux capacitor is empty' >&2\nexit 1\n"
+    )
     cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("ZERO_OFFLOAD_CACHE", str(tmp_path / "cache"))

@@ -1,6 +1,7 @@
 """The gradient shard in files (DiskGrads): pieces in any order and size, summed over several
 backwards with fewer host buffers than sub-groups, read back exactly, with the norm the step
 clips by."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -61,6 +62,8 @@ def test_partial_sub_groups_are_written_by_flush(tmp_path: Path) -> None:
         sumsq, finite = grads.stats()
         assert finite and abs(sumsq - 100 * 4.0) <= 1e-9 * 400
         got = _read_back(grads, groups=2)  # the two sub-groups the piece touched
-        assert got[1000:1100].eq(2.0).all() and got[:1000].eq(0).all() and got[1100:2048].eq(0).all()
+        assert (
+            got[1000:1100].eq(2.0).all() and got[:1000].eq(0).all() and got[1100:2048].eq(0).all()
+        )
     finally:
         grads.close()

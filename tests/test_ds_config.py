@@ -5,6 +5,7 @@ unresolved "auto" values are a ConfigError naming the key.
 
 The configs are written out as their repositories ship them (only ``nvme_path`` is pointed at
 a temporary folder)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,18 +23,33 @@ from models import batch, loss_fn, make
 
 # Hugging Face transformers, tests/deepspeed/ds_config_zero2.json ("auto": filled by Trainer)
 HF_ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
-             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
-                                                 "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
-                          "overlap_comm": True, "reduce_scatter": True,
-                          "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "steps_per_print": 2000,
@@ -44,45 +60,92 @@ HF_ZERO2 = {
 
 # Hugging Face transformers, tests/deepspeed/ds_config_zero3.json
 HF_ZERO3 = {
-    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
-             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "zero_optimization": {
         "stage": 3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e14,
-        "reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 0,
-        "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_fp16_weights_on_model_save": True},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8,
-                                              "weight_decay": 3e-7}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
-                                                 "warmup_num_steps": 500}},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e14,
+        "reduce_bucket_size": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_fp16_weights_on_model_save": True,
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500},
+    },
     "steps_per_print": 2000,
     "wall_clock_breakdown": False,
 }
 
 # Hugging Face transformers docs, DeepSpeed guide: ZeRO-3 with NVMe offload
 HF_ZERO3_NVME = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
-             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
-                                                 "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
     "zero_optimization": {
         "stage": 3,
-        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
-                              "buffer_count": 4, "fast_init": False},
-        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
-                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
-        "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1,
-                "single_submit": False, "overlap_events": True},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": "/local_nvme",
+            "pin_memory": True,
+            "buffer_count": 4,
+            "fast_init": False,
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "/local_nvme",
+            "pin_memory": True,
+            "buffer_count": 5,
+            "buffer_size": 1e8,
+            "max_in_cpu": 1e9,
+        },
+        "aio": {
+            "block_size": 262144,
+            "queue_depth": 32,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "steps_per_print": 2000,
@@ -93,10 +156,16 @@ HF_ZERO3_NVME = {
 
 # What Hugging Face Trainer fills in for "auto" (TrainingArguments defaults, hidden size 64).
 TRAINER_AUTO = {
-    "fp16.enabled": False, "bf16.enabled": False, "optimizer.params.lr": 5e-5,
-    "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
-    "optimizer.params.weight_decay": 0.0, "gradient_accumulation_steps": 2,
-    "gradient_clipping": 1.0, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+    "fp16.enabled": False,
+    "bf16.enabled": False,
+    "optimizer.params.lr": 5e-5,
+    "optimizer.params.betas": [0.9, 0.999],
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 8,
     "zero_optimization.reduce_bucket_size": 64 * 64,
     "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 64 * 64),
     "zero_optimization.stage3_param_persistence_threshold": 10 * 64,
@@ -116,10 +185,18 @@ def _no_scheduler(cfg: dict) -> dict:
 
 def test_zero2_recipe_maps_every_key():
     kw = translate(HF_ZERO2, TRAINER_AUTO, allow=("scheduler",))
-    assert kw == dict(stage=2, offload_optimizer="cpu", offload_param="none", lr=5e-5,
-                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                      reduce_bucket_size=200_000_000, gradient_accumulation_steps=2,
-                      max_grad_norm=1.0)
+    assert kw == dict(
+        stage=2,
+        offload_optimizer="cpu",
+        offload_param="none",
+        lr=5e-5,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        reduce_bucket_size=200_000_000,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+    )
 
 
 def test_zero3_recipe_builds_the_engine_config(tmp_path, caplog):
@@ -129,10 +206,13 @@ def test_zero3_recipe_builds_the_engine_config(tmp_path, caplog):
         cfg = zo.build_config(str(path))
     assert (cfg.stage, cfg.offload.optimizer, cfg.offload.param) == (3, "cpu", "cpu")
     assert cfg.precision.dtype == torch.float16
-    assert cfg.precision.initial_loss_scale == 2.0 ** 16
+    assert cfg.precision.initial_loss_scale == 2.0**16
     assert cfg.precision.loss_scale_window == 1000 and cfg.precision.min_loss_scale == 1.0
-    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay) == \
-        (3e-5, (0.8, 0.999), 3e-7)
+    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay) == (
+        3e-5,
+        (0.8, 0.999),
+        3e-7,
+    )
     assert cfg.offload.sub_group_size == 10**14
     assert cfg.prefetch_bytes == 0 and cfg.param_persistence_threshold == 0
     assert cfg.optimizer.max_grad_norm is None  # DeepSpeed's default: no clipping
@@ -145,8 +225,11 @@ def test_zero3_recipe_builds_the_engine_config(tmp_path, caplog):
 
 def test_zero3_nvme_recipe_prefetch_counts_elements(tmp_path):
     kw = translate(_nvme(HF_ZERO3_NVME, tmp_path), TRAINER_AUTO, allow=("scheduler",))
-    assert (kw["offload_optimizer"], kw["offload_param"], kw["nvme_path"]) == \
-        ("nvme", "nvme", str(tmp_path))
+    assert (kw["offload_optimizer"], kw["offload_param"], kw["nvme_path"]) == (
+        "nvme",
+        "nvme",
+        str(tmp_path),
+    )
     assert kw["sub_group_size"] == 10**9
     # DeepSpeed's prefetch bucket counts parameters; prefetch_bytes counts fp32 bytes here
     assert kw["prefetch_bytes"] == int(0.9 * 64 * 64) * 4
@@ -155,17 +238,29 @@ def test_zero3_nvme_recipe_prefetch_counts_elements(tmp_path):
     assert cfg.offload.nvme_path == str(tmp_path)
 
 
-@pytest.mark.parametrize("cfg, key", [
-    (HF_ZERO2, "fp16.enabled"),  # "auto" without a trainer to fill it in
-    (HF_ZERO3, "scheduler"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
-    ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}},
-     "fp16.loss_scale"),
-    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-     "offload_optimizer.ratio"),
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both 'fp16' and 'bf16'"),
-])
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        (HF_ZERO2, "fp16.enabled"),  # "auto" without a trainer to fill it in
+        (HF_ZERO3, "scheduler"),
+        ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
+        (
+            {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}},
+            "fp16.loss_scale",
+        ),
+        ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu", "ratio": 0.3},
+                }
+            },
+            "offload_optimizer.ratio",
+        ),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both 'fp16' and 'bf16'"),
+    ],
+)
 def test_bad_keys_name_the_key(cfg, key):
     with pytest.raises(zo.ConfigError) as err:
         zo.build_config(cfg)
@@ -182,11 +277,17 @@ def test_keywords_win_over_the_file_and_both_are_validated():
 def test_a_deepspeed_config_trains_like_its_keywords():
     """Stage 2 with the optimizer on the CPU, clipping and accumulation from a DeepSpeed
     dict: the same parameters, bit for bit, as the same run from keywords."""
-    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                "reduce_bucket_size": 500},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-          "gradient_clipping": 0.05, "gradient_accumulation_steps": 2,
-          "train_micro_batch_size_per_gpu": 4}
+    ds = {
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu"},
+            "reduce_bucket_size": 500,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "gradient_clipping": 0.05,
+        "gradient_accumulation_steps": 2,
+        "train_micro_batch_size_per_gpu": 4,
+    }
 
     def run(**kwargs):
         torch.manual_seed(0)
@@ -200,8 +301,15 @@ def test_a_deepspeed_config_trains_like_its_keywords():
         return engine.full_state_dict()
 
     a = run(config=ds)
-    b = run(stage=2, offload_optimizer="cpu", reduce_bucket_size=500, lr=1e-2, weight_decay=0.1,
-            max_grad_norm=0.05, gradient_accumulation_steps=2)
+    b = run(
+        stage=2,
+        offload_optimizer="cpu",
+        reduce_bucket_size=500,
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        gradient_accumulation_steps=2,
+    )
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 

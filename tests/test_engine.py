@@ -1,5 +1,6 @@
 """Single-process engine behaviour: the step contract, float16 loss scaling, lr schedulers,
 state dicts, and stage-3 gathering under a changing module order."""
+
 from __future__ import annotations
 
 import copy
@@ -106,8 +107,9 @@ def test_changed_module_order_warns_and_stays_correct(caplog, tmp_path, offload_
     model = Router()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = zo.initialize(model, stage=3, lr=1e-2, prefetch_depth=2,
-                           offload_param=offload_param, nvme_path=tmp_path)
+    engine = zo.initialize(
+        model, stage=3, lr=1e-2, prefetch_depth=2, offload_param=offload_param, nvme_path=tmp_path
+    )
     gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.WARNING):
         for i in range(6):

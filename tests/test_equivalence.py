@@ -4,6 +4,7 @@ same global batch; the memory ledger and communication counters match ZeRO's ari
 Each world size runs the whole case matrix in one set of spawned gloo processes (spawning
 costs seconds; the cases are tiny), then the tests below check one case each.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,12 +20,15 @@ pytestmark = pytest.mark.multiprocess
 
 MODELS = ("mlp", "gpt", "gpt_ckpt", "twice")
 BASE = [(m, d, s, {}) for m in MODELS for d in ("float32", "bfloat16") for s in (0, 1, 2, 3)]
-EXTRA = [("gpt", "float32", s, {"gas": 2}) for s in (0, 1, 2, 3)] + [
-    ("gpt", "float32", 3, {"prefetch_depth": d}) for d in (0, 1, 3)] + [
-    ("gpt", "float32", 3, {"param_persistence_threshold": 2000}),
-    ("gpt", "bfloat16", 3, {"prefetch_bytes": 20_000}),
-    ("gpt", "bfloat16", 2, {"reduce_bucket_size": 500}),
-]
+EXTRA = (
+    [("gpt", "float32", s, {"gas": 2}) for s in (0, 1, 2, 3)]
+    + [("gpt", "float32", 3, {"prefetch_depth": d}) for d in (0, 1, 3)]
+    + [
+        ("gpt", "float32", 3, {"param_persistence_threshold": 2000}),
+        ("gpt", "bfloat16", 3, {"prefetch_bytes": 20_000}),
+        ("gpt", "bfloat16", 2, {"reduce_bucket_size": 500}),
+    ]
+)
 CASES = BASE + EXTRA
 
 

@@ -1,4 +1,5 @@
 """The examples run end to end at tiny scale, as a user would run them (subprocesses)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # this checkout
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def _ok(res: subprocess.CompletedProcess) -> str:
@@ -23,17 +25,31 @@ def _ok(res: subprocess.CompletedProcess) -> str:
 
 
 def test_train_gpt_stage3_optimizer_on_cpu():
-    out = _ok(_run("examples/train_gpt.py", "--stage", "3", "--steps", "3",
-                   "--offload-optimizer", "cpu"))
+    out = _ok(
+        _run("examples/train_gpt.py", "--stage", "3", "--steps", "3", "--offload-optimizer", "cpu")
+    )
     assert "step 3/3  loss" in out and "tokens/s" in out
     assert "offload optimizer=cpu" in out
 
 
 @pytest.mark.multiprocess
 def test_train_gpt_under_torchrun():
-    out = _ok(_run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   "examples/train_gpt.py", "--stage", "2", "--steps", "3",
-                   "--offload-optimizer", "cpu"))
+    out = _ok(
+        _run(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "examples/train_gpt.py",
+            "--stage",
+            "2",
+            "--steps",
+            "3",
+            "--offload-optimizer",
+            "cpu",
+        )
+    )
     assert "stage 2" in out and "tokens/s" in out
 
 
@@ -42,23 +58,53 @@ def test_train_gpt_under_torchrun():
 def test_train_gpt_small_preset_everything_on_nvme_under_torchrun(tmp_path):
     """4 ranks, the small preset, stage 3, bf16, optimizer and params on NVMe: at the old
     default lr (3e-3 for every preset) the loss spiked at step 4 and the script exited 1."""
-    out = _ok(_run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                   "examples/train_gpt.py", "--preset", "small", "--stage", "3",
-                   "--dtype", "bfloat16", "--offload-optimizer", "nvme",
-                   "--offload-param", "nvme", "--nvme-path", str(tmp_path), "--steps", "4",
-                   timeout=600))
+    out = _ok(
+        _run(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            "examples/train_gpt.py",
+            "--preset",
+            "small",
+            "--stage",
+            "3",
+            "--dtype",
+            "bfloat16",
+            "--offload-optimizer",
+            "nvme",
+            "--offload-param",
+            "nvme",
+            "--nvme-path",
+            str(tmp_path),
+            "--steps",
+            "4",
+            timeout=600,
+        )
+    )
     assert "step 4/4  loss" in out and "offload optimizer=nvme param=nvme" in out
 
 
 def test_train_gpt_nvme_without_a_path_uses_a_temporary_folder():
-    out = _ok(_run("examples/train_gpt.py", "--stage", "2", "--steps", "2",
-                   "--offload-optimizer", "nvme"))
+    out = _ok(
+        _run("examples/train_gpt.py", "--stage", "2", "--steps", "2", "--offload-optimizer", "nvme")
+    )
     assert "offload optimizer=nvme" in out
 
 
 def test_finetune_13b_shrunk_with_cpu_optimizer():
-    out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3",
-                   "--offload-optimizer", "cpu"))
+    out = _ok(
+        _run(
+            "examples/finetune_13b.py",
+            "--scale",
+            "0.01",
+            "--steps",
+            "3",
+            "--offload-optimizer",
+            "cpu",
+        )
+    )
     assert "plan for the 13B model" in out and "<- recommended" in out
     assert "'offload_optimizer': 'cpu'" in out and "step 3/3  loss" in out
     assert "ledger vs estimate" in out
@@ -72,16 +118,36 @@ def test_finetune_13b_shrunk_with_planned_settings():
 
 
 def test_finetune_13b_with_param_offload():
-    out = _ok(_run("examples/finetune_13b.py", "--scale", "0.01", "--steps", "3",
-                   "--offload-optimizer", "cpu", "--offload-param", "cpu"))
+    out = _ok(
+        _run(
+            "examples/finetune_13b.py",
+            "--scale",
+            "0.01",
+            "--steps",
+            "3",
+            "--offload-optimizer",
+            "cpu",
+            "--offload-param",
+            "cpu",
+        )
+    )
     assert "'offload_param': 'cpu'" in out
 
 
 def test_finetune_13b_stops_when_nothing_fits():
     # (one 8 GB GPU with 16 GB of host memory fits now: stage 3 with everything on NVMe
     # needs 2.7 GB of host buffers since they are sized to the shard)
-    res = _run("examples/finetune_13b.py", "--scale", "0.01", "--gpus", "1",
-               "--gpu-memory", "1GB", "--host-memory", "2GB")
+    res = _run(
+        "examples/finetune_13b.py",
+        "--scale",
+        "0.01",
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "1GB",
+        "--host-memory",
+        "2GB",
+    )
     assert res.returncode == 1
     assert "nothing fits" in res.stdout and "nothing fits" in res.stderr
 
@@ -91,9 +157,19 @@ def test_hf_trainer_stage3_nvme_logs_to_tensorboard(tmp_path):
     land in TensorBoard event files next to Trainer's own scalars."""
     pytest.importorskip("transformers")
     event_accumulator = pytest.importorskip(
-        "tensorboard.backend.event_processing.event_accumulator")
-    out = _ok(_run("examples/hf_trainer.py", "--steps", "10", "--output-dir",
-                   str(tmp_path / "run"), "--nvme-path", str(tmp_path)))
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    out = _ok(
+        _run(
+            "examples/hf_trainer.py",
+            "--steps",
+            "10",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--nvme-path",
+            str(tmp_path),
+        )
+    )
     first, last = (float(x) for x in out.split("loss ")[-1].split(";")[0].split(" -> "))
     assert "10 steps" in out and last < first
     assert (tmp_path / "run" / "model.safetensors").exists()
@@ -101,5 +177,11 @@ def test_hf_trainer_stage3_nvme_logs_to_tensorboard(tmp_path):
     acc = event_accumulator.EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/zero_offload/step_s",
-            "train/zero_offload/nvme_read_s", "train/zero_offload/adam_s"} <= tags, tags
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/zero_offload/step_s",
+        "train/zero_offload/nvme_read_s",
+        "train/zero_offload/adam_s",
+    } <= tags, tags

@@ -7,6 +7,7 @@ takes declarations through ``zo.register_external_parameter``.
 
 Each world size runs the whole matrix in one set of spawned gloo processes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,16 +48,22 @@ class TransformerLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.transformer = nn.Transformer(WIDTH, 2, num_encoder_layers=1, num_decoder_layers=1,
-                                          dim_feedforward=32, dropout=0.0, batch_first=True,
-                                          bias=False)
+        self.transformer = nn.Transformer(
+            WIDTH,
+            2,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=32,
+            dropout=0.0,
+            batch_first=True,
+            bias=False,
+        )
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
-        out = self.transformer(self.embed(idx), self.embed(idx), tgt_mask=mask,
-                               tgt_is_causal=True)
+        out = self.transformer(self.embed(idx), self.embed(idx), tgt_mask=mask, tgt_is_causal=True)
         return self.head(out)
 
 
@@ -95,16 +102,18 @@ class Foreign(nn.Module):
         return self.out(self.mix(h, self.inp.weight))
 
 
-MODELS = {"mha": MHANet, "transformer": TransformerLM, "flinear": FLinearHead,
-          "foreign": Foreign}
+MODELS = {"mha": MHANet, "transformer": TransformerLM, "flinear": FLinearHead, "foreign": Foreign}
 
 
 def _batch(name: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     if name in ("transformer", "flinear"):
         idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
         return idx[:, :-1], idx[:, 1:]
-    x = torch.randn(GLOBAL_BATCH, SEQ, WIDTH, generator=gen) if name == "mha" else \
-        torch.randn(GLOBAL_BATCH, WIDTH, generator=gen)
+    x = (
+        torch.randn(GLOBAL_BATCH, SEQ, WIDTH, generator=gen)
+        if name == "mha"
+        else torch.randn(GLOBAL_BATCH, WIDTH, generator=gen)
+    )
     y = torch.randn(*x.shape[:-1], 8, generator=gen)
     return x, y
 
@@ -135,8 +144,9 @@ class _Count(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _train(rank: int, world: int, name: str, stage: int, offload: str, root: str,
-           declare: bool = False) -> dict:
+def _train(
+    rank: int, world: int, name: str, stage: int, offload: str, root: str, declare: bool = False
+) -> dict:
     torch.manual_seed(0)
     model = MODELS[name]()
     ref = _reference(copy.deepcopy(model), name) if rank == 0 else None
@@ -163,12 +173,19 @@ def _train(rank: int, world: int, name: str, stage: int, offload: str, root: str
     finally:
         logging.getLogger("zero_offload").removeHandler(count)
     diff = None if ref is None else max((sd[k] - v).abs().max().item() for k, v in ref.items())
-    return {"diff": diff, "on_demand": on_demand,
-            "warnings": [m for m in count.messages if "register_external_parameter" in m]}
+    return {
+        "diff": diff,
+        "on_demand": on_demand,
+        "warnings": [m for m in count.messages if "register_external_parameter" in m],
+    }
 
 
-CASES = [(name, stage, offload) for name in MODELS for stage in (1, 2, 3)
-         for offload in ("none", "cpu", "nvme")]
+CASES = [
+    (name, stage, offload)
+    for name in MODELS
+    for stage in (1, 2, 3)
+    for offload in ("none", "cpu", "nvme")
+]
 
 
 def _matrix(rank: int, world: int, root: str) -> dict:
@@ -237,8 +254,9 @@ class CheckpointedMHA(MHANet):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        a = torch.utils.checkpoint.checkpoint(lambda t: self.attn(t, t, t)[0], h,
-                                              use_reentrant=self.reentrant)
+        a = torch.utils.checkpoint.checkpoint(
+            lambda t: self.attn(t, t, t)[0], h, use_reentrant=self.reentrant
+        )
         return self.out(a + h)
 
 

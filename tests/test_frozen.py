@@ -2,6 +2,7 @@
 tier leaves them exactly as they were and trains the rest like ``torch.optim.AdamW`` (which
 skips parameters without gradients: no weight decay); stage 3 releases an all-frozen module's
 gathered parameters in backward as soon as its backward is done."""
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,9 @@ def _train(model: nn.Module, steps: int, **kwargs) -> zo.Engine:
 
 
 def _reference(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WD)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD
+    )
     for i in range(steps):
         x = torch.randn(8, 96, generator=torch.Generator().manual_seed(i))
         model(x).square().mean().backward()
@@ -44,8 +46,11 @@ def _reference(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-CASES = [(0, "none", None)] + [(s, o, None) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] \
-    + [(2, "nvme", 128 << 10), (3, "nvme", 128 << 10)]  # a small budget: gradients on NVMe too
+CASES = (
+    [(0, "none", None)]
+    + [(s, o, None) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+    + [(2, "nvme", 128 << 10), (3, "nvme", 128 << 10)]
+)  # a small budget: gradients on NVMe too
 
 
 @pytest.mark.parametrize("stage,offload,limit", CASES)
@@ -54,8 +59,15 @@ def test_frozen_parameters_stay_and_the_rest_trains_like_adamw(tmp_path, stage, 
     initial = copy.deepcopy(model.state_dict())
     ref = _reference(copy.deepcopy(model), STEPS)
     # small sub-groups, several per unit
-    engine = _train(model, STEPS, stage=stage, offload_optimizer=offload, nvme_path=tmp_path,
-                    sub_group_size=4096, host_memory_limit=limit)
+    engine = _train(
+        model,
+        STEPS,
+        stage=stage,
+        offload_optimizer=offload,
+        nvme_path=tmp_path,
+        sub_group_size=4096,
+        host_memory_limit=limit,
+    )
     if limit is not None:
         assert engine.grads is None, "this case is meant to keep the gradients on NVMe"
     sd = engine.full_state_dict()
@@ -137,8 +149,15 @@ def test_everything_frozen_steps_without_changing_anything(tmp_path, stage, offl
     model = _model().requires_grad_(False)
     initial = copy.deepcopy(model.state_dict())
     x = torch.randn(8, 96, requires_grad=True)  # a gradient still flows to the input
-    engine = zo.initialize(model, stage=stage, offload_optimizer=offload, nvme_path=tmp_path,
-                           lr=LR, weight_decay=WD, dtype=torch.float32)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        offload_optimizer=offload,
+        nvme_path=tmp_path,
+        lr=LR,
+        weight_decay=WD,
+        dtype=torch.float32,
+    )
     assert engine.trainable_numel == 0
     for _ in range(2):
         engine.backward(engine(x).square().mean())
@@ -153,7 +172,8 @@ def test_unfreezing_after_initialize_is_a_clear_error():
     model = _model()
     engine = zo.initialize(model, stage=2, lr=LR, dtype=torch.float32)
     model[0].requires_grad_(True)
-    with pytest.raises(RuntimeError,
-                       match=r"'0\.(weight|bias)'.*set requires_grad before initialize"):
+    with pytest.raises(
+        RuntimeError, match=r"'0\.(weight|bias)'.*set requires_grad before initialize"
+    ):
         engine.backward(engine(torch.randn(2, 96)).square().mean())
     engine.close()

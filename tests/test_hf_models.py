@@ -14,6 +14,7 @@ As in test_equivalence, each world size runs the whole case matrix in one set of
 processes; the tests below check one case each. A known limitation is a strict xfail (see
 META_BUFFERS below); the test next to it checks that its failure is a clear error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,10 @@ def params_on_meta():
     def on_meta(module, name, param):
         register(module, name, param)
         if param is not None and not param.is_meta:  # an already-meta one: a tie, keep it
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"),
-                                                          requires_grad=param.requires_grad)
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
     torch.nn.Module.register_parameter = on_meta
     try:
         yield
@@ -66,20 +69,37 @@ def make(name: str, build: str = "cpu") -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False)
     if name == "gpt2":  # eager attention here, torch's sdpa (the default) in Llama
         cls = transformers.GPT2LMHeadModel
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      attn_implementation="eager", **common)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="eager",
+            **common,
+        )
     elif name == "llama":
         cls = transformers.LlamaForCausalLM
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=64,
-                                       attention_dropout=0.0, attn_implementation="sdpa",
-                                       **common)
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_dropout=0.0,
+            attn_implementation="sdpa",
+            **common,
+        )
     else:
         raise ValueError(name)
-    ctx = {"cpu": contextlib.nullcontext(), "params_on_meta": params_on_meta(),
-           "meta_device": torch.device("meta")}[build]
+    ctx = {
+        "cpu": contextlib.nullcontext(),
+        "params_on_meta": params_on_meta(),
+        "meta_device": torch.device("meta"),
+    }[build]
     with ctx:
         model = cls(cfg)
     if name == "gpt2":
@@ -158,15 +178,23 @@ def _train(rank: int, world: int, root: Path, case: tuple, res: Result) -> zo.En
         with warnings.catch_warnings():  # 5.x: renamed activation_checkpointing_enable
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+            )
     calls = []  # a pre-hook: a non-reentrant recomputation stops once it has what it needs
     probe(model).register_forward_pre_hook(lambda *_: calls.append(1))
-    engine = zo.initialize(model, stage=stage, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                           dtype=getattr(torch, dtype_name), **kwargs)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        dtype=getattr(torch, dtype_name),
+        **kwargs,
+    )
     gen = torch.Generator().manual_seed(1234)
     per_rank = GLOBAL_BATCH // world
     for _ in range(STEPS):
-        x = batch(gen)[rank * per_rank:(rank + 1) * per_rank]
+        x = batch(gen)[rank * per_rank : (rank + 1) * per_rank]
         engine.backward(engine(input_ids=x, labels=x).loss)
         assert engine.step()
     res.probe_calls = len(calls)
@@ -175,8 +203,9 @@ def _train(rank: int, world: int, root: Path, case: tuple, res: Result) -> zo.En
     return engine
 
 
-def _checkpoint_roundtrip(rank: int, engine: zo.Engine, root: Path, case: tuple,
-                          sd: dict, res: Result) -> None:
+def _checkpoint_roundtrip(
+    rank: int, engine: zo.Engine, root: Path, case: tuple, sd: dict, res: Result
+) -> None:
     """save_checkpoint -> consolidate_checkpoint(out=safetensors) -> a new run starts from it."""
     name, _, stage, _ = case
     ckpt = root / "ckpt" / f"{name}-stage{stage}"
@@ -215,12 +244,14 @@ def run_case(rank: int, world: int, root: Path, case: tuple, refs: dict) -> Resu
     except RuntimeError as exc:
         res.load_error = str(exc).splitlines()[-1].strip()
     # what forward used (the module's buffers) and what the state dict returned
-    res.buffers_kept = all(torch.equal(live[k], b) and torch.equal(sd.get(k, b), b)
-                           for k, b in initial.named_buffers())
+    res.buffers_kept = all(
+        torch.equal(live[k], b) and torch.equal(sd.get(k, b), b) for k, b in initial.named_buffers()
+    )
     start = initial.state_dict()
     frozen = freeze(initial, dict(kwargs).get("freeze"))
-    res.frozen_moved_lr = max([(sd[k] - start[k]).abs().max().item() / LR for k in frozen],
-                              default=0.0)
+    res.frozen_moved_lr = max(
+        [(sd[k] - start[k]).abs().max().item() / LR for k in frozen], default=0.0
+    )
     if rank == 0:
         key = (name, dtype_name, dict(kwargs).get("freeze"))
         if key not in refs:
@@ -243,35 +274,44 @@ def _case(name, stage, dtype="float32", **kwargs):
     return (name, dtype, stage, tuple(sorted(kwargs.items())))
 
 
-CASES = [c for m in MODELS for c in (
-    *(_case(m, s) for s in (0, 1, 2, 3)),
-    *(_case(m, s, offload_optimizer="cpu") for s in (1, 2, 3)),
-    _case(m, 3, offload_param="cpu", offload_optimizer="cpu"),
-    _case(m, 3, offload_param="nvme", offload_optimizer="cpu"),
-    _case(m, 3, offload_param="nvme", offload_optimizer="nvme", checkpoint_roundtrip=True),
-    _case(m, 3, checkpointing=False),
-    _case(m, 3, checkpointing=True),
-    _case(m, 3, checkpointing=False, offload_param="nvme", offload_optimizer="cpu"),
-    _case(m, 3, "bfloat16"),
-    _case(m, 3, "bfloat16", offload_param="cpu", offload_optimizer="cpu"),
-    _case(m, 3, build="params_on_meta", offload_param="nvme", offload_optimizer="cpu"),
-    _case(m, 3, build="meta_device"),
-)] + [  # a partial fine-tune: embeddings frozen (untied ones: GPT-2's positions)
+CASES = [
+    c
+    for m in MODELS
+    for c in (
+        *(_case(m, s) for s in (0, 1, 2, 3)),
+        *(_case(m, s, offload_optimizer="cpu") for s in (1, 2, 3)),
+        _case(m, 3, offload_param="cpu", offload_optimizer="cpu"),
+        _case(m, 3, offload_param="nvme", offload_optimizer="cpu"),
+        _case(m, 3, offload_param="nvme", offload_optimizer="nvme", checkpoint_roundtrip=True),
+        _case(m, 3, checkpointing=False),
+        _case(m, 3, checkpointing=True),
+        _case(m, 3, checkpointing=False, offload_param="nvme", offload_optimizer="cpu"),
+        _case(m, 3, "bfloat16"),
+        _case(m, 3, "bfloat16", offload_param="cpu", offload_optimizer="cpu"),
+        _case(m, 3, build="params_on_meta", offload_param="nvme", offload_optimizer="cpu"),
+        _case(m, 3, build="meta_device"),
+    )
+] + [  # a partial fine-tune: embeddings frozen (untied ones: GPT-2's positions)
     _case("gpt2", 1, freeze="transformer.wpe"),
     _case("llama", 3, freeze="model.embed_tokens", offload_optimizer="cpu"),
 ]
 
 
 # -- a known limitation (a strict xfail: lifting it makes the test pass, then the mark goes) -------
-META_BUFFERS = ("a model built under torch.device('meta') has its buffers (Llama's rotary "
-                "inv_freq, computed in __init__) on the meta device too; "
-                "engine._move_to_device refuses meta buffers (with an error naming the fix: "
-                "parameters only on meta) and init_weights files do not hold non-persistent ones")
+META_BUFFERS = (
+    "a model built under torch.device('meta') has its buffers (Llama's rotary "
+    "inv_freq, computed in __init__) on the meta device too; "
+    "engine._move_to_device refuses meta buffers (with an error naming the fix: "
+    "parameters only on meta) and init_weights files do not hold non-persistent ones"
+)
 
 
 def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
-    return {f"{m}.{b}" if m else b for m, mod in model.named_modules()
-            for b in mod._non_persistent_buffers_set}
+    return {
+        f"{m}.{b}" if m else b
+        for m, mod in model.named_modules()
+        for b in mod._non_persistent_buffers_set
+    }
 
 
 # which models the buffer bugs reach (Llama in transformers 5; older GPT-2s had buffers too)
@@ -311,14 +351,19 @@ def results(tmp_path_factory):
         if isinstance(cache[world], BaseException):
             raise cache[world]
         return cache[world]
+
     return get
 
 
 # -- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("case", [
-    _xfail_if(c, HAS_BUFFERS[c[0]] and ("build", "meta_device") in c[3], META_BUFFERS)
-    for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        _xfail_if(c, HAS_BUFFERS[c[0]] and ("build", "meta_device") in c[3], META_BUFFERS)
+        for c in CASES
+    ],
+)
 def test_hf_model_matches_torch_adamw(results, world, case):
     r = results(world)[0][case]
     assert r.error is None, r.error
@@ -334,16 +379,22 @@ def test_hf_model_matches_torch_adamw(results, world, case):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("case", [c for c in CASES if ("checkpointing", False) in c[3]
-                                  or ("checkpointing", True) in c[3]], ids=_id)
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if ("checkpointing", False) in c[3] or ("checkpointing", True) in c[3]],
+    ids=_id,
+)
 def test_hf_gradient_checkpointing_recomputes(results, world, case):
     for rank_results in results(world):  # forward + recomputation in backward, every step
         assert rank_results[case].probe_calls == 2 * STEPS
 
 
 def _trained(name: str) -> list[tuple]:
-    return [c for c in CASES if c[0] == name
-            and not (("build", "meta_device") in c[3] and HAS_BUFFERS[name])]
+    return [
+        c
+        for c in CASES
+        if c[0] == name and not (("build", "meta_device") in c[3] and HAS_BUFFERS[name])
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -394,24 +445,36 @@ def test_hf_frozen_parameters_stay_as_they_were(results, world, case):
 
 # -- a LoRA fine-tune (PEFT): the base model frozen, adapters trained ----------------------------
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft on 5.x
-@pytest.mark.parametrize("stage,optimizer,param", [(2, "cpu", "none"), (3, "cpu", "cpu"),
-                                                   (3, "nvme", "nvme")])
-def test_peft_lora_trains_like_adamw_with_state_for_the_adapters_only(tmp_path, stage,
-                                                                      optimizer, param):
+@pytest.mark.parametrize(
+    "stage,optimizer,param", [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+)
+def test_peft_lora_trains_like_adamw_with_state_for_the_adapters_only(
+    tmp_path, stage, optimizer, param
+):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    model = peft.get_peft_model(make("llama"), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = peft.get_peft_model(
+        make("llama"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
     for name, p in model.named_parameters():  # PEFT starts lora_B at zero: move it off zero
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     reference = copy.deepcopy(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    engine = zo.initialize(model, stage=stage, lr=LR, weight_decay=WD, dtype=torch.float32,
-                           offload_optimizer=optimizer, offload_param=param,
-                           nvme_path=str(tmp_path))
-    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WD)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        dtype=torch.float32,
+        offload_optimizer=optimizer,
+        offload_param=param,
+        nvme_path=str(tmp_path),
+    )
+    opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=WD
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = batch(gen)

@@ -13,6 +13,7 @@ hf_trainer_worker.py) and shows:
 - save_model writes consolidated safetensors that from_pretrained loads to the engine's weights;
 - every logged step carries the engine's step stats and the gradient norm.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,9 +40,10 @@ def _nvme_recipe() -> dict:
 
 CASES = {
     1: [("llama", _nvme_recipe())],  # stage 3, optimizer and parameters on NVMe
-    2: [("llama", dict(stage=3, offload_optimizer="nvme", offload_param="nvme",
-                       nvme_path="NVME")),
-        ("gpt2", HF_ZERO2)],  # stage 2, optimizer on the CPU, every value "auto"
+    2: [
+        ("llama", dict(stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path="NVME")),
+        ("gpt2", HF_ZERO2),
+    ],  # stage 2, optimizer on the CPU, every value "auto"
 }
 
 
@@ -73,6 +75,12 @@ def test_trainer_matches_plain_trainer_and_resumes(results, case):
     assert r["saved_diff_lr"] == 0.0
     assert "model.safetensors" in r["saved_files"]
     assert {"zero_offload", "scheduler.pt", "trainer_state.json"} <= set(r["checkpoint_files"])
-    for key in ("grad_norm", "zero_offload/forward_s", "zero_offload/backward_s",
-                "zero_offload/step_s", "zero_offload/adam_s", "zero_offload/loss_scale"):
+    for key in (
+        "grad_norm",
+        "zero_offload/forward_s",
+        "zero_offload/backward_s",
+        "zero_offload/step_s",
+        "zero_offload/adam_s",
+        "zero_offload/loss_scale",
+    ):
         assert key in r["logged_keys"], key

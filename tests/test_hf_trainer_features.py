@@ -6,6 +6,7 @@ process with a tiny Llama:
   DeepSpeed): the scheduler counts applied steps only;
 - ``load_best_model_at_end`` restores the best checkpoint's engine state at stage 3.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -24,16 +25,21 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 def test_no_decay_group_matches_plain_trainer(tmp_path):
     args = dict(weight_decay=0.5, max_steps=3)
-    plain = transformers.Trainer(model=make("gpt2"), args=arguments(str(tmp_path / "p"), **args),
-                                 train_dataset=dataset())
+    plain = transformers.Trainer(
+        model=make("gpt2"), args=arguments(str(tmp_path / "p"), **args), train_dataset=dataset()
+    )
     decayed = set(plain.get_decay_parameter_names(plain.model))
-    assert any("bias" in n or "ln" in n for n, _ in plain.model.named_parameters()
-               if n not in decayed), "the model must have a no-decay group"
+    assert any(
+        "bias" in n or "ln" in n for n, _ in plain.model.named_parameters() if n not in decayed
+    ), "the model must have a no-decay group"
     plain.train()
     ref = params(plain.model)
-    zo = ZeroOffloadTrainer(model=make("gpt2"), args=arguments(str(tmp_path / "z"), **args),
-                            train_dataset=dataset(),
-                            zero_offload=dict(stage=2, offload_optimizer="cpu"))
+    zo = ZeroOffloadTrainer(
+        model=make("gpt2"),
+        args=arguments(str(tmp_path / "z"), **args),
+        train_dataset=dataset(),
+        zero_offload=dict(stage=2, offload_optimizer="cpu"),
+    )
     zo.train()
     got = zo.engine.full_state_dict()
     zo.engine.close()
@@ -43,9 +49,11 @@ def test_no_decay_group_matches_plain_trainer(tmp_path):
 def test_fp16_overflow_does_not_advance_the_lr_scheduler(tmp_path):
     steps = 8
     zo = ZeroOffloadTrainer(
-        model=make("llama"), args=arguments(str(tmp_path), fp16=True, max_steps=steps),
+        model=make("llama"),
+        args=arguments(str(tmp_path), fp16=True, max_steps=steps),
         train_dataset=dataset(),
-        zero_offload=dict(stage=2, offload_optimizer="cpu", initial_loss_scale=2.0**20))
+        zero_offload=dict(stage=2, offload_optimizer="cpu", initial_loss_scale=2.0**20),
+    )
     zo.train()
     skipped, applied_steps = zo.engine.skipped_steps, zo.engine.optimizer_steps
     zo.engine.close()
@@ -68,13 +76,24 @@ def test_fp16_overflow_does_not_advance_the_lr_scheduler(tmp_path):
 
 def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     # greater_is_better on the eval loss: the best checkpoint is not the last one
-    args = arguments(str(tmp_path), max_steps=3, eval_strategy="steps", eval_steps=1,
-                     save_strategy="steps", save_steps=1, load_best_model_at_end=True,
-                     metric_for_best_model="eval_loss", greater_is_better=True)
-    zo = ZeroOffloadTrainer(model=make("llama"), args=args, train_dataset=dataset(),
-                            eval_dataset=dataset()[:8],
-                            zero_offload=dict(stage=3, offload_optimizer="cpu",
-                                              offload_param="cpu"))
+    args = arguments(
+        str(tmp_path),
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    zo = ZeroOffloadTrainer(
+        model=make("llama"),
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:8],
+        zero_offload=dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
+    )
     zo.train()
     evals = [h["eval_loss"] for h in zo.state.log_history if "eval_loss" in h]
     best = zo.state.best_model_checkpoint

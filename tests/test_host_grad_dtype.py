@@ -2,6 +2,7 @@
 element receives one reduced value per update (half the bytes of fp32, and exactly the values
 fp32 would hold), and becomes fp32 as soon as a second value has to be summed into it (gradient
 accumulation, several backwards before one step, late pieces), so sums stay fp32 as before."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,16 @@ def _host_grad_bytes(engine: zo.Engine) -> int:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_bf16_host_grads_without_accumulation(stage, offload, tmp_path):
-    r = equivalence.run_case(0, 1, "gpt", torch.bfloat16, stage, offload_optimizer=offload,
-                             nvme_path=tmp_path, sub_group_size=3000)
+    r = equivalence.run_case(
+        0,
+        1,
+        "gpt",
+        torch.bfloat16,
+        stage,
+        offload_optimizer=offload,
+        nvme_path=tmp_path,
+        sub_group_size=3000,
+    )
     s = r.flat_shard
     assert r.report.bytes["host"]["grads"] == 2 * s  # bf16, not fp32
     assert r.clipped
@@ -28,9 +37,17 @@ def test_bf16_host_grads_without_accumulation(stage, offload, tmp_path):
     assert r.max_diff_lr <= 8.0 and r.mean_diff <= 0.1 * equivalence.LR
     # and bit for bit what the same kernel gives with the gradients on the device
     none, _ = equivalence.train(0, 1, "gpt", torch.bfloat16, equivalence.STEPS, stage=stage)
-    got, _ = equivalence.train(0, 1, "gpt", torch.bfloat16, equivalence.STEPS, stage=stage,
-                               offload_optimizer=offload, nvme_path=tmp_path,
-                               sub_group_size=3000)
+    got, _ = equivalence.train(
+        0,
+        1,
+        "gpt",
+        torch.bfloat16,
+        equivalence.STEPS,
+        stage=stage,
+        offload_optimizer=offload,
+        nvme_path=tmp_path,
+        sub_group_size=3000,
+    )
     a, b = none.full_state_dict(), got.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     for e in (none, got):
@@ -39,8 +56,7 @@ def test_bf16_host_grads_without_accumulation(stage, offload, tmp_path):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accumulation_sums_in_fp32(stage):
-    r = equivalence.run_case(0, 1, "gpt", torch.bfloat16, stage, gas=2,
-                             offload_optimizer="cpu")
+    r = equivalence.run_case(0, 1, "gpt", torch.bfloat16, stage, gas=2, offload_optimizer="cpu")
     assert r.report.bytes["host"]["grads"] == 4 * r.flat_shard
     assert r.max_diff_lr <= 8.0 and r.mean_diff <= 0.1 * equivalence.LR
 
@@ -49,9 +65,15 @@ def _two_backwards(gas: int, stage: int) -> dict[str, torch.Tensor]:
     """Two micro-batches per update: counted by the engine (gas=2), or by the caller with
     gas=1 (what the Trainer integrations do), with the loss divided by 2 by hand."""
     torch.manual_seed(0)
-    engine = zo.initialize(make("gpt"), stage=stage, dtype=torch.bfloat16, lr=1e-2,
-                           max_grad_norm=0.05, offload_optimizer="cpu",
-                           gradient_accumulation_steps=gas)
+    engine = zo.initialize(
+        make("gpt"),
+        stage=stage,
+        dtype=torch.bfloat16,
+        lr=1e-2,
+        max_grad_norm=0.05,
+        offload_optimizer="cpu",
+        gradient_accumulation_steps=gas,
+    )
     gen = torch.Generator().manual_seed(1234)
     for _ in range(3):
         for micro in range(2):

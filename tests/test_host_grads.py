@@ -2,6 +2,7 @@
 CPU side of ``stages.streams``: pieces are summed in the background, ``flush`` waits for all
 and raises the first failure, at most ``depth`` pieces are in flight, and a disk failure while
 gradients go to NVMe surfaces from ``engine.backward``."""
+
 from __future__ import annotations
 
 import errno
@@ -52,8 +53,7 @@ def test_pieces_are_summed_across_micro_steps():
 
 def test_flush_raises_the_first_failure_after_summing_the_rest():
     grads = torch.zeros(30)
-    q = HostGradQueue(_Failing(grads, bad_offset=10), CPU, largest_piece=10,
-                      dtype=torch.float32)
+    q = HostGradQueue(_Failing(grads, bad_offset=10), CPU, largest_piece=10, dtype=torch.float32)
     for lo in (0, 10, 20):
         q.accumulate_grad(lo, torch.ones(10), final=True)
     with pytest.raises(OSError, match="No space left"):
@@ -107,13 +107,20 @@ def test_cpu_streams_copy_only_when_asked():
 def test_disk_failure_while_gradients_go_to_nvme_is_raised_by_backward(tmp_path):
     """Gradients on NVMe (the host budget cannot hold them): a failed write in the
     background summing surfaces from ``backward``, and the next backward works again."""
+
     def make() -> zo.Engine:
         torch.manual_seed(0)
         # many small units: the failure surfaces in the middle of backward, with reductions
         # still in flight, not only at its end
         model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(6)))
-        return zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                             host_memory_limit=8 * 2**20, reduce_bucket_size=1 << 16)
+        return zo.initialize(
+            model,
+            stage=2,
+            offload_optimizer="nvme",
+            nvme_path=tmp_path,
+            host_memory_limit=8 * 2**20,
+            reduce_bucket_size=1 << 16,
+        )
 
     engine, clean = make(), make()
     assert engine.grads is None, "the gradients must go to NVMe for this test"
@@ -138,9 +145,13 @@ def test_worker_thread_uses_the_engine_device(monkeypatch):
     runtime (event waits): otherwise a thread's first CUDA call creates a context on GPU 0,
     in every rank."""
     import types
+
     made_current = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made_current.append(
-        (threading.current_thread().name, torch.device(device))))
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda device: made_current.append((threading.current_thread().name, torch.device(device))),
+    )
     streams = types.SimpleNamespace(cuda=False, device=torch.device("cuda", 1))
     grads = torch.zeros(8)
     q = HostGradQueue(ResidentGrads(grads), streams, largest_piece=8, dtype=torch.float32)
@@ -148,5 +159,6 @@ def test_worker_thread_uses_the_engine_device(monkeypatch):
     q.flush()
     q.close()
     assert torch.equal(grads, torch.ones(8))
-    assert [(name.startswith("zo-host-grads"), dev) for name, dev in made_current] == \
-        [(True, torch.device("cuda", 1))]
+    assert [(name.startswith("zo-host-grads"), dev) for name, dev in made_current] == [
+        (True, torch.device("cuda", 1))
+    ]

@@ -1,5 +1,6 @@
 """Host memory: one budget per rank shared by every pool, buffers sized to the need, a flat
 working set over a run, and an ``initialize`` that peaks no higher than training."""
+
 from __future__ import annotations
 
 import json
@@ -59,21 +60,32 @@ def test_nvme_buffers_are_sized_to_the_shard_not_to_sub_group_size():
 
 def _train_pools(tmp_path, monkeypatch, ranks: int) -> SimpleNamespace:
     available = 64 * 2**20
-    monkeypatch.setattr(budget_mod.psutil, "virtual_memory",
-                        lambda: SimpleNamespace(available=available))
+    monkeypatch.setattr(
+        budget_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=available)
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(width=256), stage=3, lr=1e-2, offload_param="nvme",
-                           offload_optimizer="nvme", nvme_path=tmp_path / str(ranks),
-                           dtype=torch.bfloat16, sub_group_size=4096)
+    engine = zo.initialize(
+        TinyGPT(width=256),
+        stage=3,
+        lr=1e-2,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=tmp_path / str(ranks),
+        dtype=torch.bfloat16,
+        sub_group_size=4096,
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = batch("gpt", 4, gen)
         engine.backward(loss_fn("gpt", engine(x), y))
         engine.step()
-    out = SimpleNamespace(host=engine.memory_report().total("host"),
-                          budget=int(available * DEFAULT_HOST_FRACTION) // ranks,
-                          grads_on_disk=engine.grads is None, state=engine.full_state_dict())
+    out = SimpleNamespace(
+        host=engine.memory_report().total("host"),
+        budget=int(available * DEFAULT_HOST_FRACTION) // ranks,
+        grads_on_disk=engine.grads is None,
+        state=engine.full_state_dict(),
+    )
     engine.close()
     return out
 
@@ -123,11 +135,15 @@ RUN = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def fifty_steps(tmp_path_factory):
     """One fresh process (no pytest memory in its RSS), no allocator environment variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     path = tmp_path_factory.mktemp("nvme")
-    proc = subprocess.run([sys.executable, "-c", RUN.format(steps=50), str(path)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN.format(steps=50), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,7 @@
 """``engine(...)`` takes whatever ``model(...)`` takes, and the engine answers train()/eval()
 like the model: namedtuples, PackedSequences, defaultdicts, dataclasses and mappings pass
 through with their type, their tensors moved and cast to the compute dtype."""
+
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, namedtuple
@@ -66,6 +67,7 @@ def test_containers_keep_their_type_and_tensors_take_the_compute_dtype(stage):
 
 def test_non_tensor_and_integer_inputs_pass_through_unchanged():
     from zero_offload.inputs import move_inputs
+
     ids = torch.tensor([1, 2])
     value = {"ids": ids, "name": "a", "flags": (True, None)}
     assert move_inputs(value, torch.device("cpu"), torch.bfloat16) is value

@@ -1,5 +1,6 @@
 """The package's import graph has no cycles, and nothing outside ``zero_offload/stages``
 reaches into the engine's internal stepper or updater (the engine offers what they need)."""
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,9 @@ def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
     """Modules of the package that ``path`` imports at run time (``TYPE_CHECKING`` blocks
     are for types only and do not count)."""
     tree = ast.parse(path.read_text())
-    package = _module_name(path) if path.name == "__init__.py" else \
-        _module_name(path).rsplit(".", 1)[0]
+    package = (
+        _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    )
     skip: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -33,7 +35,7 @@ def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
             continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -81,8 +83,10 @@ def test_no_import_cycles() -> None:
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     modules = set(paths)
     # a module's own parent packages are imported before it whatever it says: not an edge
-    graph = {m: {t for t in _runtime_imports(p, modules) - {m}
-                 if not m.startswith(t + ".")} for m, p in paths.items()}
+    graph = {
+        m: {t for t in _runtime_imports(p, modules) - {m} if not m.startswith(t + ".")}
+        for m, p in paths.items()
+    }
     assert _cycles(graph) == []
 
 
@@ -91,8 +95,11 @@ def test_nothing_outside_stages_reaches_into_the_stepper() -> None:
     offenders = []
     for folder in ("zero_offload", "examples", "tests"):
         for path in (REPO / folder).rglob("*.py"):
-            if ROOT / "stages" in path.parents or path == ROOT / "engine.py" \
-                    or path == Path(__file__).resolve():
+            if (
+                ROOT / "stages" in path.parents
+                or path == ROOT / "engine.py"
+                or path == Path(__file__).resolve()
+            ):
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if pattern.search(line):

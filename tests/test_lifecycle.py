@@ -4,6 +4,7 @@ exception unwinds, and engines dropped without close() freeing threads, files an
 
 Cases that crash the interpreter when they go wrong run in a subprocess: the exit code says
 whether it survived."""
+
 from __future__ import annotations
 
 import gc
@@ -27,17 +28,21 @@ PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent  # the zero_offload und
 
 
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}",
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
-TIERS = [dict(stage=0), dict(stage=1, offload_optimizer="cpu"),
-         dict(stage=2, offload_optimizer="nvme"), dict(stage=3),
-         dict(stage=3, offload_param="nvme", offload_optimizer="nvme")]
+TIERS = [
+    dict(stage=0),
+    dict(stage=1, offload_optimizer="cpu"),
+    dict(stage=2, offload_optimizer="nvme"),
+    dict(stage=3),
+    dict(stage=3, offload_param="nvme", offload_optimizer="nvme"),
+]
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: "-".join(map(str, t.values())))
@@ -46,7 +51,8 @@ def test_closed_model_holds_trained_values_and_trains_again_as_if_fresh(tmp_path
     sweep goes on (initialize the same model again): the values are the ones
     full_state_dict() gave before close, and the second engine trains exactly like one built
     on a fresh copy of those values."""
-    result = _run(f"""
+    result = _run(
+        f"""
         import copy, torch, zero_offload as zo
         from models import TinyGPT, batch, loss_fn
         kw = dict({tier!r}, lr=1e-2, nvme_path={str(tmp_path)!r})
@@ -79,14 +85,15 @@ def test_closed_model_holds_trained_values_and_trains_again_as_if_fresh(tmp_path
         assert any(not torch.equal(a[k], trained[k]) for k in a)  # it did train on
         again.close(); reference.close()
         print("survived", total)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "survived" in result.stdout
 
 
 def _hook_counts(model: nn.Module) -> tuple[int, int]:
-    module_hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                       for m in model.modules())
+    module_hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     grad_hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     return module_hooks, grad_hooks
 
@@ -112,15 +119,22 @@ def test_a_closed_engine_refuses_work(tmp_path):
     optimizer = engine.optimizer  # e.g. held by a trainer
     engine.close()
     engine.close()  # idempotent
-    for call in (lambda: engine(x), lambda: engine.backward(loss), engine.step,
-                 lambda: engine.save_checkpoint(tmp_path), engine.full_state_dict,
-                 lambda: engine.optimizer, optimizer.state_dict):
+    for call in (
+        lambda: engine(x),
+        lambda: engine.backward(loss),
+        engine.step,
+        lambda: engine.save_checkpoint(tmp_path),
+        engine.full_state_dict,
+        lambda: engine.optimizer,
+        optimizer.state_dict,
+    ):
         with pytest.raises(RuntimeError, match="engine is closed.*initialize"):
             call()
 
 
 def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error(tmp_path):
-    result = _run("""
+    result = _run(
+        """
         import torch, zero_offload as zo
         from models import MLP
         model = MLP()
@@ -129,7 +143,9 @@ def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error(tmp_pat
             zo.initialize(model, stage=3)
         except RuntimeError as err:
             print(err)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "still open" in result.stdout and "close()" in result.stdout
 
@@ -169,6 +185,7 @@ def test_close_without_hand_back_releases_stage3_shards_without_gathering():
 
 # -- engines dropped without close() ---------------------------------------------------------
 
+
 def _threads() -> int:
     return threading.active_count()
 
@@ -196,10 +213,15 @@ class Wide(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-DROPPED = [dict(stage=0), dict(stage=1, offload_optimizer="cpu"),
-           dict(stage=2, offload_optimizer="cpu"), dict(stage=2, offload_optimizer="nvme"),
-           dict(stage=3), dict(stage=3, offload_param="cpu", offload_optimizer="cpu"),
-           dict(stage=3, offload_param="nvme", offload_optimizer="nvme")]
+DROPPED = [
+    dict(stage=0),
+    dict(stage=1, offload_optimizer="cpu"),
+    dict(stage=2, offload_optimizer="cpu"),
+    dict(stage=2, offload_optimizer="nvme"),
+    dict(stage=3),
+    dict(stage=3, offload_param="cpu", offload_optimizer="cpu"),
+    dict(stage=3, offload_param="nvme", offload_optimizer="nvme"),
+]
 
 
 @pytest.mark.parametrize("tier", DROPPED, ids=lambda t: "-".join(map(str, t.values())))

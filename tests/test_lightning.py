@@ -11,6 +11,7 @@ optimizer state and parameters on the CPU or NVMe. Each case (see lightning_work
 - at stage 3, a model built in ``configure_model`` is built on the meta device (the strategy's
   sharded-construction context) and trains the same from the weights file it starts from.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,11 +27,15 @@ pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("lightning_worker.py")
 
 CASES = {
-    1: ["zero_offload_stage3_offload",  # parameters and optimizer state on the CPU
+    1: [
+        "zero_offload_stage3_offload",  # parameters and optimizer state on the CPU
         # built in configure_model (on the meta device), started from a weights file
-        dict(stage=3, offload_optimizer="cpu", offload_param="cpu", configure_model=True)],
-    2: ["zero_offload_stage3_offload_nvme",  # both on NVMe (path from ZERO_OFFLOAD_NVME_PATH)
-        dict(stage=2, offload_optimizer="cpu")],
+        dict(stage=3, offload_optimizer="cpu", offload_param="cpu", configure_model=True),
+    ],
+    2: [
+        "zero_offload_stage3_offload_nvme",  # both on NVMe (path from ZERO_OFFLOAD_NVME_PATH)
+        dict(stage=2, offload_optimizer="cpu"),
+    ],
 }
 
 
@@ -50,7 +55,9 @@ IDS = case_ids(CASES)
 def _id(case):
     world, i = case
     c = CASES[world][i]
-    return f"world{world}-" + (c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()))
+    return f"world{world}-" + (
+        c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items())
+    )
 
 
 @pytest.mark.parametrize("case", IDS, ids=[_id(c) for c in IDS])
@@ -64,8 +71,13 @@ def test_strategy_matches_plain_lightning_and_resumes(results, case):
     assert {"latest", "lightning.pt"} <= set(r["checkpoint_files"])
     if "configure_model" in str(CASES[world][i]):
         assert r["built_on_meta"] is True
-    for key in ("train_loss", "grad_norm", "zero_offload/step_s", "zero_offload/adam_s",
-                "zero_offload/backward_s"):
+    for key in (
+        "train_loss",
+        "grad_norm",
+        "zero_offload/step_s",
+        "zero_offload/adam_s",
+        "zero_offload/backward_s",
+    ):
         assert key in r["logged"], key
 
 
@@ -76,8 +88,12 @@ def test_registered_names_and_a_clear_error_without_nvme_path(monkeypatch):
     import zero_offload as zo
     import zero_offload.integrations.lightning  # noqa: F401
 
-    for name in ("zero_offload", "zero_offload_stage2_offload", "zero_offload_stage3_offload",
-                 "zero_offload_stage3_offload_nvme"):
+    for name in (
+        "zero_offload",
+        "zero_offload_stage2_offload",
+        "zero_offload_stage3_offload",
+        "zero_offload_stage3_offload_nvme",
+    ):
         assert name in StrategyRegistry
     monkeypatch.delenv("ZERO_OFFLOAD_NVME_PATH", raising=False)
     with pytest.raises(zo.ConfigError, match="ZERO_OFFLOAD_NVME_PATH"):

@@ -3,6 +3,7 @@ whose ``.grad`` is None: no moment update, no weight decay, and its own step cou
 correction) stays. ``step()`` with nothing to apply says so. Every stage and optimizer tier,
 against torch AdamW on the same sequence of calls; checkpoints carry the per-parameter
 step counts."""
+
 from __future__ import annotations
 
 import copy
@@ -35,8 +36,14 @@ def _x(i: int) -> torch.Tensor:
 # (what the loop does, whether an update is applied): "step" = backward + step,
 # "skip_b" = the same without module b, "bare" = step() alone, "zero" = backward, zero_grad,
 # step
-SCRIPT = [("step", True), ("bare", False), ("zero", False), ("skip_b", True),
-          ("skip_b", True), ("step", True)]
+SCRIPT = [
+    ("step", True),
+    ("bare", False),
+    ("zero", False),
+    ("skip_b", True),
+    ("skip_b", True),
+    ("step", True),
+]
 
 
 def _run_engine(engine: zo.Engine, script: list, start: int = 0) -> list[bool]:
@@ -62,14 +69,26 @@ def _run_torch(model: nn.Module, script: list) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-CASES = [(0, "none", None)] + [(s, o, None) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] \
-    + [(2, "nvme", 128 << 10), (3, "nvme", 128 << 10)]  # a small budget: gradients on NVMe too
+CASES = (
+    [(0, "none", None)]
+    + [(s, o, None) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+    + [(2, "nvme", 128 << 10), (3, "nvme", 128 << 10)]
+)  # a small budget: gradients on NVMe too
 
 
 def _engine(model: nn.Module, stage: int, offload: str, limit: int | None, nvme) -> zo.Engine:
-    return zo.initialize(model, stage=stage, offload_optimizer=offload, nvme_path=nvme,
-                         sub_group_size=4096, host_memory_limit=limit, lr=LR, weight_decay=WD,
-                         dtype=torch.float32, reduce_bucket_size=96 * 96)
+    return zo.initialize(
+        model,
+        stage=stage,
+        offload_optimizer=offload,
+        nvme_path=nvme,
+        sub_group_size=4096,
+        host_memory_limit=limit,
+        lr=LR,
+        weight_decay=WD,
+        dtype=torch.float32,
+        reduce_bucket_size=96 * 96,
+    )
 
 
 @pytest.mark.parametrize("stage,offload,limit", CASES)
@@ -136,11 +155,15 @@ def test_device_updater_steps_ranges_with_their_own_counts():
     torch.manual_seed(0)
     p1, p2 = nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(7))
     opt = torch.optim.AdamW([p1, p2], lr=LR, weight_decay=WD)
-    updater = DeviceAdam(torch.cat([p1.detach(), p2.detach()]),
-                         build_config(None, lr=LR, weight_decay=WD))
+    updater = DeviceAdam(
+        torch.cat([p1.detach(), p2.detach()]), build_config(None, lr=LR, weight_decay=WD)
+    )
     # per update: which parameters have a gradient, and the ranges the stepper would give
-    plan = [((True, True), None), ((True, False), [(0, 5, 2, True)]),
-            ((True, True), [(0, 5, 3, True), (5, 12, 2, True)])]
+    plan = [
+        ((True, True), None),
+        ((True, False), [(0, 5, 2, True)]),
+        ((True, True), [(0, 5, 3, True), (5, 12, 2, True)]),
+    ]
     for i, (has, ranges) in enumerate(plan):
         g = torch.randn(12, generator=torch.Generator().manual_seed(i))
         p1.grad = g[:5].clone() if has[0] else None

@@ -2,6 +2,7 @@
 before each training forward, as DistributedDataParallel does, so exports agree on every
 rank; and pretrained files with buffers — any saved ``state_dict()``, or what
 ``consolidate_checkpoint`` writes — initialize a model, buffers included."""
+
 from __future__ import annotations
 
 
@@ -45,8 +46,9 @@ def _train(rank: int, world: int) -> dict:
             exported = {k: v for k, v in full.items() if "running" in k}
             engine.close()  # collective at stage 3: gathers the parameters back
             closed = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-            handed_back = all(torch.equal(v, full[k]) for k, v in model.state_dict().items()
-                              if "running" not in k)
+            handed_back = all(
+                torch.equal(v, full[k]) for k, v in model.state_dict().items() if "running" not in k
+            )
             out[(stage, sync)] = (local, exported, closed, handed_back)
     return out
 

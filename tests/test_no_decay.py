@@ -2,6 +2,7 @@
 Hugging Face Trainer and most recipes build), in every stage and optimizer tier, against torch
 AdamW with two parameter groups — also when some parameters miss updates (their ranges carry
 both their own step count and their decay)."""
+
 from __future__ import annotations
 
 import copy
@@ -40,9 +41,13 @@ def _x(i: int) -> torch.Tensor:
 def _torch(model: nn.Module, no_decay: list[str]) -> dict[str, torch.Tensor]:
     named = dict(model.named_parameters())
     opt = torch.optim.AdamW(
-        [{"params": [p for n, p in named.items() if n not in no_decay]},
-         {"params": [named[n] for n in no_decay], "weight_decay": 0.0}],
-        lr=LR, weight_decay=WD)
+        [
+            {"params": [p for n, p in named.items() if n not in no_decay]},
+            {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        weight_decay=WD,
+    )
     for i, use_b in enumerate(SCRIPT):
         model(_x(i), use_b).square().mean().backward()
         opt.step()
@@ -59,11 +64,18 @@ def test_no_decay_parameters_match_torch_adamw_groups(tmp_path, stage, offload):
     model = Net()
     ref = _torch(copy.deepcopy(model), NO_DECAY)
     everything = _torch(copy.deepcopy(model), []) if stage == 0 else None
-    engine = zo.initialize(model, stage=stage, offload_optimizer=offload,
-                           offload_param="cpu" if stage == 3 else "none",
-                           nvme_path=tmp_path if offload == "nvme" else None,
-                           sub_group_size=1000, lr=LR, weight_decay=WD, no_decay=NO_DECAY,
-                           dtype=torch.float32)
+    engine = zo.initialize(
+        model,
+        stage=stage,
+        offload_optimizer=offload,
+        offload_param="cpu" if stage == 3 else "none",
+        nvme_path=tmp_path if offload == "nvme" else None,
+        sub_group_size=1000,
+        lr=LR,
+        weight_decay=WD,
+        no_decay=NO_DECAY,
+        dtype=torch.float32,
+    )
     for i, use_b in enumerate(SCRIPT):
         engine.backward(engine(_x(i), use_b).square().mean())
         engine.step()

@@ -1,5 +1,6 @@
 """Optimizer offload (host memory and NVMe files): the same parameters as without offload, the
 state where the ledger says, a pool within host_memory_limit, and clear errors from the disk."""
+
 from __future__ import annotations
 
 import errno
@@ -29,8 +30,16 @@ def _train_matrix(rank: int, world: int, nvme_root: str) -> dict:
         for dtype in DTYPES:
             for off in OFFLOADS:
                 engine, _ = equivalence.train(
-                    rank, world, "gpt", getattr(torch, dtype), equivalence.STEPS, stage=stage,
-                    offload_optimizer=off, nvme_path=nvme_root, sub_group_size=3000)
+                    rank,
+                    world,
+                    "gpt",
+                    getattr(torch, dtype),
+                    equivalence.STEPS,
+                    stage=stage,
+                    offload_optimizer=off,
+                    nvme_path=nvme_root,
+                    sub_group_size=3000,
+                )
                 rep = engine.memory_report()
                 out[(stage, dtype, off)] = (engine.full_state_dict(), rep, engine.shard_numel)
                 engine.close()
@@ -94,8 +103,14 @@ def test_small_host_memory_limit_keeps_pool_within_it_and_same_result(tmp_path):
     torch.manual_seed(0)
     ref = _run(zo.initialize(MLP(), stage=2, offload_optimizer="cpu"))
     limit = 8 * 2**20  # room for a few small buffers only; sub-groups shrink to fit
-    engine = zo.initialize(model, stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                           host_memory_limit=limit, sub_group_size=10**9)
+    engine = zo.initialize(
+        model,
+        stage=2,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        host_memory_limit=limit,
+        sub_group_size=10**9,
+    )
     got = _run(engine)
     rep = engine.memory_report()
     assert rep.bytes["host"]["optimizer"] <= limit
@@ -105,8 +120,9 @@ def test_small_host_memory_limit_keeps_pool_within_it_and_same_result(tmp_path):
 
 def test_host_memory_limit_too_small_names_the_fix(tmp_path):
     with pytest.raises(Exception) as err:
-        zo.initialize(MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                      host_memory_limit=4096)
+        zo.initialize(
+            MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path, host_memory_limit=4096
+        )
     assert "host_memory_limit" in str(err.value)
 
 
@@ -126,12 +142,12 @@ def test_full_disk_is_refused_up_front(tiny_tmpfs):
 
 def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path):
     torch.manual_seed(0)
-    engine = zo.initialize(MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                           sub_group_size=1024)
+    engine = zo.initialize(
+        MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path, sub_group_size=1024
+    )
     _run(engine, steps=1)
     before = engine.full_state_dict()
-    engine.swappers[0].engine.backend = FaultBackend(
-        "read", errno_=errno.EIO)
+    engine.swappers[0].engine.backend = FaultBackend("read", errno_=errno.EIO)
     x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("mlp", engine(x), y))
     with pytest.raises(SwapIOError, match="Input/output error"):
@@ -160,15 +176,18 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
     is neither the old nor the new one, so nothing may use it until a checkpoint is loaded;
     after that, training continues exactly like an engine that never failed."""
     torch.manual_seed(0)
-    engine = zo.initialize(MLP(), stage=2, offload_optimizer="nvme",
-                           nvme_path=tmp_path / "nvme", sub_group_size=1024)
+    engine = zo.initialize(
+        MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path / "nvme", sub_group_size=1024
+    )
     _run(engine, steps=1)
     engine.save_checkpoint(tmp_path / "ck")
     swap_io = engine.swappers[0].engine
     swap_io.backend = FaultBackend(op, errno_=errno.EIO, after=1)
     x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("mlp", engine(x), y))
-    with pytest.raises(zo.IncompleteStepError, match=r"of 2 NVMe sub-groups.*load_checkpoint") as err:
+    with pytest.raises(
+        zo.IncompleteStepError, match=r"of 2 NVMe sub-groups.*load_checkpoint"
+    ) as err:
         engine.step()
     assert isinstance(err.value.__cause__, SwapIOError)
     swap_io.backend = FaultBackend("none")  # the disk is fine again: still no silent training
@@ -176,8 +195,11 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
     engine.backward(loss_fn("mlp", engine(x), y))
     with pytest.raises(zo.IncompleteStepError, match="load_checkpoint"):
         engine.step()
-    for read_state in (engine.full_state_dict, engine.optimizer.state_dict,
-                       lambda: engine.save_checkpoint(tmp_path / "ck", tag="broken")):
+    for read_state in (
+        engine.full_state_dict,
+        engine.optimizer.state_dict,
+        lambda: engine.save_checkpoint(tmp_path / "ck", tag="broken"),
+    ):
         with pytest.raises(zo.IncompleteStepError, match="load_checkpoint"):
             read_state()
     assert not (tmp_path / "ck" / "broken").exists()

@@ -2,6 +2,7 @@
 call them: the full state on every tier (NVMe included), plain tensors that
 ``torch.load(weights_only=True)`` reads, and a round trip into a fresh engine that trains on
 bit for bit like the engine that never stopped — and like torch's AdamW."""
+
 from __future__ import annotations
 
 import copy
@@ -18,9 +19,15 @@ OFFLOADS = ("none", "cpu", "nvme")
 
 
 def _kwargs(stage, offload, nvme):
-    kw = dict(stage=stage, lr=equivalence.LR, weight_decay=equivalence.WD,
-              max_grad_norm=equivalence.CLIP, offload_optimizer=offload, nvme_path=nvme,
-              sub_group_size=3000)  # several NVMe sub-groups
+    kw = dict(
+        stage=stage,
+        lr=equivalence.LR,
+        weight_decay=equivalence.WD,
+        max_grad_norm=equivalence.CLIP,
+        offload_optimizer=offload,
+        nvme_path=nvme,
+        sub_group_size=3000,
+    )  # several NVMe sub-groups
     if stage == 3:
         kw["offload_param"] = offload
     return kw
@@ -75,7 +82,8 @@ def _save_resume(rank, world, folder, stage, offload):
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_state_dict_round_trip_trains_on_bit_identically(tmp_path, stage, offload):
     initial, saved, straight, straight_state, resumed, resumed_state = _save_resume(
-        0, 1, str(tmp_path), stage, offload)
+        0, 1, str(tmp_path), stage, offload
+    )
     entry = saved["state"][0]
     assert set(entry) >= {"step", "exp_avg", "exp_avg_sq", "master"}
     assert entry["step"].item() == 3
@@ -118,7 +126,7 @@ def test_state_dict_of_a_fresh_engine_is_complete(tmp_path, offload):
     assert entry["exp_avg"].abs().sum() == 0 and entry["exp_avg_sq"].abs().sum() == 0
     master = entry["master"]
     assert master.numel() >= params.numel()  # unit padding is zeros
-    assert torch.equal(master.sort().values[-params.numel():], params.sort().values)
+    assert torch.equal(master.sort().values[-params.numel() :], params.sort().values)
     engine.close()
 
 
@@ -145,6 +153,7 @@ def test_a_state_dict_of_another_layout_or_optimizer_is_refused(tmp_path):
 def test_round_trip_with_frozen_parameters(tmp_path, stage, limit):
     """Frozen parameters have no optimizer state (as with torch): the state dict covers the
     trainable ones, and the engine it is loaded into keeps its own frozen values."""
+
     def model():
         torch.manual_seed(0)
         m = torch.nn.Sequential(*(torch.nn.Linear(96, 96) for _ in range(4)))
@@ -158,8 +167,14 @@ def test_round_trip_with_frozen_parameters(tmp_path, stage, limit):
             engine.backward(engine(x).square().mean())
             assert engine.step()
 
-    kw = dict(stage=stage, lr=1e-2, offload_optimizer="nvme", nvme_path=tmp_path,
-              host_memory_limit=limit, sub_group_size=4096)
+    kw = dict(
+        stage=stage,
+        lr=1e-2,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        host_memory_limit=limit,
+        sub_group_size=4096,
+    )
     a = zo.initialize(model(), **kw)
     run(a, 0, 2)
     saved = a.optimizer.state_dict()

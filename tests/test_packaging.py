@@ -1,6 +1,7 @@
 """A regular (non-editable) install works like the source tree: the wheel carries every
 subpackage and the C kernel sources, and the kernel builds on first use from the installed
 copy instead of silently falling back to torch."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,8 +51,11 @@ def _source_copy(dest: Path) -> Path:
     dest.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
-    shutil.copytree(ROOT / "zero_offload", dest / "zero_offload",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    shutil.copytree(
+        ROOT / "zero_offload",
+        dest / "zero_offload",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"),
+    )
     return dest
 
 
@@ -60,24 +64,44 @@ def test_wheel_ships_the_kernel_sources_and_builds_them(tmp_path):
     src = _source_copy(tmp_path / "src")
     wheels = tmp_path / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", *_build_isolation(), "-w", str(wheels),
-                          str(src)], check=True, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        pip + ["wheel", "--no-deps", *_build_isolation(), "-w", str(wheels), str(src)],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("zero_offload-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "zero_offload").rglob("__init__.py")}
+    packages = {
+        str(p.parent.relative_to(ROOT)) for p in (ROOT / "zero_offload").rglob("__init__.py")
+    }
     missing = [p for p in sorted(packages) if f"{p}/__init__.py" not in names]
     assert not missing, f"subpackages missing from the wheel: {missing}"
     kernels = sorted(p.name for p in (ROOT / "zero_offload" / "kernels").glob("*.c"))
     assert kernels and all(f"zero_offload/kernels/{k}" in names for k in kernels), names
 
     site = tmp_path / "site"
-    subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, cwd=tmp_path, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site), "ZERO_OFFLOAD_KERNELS": "required",
-           "ZERO_OFFLOAD_CACHE": str(tmp_path / "cache")}
+    subprocess.run(
+        pip + ["install", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "ZERO_OFFLOAD_KERNELS": "required",
+        "ZERO_OFFLOAD_CACHE": str(tmp_path / "cache"),
+    }
     env.pop("ZERO_OFFLOAD_ISA", None)
-    res = subprocess.run([sys.executable, "-c", CHECK, str(site)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", CHECK, str(site)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "kernel: native" in res.stdout
     assert list((tmp_path / "cache").glob("cpu_adam-*.so"))

@@ -1,6 +1,7 @@
 """Stage-3 parameter shards on the host and on NVMe, with asynchronous prefetch: the same
 parameters as stage 3 without offload, budgets kept, and a model built on the meta device
 materialized unit by unit. (A changed module order with params on NVMe: test_engine.)"""
+
 from __future__ import annotations
 
 import functools
@@ -23,14 +24,28 @@ DEPTHS = (0, 1, 3)
 
 def _matrix(rank: int, world: int, root: str) -> dict:
     out = {}
-    configs = [("none", "none", 2)] + [(p, o, d) for p in PARAMS for o in OPTIMIZERS
-                                        for d in DEPTHS]
+    configs = [("none", "none", 2)] + [
+        (p, o, d) for p in PARAMS for o in OPTIMIZERS for d in DEPTHS
+    ]
     for param, optim, depth in configs:
         engine, _ = equivalence.train(
-            rank, world, "gpt", torch.bfloat16, 4, stage=3, offload_param=param,
-            offload_optimizer=optim, prefetch_depth=depth, nvme_path=root, sub_group_size=3000)
-        out[(param, optim, depth)] = (engine.full_state_dict(), engine.memory_report(),
-                                      max(u.full_bytes for u in engine.units))
+            rank,
+            world,
+            "gpt",
+            torch.bfloat16,
+            4,
+            stage=3,
+            offload_param=param,
+            offload_optimizer=optim,
+            prefetch_depth=depth,
+            nvme_path=root,
+            sub_group_size=3000,
+        )
+        out[(param, optim, depth)] = (
+            engine.full_state_dict(),
+            engine.memory_report(),
+            max(u.full_bytes for u in engine.units),
+        )
         engine.close()
     return out
 
@@ -77,8 +92,15 @@ def test_ledger_shows_param_tier_and_gather_budget(world, param):
 def test_host_memory_limit_bounds_both_pools(tmp_path):
     limit = 16 * 2**20
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(), stage=3, offload_param="nvme", offload_optimizer="nvme",
-                           nvme_path=tmp_path, host_memory_limit=limit, dtype=torch.bfloat16)
+    engine = zo.initialize(
+        TinyGPT(),
+        stage=3,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        host_memory_limit=limit,
+        dtype=torch.bfloat16,
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = batch("gpt", 4, gen)
@@ -94,13 +116,17 @@ def test_meta_device_model_is_materialized_unit_by_unit(tmp_path):
     with torch.device("meta"):
         model = TinyGPT()
     assert all(p.is_meta for p in model.parameters())
-    engine = zo.initialize(model, stage=3, lr=1e-2, offload_param="nvme",
-                           offload_optimizer="nvme", nvme_path=tmp_path)
+    engine = zo.initialize(
+        model, stage=3, lr=1e-2, offload_param="nvme", offload_optimizer="nvme", nvme_path=tmp_path
+    )
     start = engine.full_state_dict()
     assert not any(p.is_meta for p in engine.module.parameters())
     assert engine.module.lm_head.weight is engine.module.wte.weight  # the tie survives
-    assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for k, v in start.items()
-               if not k.endswith("bias"))
+    assert all(
+        torch.isfinite(v).all() and v.abs().sum() > 0
+        for k, v in start.items()
+        if not k.endswith("bias")
+    )
     # from here it trains exactly like the same weights built on the CPU
     ref_model = TinyGPT()
     ref_model.load_state_dict(start)
@@ -134,11 +160,19 @@ def test_meta_module_without_reset_parameters_is_a_clear_error():
 def test_param_pool_smaller_than_prefetch_depth_degrades_not_deadlocks(tmp_path):
     """A budget that holds two shard buffers while prefetch_depth asks for five: reads ahead
     are skipped when no spare buffer is free, never waited for, and results are unchanged."""
+
     def run(**kw):
         torch.manual_seed(0)
-        engine = zo.initialize(TinyGPT(), stage=3, lr=1e-2, offload_param="nvme",
-                               offload_optimizer="cpu", nvme_path=tmp_path, prefetch_depth=3,
-                               **kw)
+        engine = zo.initialize(
+            TinyGPT(),
+            stage=3,
+            lr=1e-2,
+            offload_param="nvme",
+            offload_optimizer="cpu",
+            nvme_path=tmp_path,
+            prefetch_depth=3,
+            **kw,
+        )
         gen = torch.Generator().manual_seed(0)
         for _ in range(3):
             x, y = batch("gpt", 4, gen)
@@ -147,6 +181,7 @@ def test_param_pool_smaller_than_prefetch_depth_degrades_not_deadlocks(tmp_path)
         sd, pool = engine.full_state_dict(), engine.param_store.swapper.pool.count
         engine.close()
         return sd, pool
+
     tight, count = run(host_memory_limit=2 * 20480)  # two buffers of the largest shard
     assert count == 2
     roomy, _ = run()

@@ -2,6 +2,7 @@
 memory is released, so each read either sees the right values (inside
 ``engine.gathered_parameters()``) or raises an error naming that fix — never reads freed
 memory. Each pattern runs in a subprocess: a crash shows as the exit code."""
+
 from __future__ import annotations
 
 import os
@@ -33,23 +34,25 @@ ACCESSES = {
 
 
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}",
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("access", list(ACCESSES))
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
 def test_a_released_parameter_read_raises_a_clear_error_and_reads_right_when_gathered(
-        tmp_path, access, offload_param):
+    tmp_path, access, offload_param
+):
     """Outside a forward: the read raises ParameterNotGatheredError naming
     gathered_parameters() (on the old code: SIGSEGV, or a raw setStorage error for repr).
     Inside ``engine.gathered_parameters()``: the values are the trained ones
     (``full_state_dict``), a forward inside keeps them gathered, and the engine trains on."""
-    result = _run(f"""
+    result = _run(
+        f"""
         import torch, zero_offload as zo
         from zero_offload.stages.released import ParameterNotGatheredError
         from models import TinyGPT, batch, loss_fn
@@ -84,7 +87,9 @@ def test_a_released_parameter_read_raises_a_clear_error_and_reads_right_when_gat
         engine.close()
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())
         print("survived", float(first.sum()))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused" in result.stdout and "survived" in result.stdout
 

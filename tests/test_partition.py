@@ -24,7 +24,7 @@ def test_views_and_flatten_round_trip():
     layout.flatten_into(flat, tensors)
     for t, v in zip(tensors, layout.views(flat)):
         assert torch.equal(t, v)
-    assert flat[layout.numel:].eq(0).all()
+    assert flat[layout.numel :].eq(0).all()
     layout.flatten_into(flat, [None, tensors[1], None, tensors[3]])
     assert layout.views(flat)[0].eq(0).all() and torch.equal(layout.views(flat)[1], tensors[1])
 

@@ -4,6 +4,7 @@ checked on the CPU: CUDA is reported available and ``cudaHostRegister`` /
 parameter shards, the Adam output, staging buffers, the fp32 master only in fp32 compute — at
 its size rounded to a 4 KiB page, never through torch's caching host allocator (which rounds
 to a power of two and keeps the blocks after the engine is gone); the ledger counts it."""
+
 from __future__ import annotations
 
 import gc
@@ -54,10 +55,20 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
 
     # torch.empty(pin_memory=True) on a CPU-only build fails anyway; make it a clear failure
     real_empty, real_zeros = torch.empty, torch.zeros
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: no_caching_allocator()
-                        if pin_memory else real_empty(*a, **k))
-    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: no_caching_allocator()
-                        if pin_memory else real_zeros(*a, **k))
+    monkeypatch.setattr(
+        torch,
+        "empty",
+        lambda *a, pin_memory=False, **k: (
+            no_caching_allocator() if pin_memory else real_empty(*a, **k)
+        ),
+    )
+    monkeypatch.setattr(
+        torch,
+        "zeros",
+        lambda *a, pin_memory=False, **k: (
+            no_caching_allocator() if pin_memory else real_zeros(*a, **k)
+        ),
+    )
     return fake
 
 
@@ -87,12 +98,21 @@ CASES = [(2, "cpu", "none"), (2, "nvme", "none"), (3, "cpu", "cpu"), (3, "nvme",
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("stage,opt,param", CASES)
-def test_engine_pins_only_what_crosses_pcie(tmp_path, cudart: FakeCudart, stage: int, opt: str,
-                                            param: str, dtype: torch.dtype) -> None:
+def test_engine_pins_only_what_crosses_pcie(
+    tmp_path, cudart: FakeCudart, stage: int, opt: str, param: str, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(), stage=stage, offload_optimizer=opt, offload_param=param,
-                           nvme_path=tmp_path, dtype=dtype, lr=1e-3, device="cpu",
-                           sub_group_size=5000)
+    engine = zo.initialize(
+        TinyGPT(),
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        nvme_path=tmp_path,
+        dtype=dtype,
+        lr=1e-3,
+        device="cpu",
+        sub_group_size=5000,
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = batch("gpt", 4, gen)

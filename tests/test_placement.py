@@ -6,6 +6,7 @@ On a CPU the device is the host, so "moving" costs nothing and hides a whole-mod
 The tests watch the two ways values can reach the device instead: parameters that report
 every ``.to()`` asked of them (``model.to(device)`` goes through it), and the engine's one
 placement function, counted."""
+
 from __future__ import annotations
 
 import torch

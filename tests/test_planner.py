@@ -1,6 +1,7 @@
 """The memory planner: ZeRO's arithmetic, agreement with the engine's own ledger (also with
 frozen parameters), the 13B on 4 × 24 GB recommendation (full and LoRA-style fine-tunes), and
 the ``zero-offload plan`` command."""
+
 from __future__ import annotations
 
 import functools
@@ -21,29 +22,39 @@ from zero_offload.plan_cli import parse_count, parse_size
 
 # ~0.47M params: padding (to world × 64 elements per unit) is well under 1%.
 LEDGER_MODEL = GPTConfig(layers=2, width=128, heads=4, vocab=512, seq=32)
-LEDGER_CASES = [(s, o, "none") for s in (0, 1, 2, 3) for o in ("none", "cpu", "nvme")
-                if not (s == 0 and o != "none")] + [
-    (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme")]
+LEDGER_CASES = [
+    (s, o, "none")
+    for s in (0, 1, 2, 3)
+    for o in ("none", "cpu", "nvme")
+    if not (s == 0 and o != "none")
+] + [(3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme")]
 # A partial fine-tune of LEDGER_MODEL (see _ledger_model): every stage with the optimizer on
 # each tier, and stage 3 with the parameters offloaded too.
 FROZEN_CASES = [(s, o, "none") for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + [
-    (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
+]
 Measured = namedtuple("Measured", "tiers peak_gathered")
 
 
 # -- ZeRO's arithmetic ------------------------------------------------------------------------
 def test_reproduces_zero_paper_table_7_5b_on_64_gpus():
     """ZeRO (Rajbhandari et al.), Table 1: Ψ = 7.5B, N = 64, K = 12, fp16 params and grads."""
-    got = [round(zo.estimate_memory(7.5e9, num_gpus=64, stage=s, dtype=torch.float16)
-                 .model_state_bytes() / 1e9, 1) for s in (0, 1, 2, 3)]
+    got = [
+        round(
+            zo.estimate_memory(7.5e9, num_gpus=64, stage=s, dtype=torch.float16).model_state_bytes()
+            / 1e9,
+            1,
+        )
+        for s in (0, 1, 2, 3)
+    ]
     assert got == [120.0, 31.4, 16.6, 1.9]
 
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_design_formulas(n):
     psi = 1_000_000 * n * 64  # divisible: no rounding
-    want = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n,
-            3: 16 * psi // n}
+    want = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}
     for stage, nbytes in want.items():
         e = zo.estimate_memory(psi, num_gpus=n, stage=stage)
         assert e.model_state_bytes("device") == nbytes
@@ -52,11 +63,11 @@ def test_design_formulas(n):
     e = zo.estimate_memory(psi, num_gpus=n, stage=2, offload_optimizer="cpu")
     assert e.model_state_bytes("device") == 2 * psi
     assert e.model_state_bytes("host") == 12 * psi // n + 2 * psi // n
-    e = zo.estimate_memory(psi, num_gpus=n, stage=2, offload_optimizer="cpu",
-                           gradient_accumulation_steps=2)
+    e = zo.estimate_memory(
+        psi, num_gpus=n, stage=2, offload_optimizer="cpu", gradient_accumulation_steps=2
+    )
     assert e.model_state_bytes("host") == 12 * psi // n + 4 * psi // n
-    e = zo.estimate_memory(psi, num_gpus=n, stage=3, offload_optimizer="nvme",
-                           offload_param="nvme")
+    e = zo.estimate_memory(psi, num_gpus=n, stage=3, offload_optimizer="nvme", offload_param="nvme")
     assert e.model_state_bytes("nvme") == 14 * psi // n
 
 
@@ -75,17 +86,29 @@ def test_trainable_params_arithmetic():
     """Only the Ψt trainable params have optimizer state (12 bytes) and gradients (2 bytes);
     all Ψ keep their bf16 copy."""
     n, psi, pt = 4, 1_000_000 * 4 * 64, 10_000 * 4 * 64  # divisible: no rounding
-    want = {0: 2 * psi + 14 * pt, 1: 2 * psi + 2 * pt + 12 * pt // n,
-            2: 2 * psi + 14 * pt // n, 3: 2 * psi // n + 14 * pt // n}
+    want = {
+        0: 2 * psi + 14 * pt,
+        1: 2 * psi + 2 * pt + 12 * pt // n,
+        2: 2 * psi + 14 * pt // n,
+        3: 2 * psi // n + 14 * pt // n,
+    }
     for stage, nbytes in want.items():
         e = zo.estimate_memory(psi, num_gpus=n, stage=stage, trainable_params=pt)
         assert e.model_state_bytes("device") == nbytes
         assert (e.trainable_params, e.trainable_shard_numel) == (pt, pt if stage == 0 else pt // n)
         # all of them trainable: the same terms as without the keyword
-        assert zo.estimate_memory(psi, num_gpus=n, stage=stage, trainable_params=psi).terms \
+        assert (
+            zo.estimate_memory(psi, num_gpus=n, stage=stage, trainable_params=psi).terms
             == zo.estimate_memory(psi, num_gpus=n, stage=stage).terms
-    e = zo.estimate_memory(psi, num_gpus=n, stage=3, offload_optimizer="nvme",
-                           offload_param="nvme", trainable_params=pt)
+        )
+    e = zo.estimate_memory(
+        psi,
+        num_gpus=n,
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        trainable_params=pt,
+    )
     assert e.model_state_bytes("nvme") == 2 * psi // n + 12 * pt // n
     assert e.model_state_bytes("host") == 2 * pt // n  # the bf16 gradient shard
     with pytest.raises(ValueError, match="between 0 and"):
@@ -117,17 +140,28 @@ def _ledger_model(frozen: bool = False) -> GPT:
     return model
 
 
-def _train_and_measure(rank: int, world: int, nvme_root: str,
-                       cases: list[tuple[int, str, str]], dtypes: tuple[str, ...],
-                       frozen: bool = False) -> dict:
+def _train_and_measure(
+    rank: int,
+    world: int,
+    nvme_root: str,
+    cases: list[tuple[int, str, str]],
+    dtypes: tuple[str, ...],
+    frozen: bool = False,
+) -> dict:
     out = {}
     for dtype in dtypes:
         for stage, opt, par in cases:
             torch.manual_seed(0)
             model = _ledger_model(frozen)
             try:
-                engine = zo.initialize(model, stage=stage, offload_optimizer=opt,
-                                       offload_param=par, dtype=dtype, nvme_path=nvme_root)
+                engine = zo.initialize(
+                    model,
+                    stage=stage,
+                    offload_optimizer=opt,
+                    offload_param=par,
+                    dtype=dtype,
+                    nvme_path=nvme_root,
+                )
             except NotImplementedError:  # param offload before it lands
                 continue
             x, y = synthetic_batch(LEDGER_MODEL, 2, torch.Generator().manual_seed(rank))
@@ -135,8 +169,9 @@ def _train_and_measure(rank: int, world: int, nvme_root: str,
                 engine.backward(engine(x, y))
                 engine.step()
             rep = engine.memory_report()
-            out[(dtype, stage, opt, par)] = Measured({t: rep.total(t) for t in TIERS},
-                                                     rep.peak_gathered_param_bytes)
+            out[(dtype, stage, opt, par)] = Measured(
+                {t: rep.total(t) for t in TIERS}, rep.peak_gathered_param_bytes
+            )
             engine.close()
     return out
 
@@ -158,12 +193,20 @@ def _check_against_ledger(world: int, key: tuple, frozen: bool = False) -> None:
     dtype, stage, opt, par = key
     with torch.device("meta"):
         model = _ledger_model(frozen)
-    e = zo.estimate_memory(model, num_gpus=world, stage=stage, offload_optimizer=opt,
-                           offload_param=par, dtype=dtype, device="cpu")
+    e = zo.estimate_memory(
+        model,
+        num_gpus=world,
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=par,
+        dtype=dtype,
+        device="cpu",
+    )
     for tier in TIERS:
         want = e.resident_bytes(tier)
-        assert abs(got.tiers[tier] - want) <= 0.1 * max(got.tiers[tier], want), \
+        assert abs(got.tiers[tier] - want) <= 0.1 * max(got.tiers[tier], want), (
             f"{tier}: ledger {got.tiers[tier]} vs estimate {want}\n{e}"
+        )
     if stage == 3:
         gathered = sum(t.bytes for t in e.terms if t.name == "gathered params")
         assert 0 < got.peak_gathered <= gathered * 1.1
@@ -176,8 +219,9 @@ def test_estimate_matches_ledger_one_rank(case, dtype):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [c for c in LEDGER_CASES if c[0] > 0],
-                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "case", [c for c in LEDGER_CASES if c[0] > 0], ids=lambda c: "-".join(map(str, c))
+)
 def test_estimate_matches_ledger_two_ranks(case):
     _check_against_ledger(2, ("bfloat16", *case))
 
@@ -219,13 +263,20 @@ def test_plan_13b_on_4x24gb(model):
     model = _13b() if model == "meta" else model
     p = zo.plan(model, num_gpus=4, gpu_memory=24e9, host_memory=128e9)
     assert p.fits and p.kwargs["stage"] == 3
-    e = zo.estimate_memory(model, num_gpus=4, stage=3,
-                           offload_optimizer=p.kwargs["offload_optimizer"],
-                           offload_param=p.kwargs["offload_param"])
+    e = zo.estimate_memory(
+        model,
+        num_gpus=4,
+        stage=3,
+        offload_optimizer=p.kwargs["offload_optimizer"],
+        offload_param=p.kwargs["offload_param"],
+    )
     assert e.gpu_bytes <= 0.9 * 24e9 and e.host_bytes_per_node <= 0.9 * 128e9
     # Stage 2 without offload: the replicated bf16 params alone (26 GB) exceed a 24 GB GPU.
-    stage2 = next(c for c in p.candidates if (c.stage, c.offload_optimizer,
-                                               c.offload_param) == (2, "none", "none"))
+    stage2 = next(
+        c
+        for c in p.candidates
+        if (c.stage, c.offload_optimizer, c.offload_param) == (2, "none", "none")
+    )
     assert not stage2.fits
     params_gb = f"params {2 * stage2.estimate.num_params / 1e9:.1f} GB"
     assert "GPU" in stage2.reasons[0] and params_gb in stage2.reasons[0]
@@ -241,10 +292,18 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
     full = zo.plan(psi, num_gpus=n, gpu_memory=24e9, host_memory=128e9)
     lora = zo.plan(psi, num_gpus=n, gpu_memory=24e9, host_memory=128e9, trainable_params=pt)
     assert full.kwargs["stage"] == 3 and full.kwargs["offload_optimizer"] == "nvme"
-    assert lora.kwargs == {"stage": 3, "offload_optimizer": "none", "offload_param": "none",
-                           "dtype": "bfloat16", "prefetch_depth": 2}
-    assert all(not c.fits and "only stage 3 shards them" in c.reasons[0]
-               for c in lora.candidates if c.stage < 3)
+    assert lora.kwargs == {
+        "stage": 3,
+        "offload_optimizer": "none",
+        "offload_param": "none",
+        "dtype": "bfloat16",
+        "prefetch_depth": 2,
+    }
+    assert all(
+        not c.fits and "only stage 3 shards them" in c.reasons[0]
+        for c in lora.candidates
+        if c.stage < 3
+    )
     # Per GPU: bf16 param shard 2Ψ/N, bf16 grad shard + fp32 master, m, v 14Ψt/N; in
     # forward/backward 3 gathered modules (Ψ/50 each, no model given) and 3 reductions in
     # flight of the largest trainable unit (at most Ψt); in initialize, the largest unit being
@@ -253,7 +312,8 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
     e = lora.choice.estimate
     largest = psi // 50
     assert e.gpu_bytes == 2 * psi // n + 14 * pt // n + max(
-        3 * 2 * largest + 3 * 2 * pt, 6 * largest + 4 * (largest // n) - 10 * pt // n)
+        3 * 2 * largest + 3 * 2 * pt, 6 * largest + 4 * (largest // n) - 10 * pt // n
+    )
     assert e.gpu_bytes < 10e9 and e.host_bytes_per_node == 0 and e.nvme_bytes_per_node == 0
     f = full.choice.estimate
     # host: per rank the fp32 gradient shard (13 GB), small buffers sized to the sub-group,
@@ -267,15 +327,22 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
     # Stage 3 with the optimizer on the host: 12Ψt/N of state, 2Ψt/N of bf16 gradients and
     # 2Ψt/N of CPU Adam output -> 16Ψt/N of host memory per rank, plus
     # 3 pinned staging buffers of the largest trainable unit's shard (at most Ψt/N) in bf16.
-    host = next(c for c in lora.candidates if (c.stage, c.offload_optimizer,
-                                               c.offload_param) == (3, "cpu", "none"))
+    host = next(
+        c
+        for c in lora.candidates
+        if (c.stage, c.offload_optimizer, c.offload_param) == (3, "cpu", "none")
+    )
     assert host.fits and host.estimate.host_bytes_per_node == n * (16 * pt // n + 3 * 2 * pt // n)
 
 
 def test_plan_prefers_least_offload():
     p = zo.plan(50e6, num_gpus=2, gpu_memory=24e9, host_memory=64e9)
-    assert p.kwargs == {"stage": 0, "offload_optimizer": "none", "offload_param": "none",
-                        "dtype": "bfloat16"}
+    assert p.kwargs == {
+        "stage": 0,
+        "offload_optimizer": "none",
+        "offload_param": "none",
+        "dtype": "bfloat16",
+    }
     # Candidates are listed from least to most offloaded.
     assert [c.stage for c in p.candidates][:4] == [0, 1, 2, 3]
 
@@ -306,8 +373,7 @@ def test_plan_measures_nvme_path(monkeypatch, tmp_path):
 def test_activations_count_when_given():
     act = planner.activation_memory(seq=2048, batch=1, width=5120, layers=40)
     assert act == 2 * 2048 * 5120 * 40 * 2
-    with_act = zo.plan(13e9, num_gpus=4, gpu_memory=24e9, host_memory=128e9,
-                       activation_bytes=act)
+    with_act = zo.plan(13e9, num_gpus=4, gpu_memory=24e9, host_memory=128e9, activation_bytes=act)
     assert with_act.choice.estimate.activation_bytes == act
     assert not any("activations are not included" in n for n in with_act.notes)
     # Activations beyond the GPU: nothing fits, and the reason names them.
@@ -324,8 +390,19 @@ def test_parse_sizes_and_counts():
 
 
 def test_cli_table(capsys):
-    rc = cli_main(["plan", "--params", "13e9", "--gpus", "4", "--gpu-memory", "24GB",
-                   "--host-memory", "128GB"])
+    rc = cli_main(
+        [
+            "plan",
+            "--params",
+            "13e9",
+            "--gpus",
+            "4",
+            "--gpu-memory",
+            "24GB",
+            "--host-memory",
+            "128GB",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "<- recommended" in out and "zo.initialize(model, stage=3" in out
@@ -333,8 +410,17 @@ def test_cli_table(capsys):
 
 
 def test_cli_trainable_params(capsys):
-    args = ["plan", "--params", "13e9", "--gpus", "4", "--gpu-memory", "24GB",
-            "--host-memory", "128GB"]
+    args = [
+        "plan",
+        "--params",
+        "13e9",
+        "--gpus",
+        "4",
+        "--gpu-memory",
+        "24GB",
+        "--host-memory",
+        "128GB",
+    ]
     rc = cli_main(args + ["--trainable-params", "50e6"])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("13.00B params (50.0M trainable), 4 GPUs")
@@ -345,19 +431,48 @@ def test_cli_trainable_params(capsys):
 
 
 def test_cli_json_and_nvme(capsys, tmp_path):
-    rc = cli_main(["plan", "--preset", "13b", "--gpus", "4", "--gpu-memory", "24GB",
-                   "--host-memory", "128GB", "--nvme", str(tmp_path), "--json"])
+    rc = cli_main(
+        [
+            "plan",
+            "--preset",
+            "13b",
+            "--gpus",
+            "4",
+            "--gpu-memory",
+            "24GB",
+            "--host-memory",
+            "128GB",
+            "--nvme",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["nvme_bytes"] > 0 and len(data["candidates"]) == len(planner.CHOICES)
     assert rc == (0 if data["fits"] else 1)
-    if data["fits"] and "nvme" in (data["kwargs"]["offload_optimizer"],
-                                   data["kwargs"]["offload_param"]):
+    if data["fits"] and "nvme" in (
+        data["kwargs"]["offload_optimizer"],
+        data["kwargs"]["offload_param"],
+    ):
         assert data["kwargs"]["nvme_path"] == str(tmp_path)
 
 
 def test_cli_nothing_fits_exit_code(capsys):
-    rc = cli_main(["plan", "--params", "70B", "--gpus", "1", "--gpu-memory", "8GB",
-                   "--host-memory", "16GB", "--nvme-bytes", "0"])
+    rc = cli_main(
+        [
+            "plan",
+            "--params",
+            "70B",
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "8GB",
+            "--host-memory",
+            "16GB",
+            "--nvme-bytes",
+            "0",
+        ]
+    )
     assert rc == 1 and "nothing fits" in capsys.readouterr().out
 
 

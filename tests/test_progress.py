@@ -2,6 +2,7 @@
 installed), else a log line at each tenth of the work. Checked on the progress class itself
 and on the engine's long operations: materializing a model, loading weights, gathering the
 full model (what ``save_model`` writes), saving, loading and consolidating a checkpoint."""
+
 from __future__ import annotations
 
 import io
@@ -17,8 +18,11 @@ from zero_offload.progress import Progress
 
 
 def _percents(caplog, what: str) -> list[int]:
-    return [int(m.group(1)) for r in caplog.records
-            if (m := re.search(re.escape(what) + r".*: (\d+)% \(", r.getMessage()))]
+    return [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(re.escape(what) + r".*: (\d+)% \(", r.getMessage()))
+    ]
 
 
 class _Terminal(io.StringIO):
@@ -76,8 +80,11 @@ def test_engine_operations_report_progress(tmp_path, caplog):
     engine.close()
 
     caplog.clear()
-    engine = zo.initialize(nn.Sequential(*(nn.Linear(16, 16) for _ in range(10))), stage=3,
-                           init_weights=tmp_path / "model.safetensors")
+    engine = zo.initialize(
+        nn.Sequential(*(nn.Linear(16, 16) for _ in range(10))),
+        stage=3,
+        init_weights=tmp_path / "model.safetensors",
+    )
     assert _percents(caplog, "loading weights from")[-1] == 100
     got = engine.full_state_dict()
     engine.close()

@@ -1,5 +1,6 @@
 """The README's trainer and DeepSpeed sections are copy-pasteable: each code block runs as
 written (in a fresh process, in a temporary folder) and does what the text says."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """The rehearsal: the engine's own initialize/forward/backward/step on a simulated GPU (fake
 tensors, fake process group), its allocations counted, set against estimate_memory."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 CFG = GPTConfig(layers=4, width=128, heads=4, vocab=512, seq=64)
 SEQS = 8  # activations dominate, as in the runs this models
-CHOICES = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
-           (1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none"), (3, "none", "cpu"),
-           (3, "cpu", "cpu")]
+CHOICES = [
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (1, "cpu", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "none"),
+    (3, "none", "cpu"),
+    (3, "cpu", "cpu"),
+]
 
 
 def meta_gpt(cfg: GPTConfig = CFG) -> GPT:
@@ -34,8 +43,7 @@ def tokens(seqs: int = SEQS, cfg: GPTConfig = CFG):
 
 def kwargs(stage: int, opt: str, par: str) -> dict:
     # buckets of 50K elements: several units per model, as 25M-element buckets are in a 7B
-    kw = dict(stage=stage, offload_optimizer=opt, dtype=torch.bfloat16,
-              reduce_bucket_size=50_000)
+    kw = dict(stage=stage, offload_optimizer=opt, dtype=torch.bfloat16, reduce_bucket_size=50_000)
     if stage == 3:
         kw["offload_param"] = par
     return kw
@@ -48,8 +56,9 @@ def test_measured_peak_agrees_with_estimate(world, choice):
     is what estimate_memory says (given the measured activations) within 10%; what stays
     allocated after a step is the estimate's resident figure (the ledger) to the byte, but
     for the optimizer's step counter."""
-    r = zo.rehearse(meta_gpt(), world_size=world, gpu_memory=10**9, batch=tokens(),
-                    **kwargs(*choice))
+    r = zo.rehearse(
+        meta_gpt(), world_size=world, gpu_memory=10**9, batch=tokens(), **kwargs(*choice)
+    )
     assert r.failure is None and r.device_clean, (r.failure, r.problems)
     assert abs(r.estimate_error) <= 0.10, str(r)
     est, meas = r.estimated_phase_bytes(), r.measured_phase_bytes()
@@ -68,13 +77,14 @@ def test_whole_model_moved_to_device_is_caught(monkeypatch):
     where the same model from the meta device stays near the estimate."""
     cfg = GPTConfig(layers=4, width=256, heads=4, vocab=1024, seq=64)
     one = tokens(1, cfg)
-    clean = zo.rehearse(meta_gpt(cfg), world_size=4, gpu_memory=10**9, batch=one,
-                        **kwargs(3, "cpu", "none"))
-    monkeypatch.setattr(placement, "move_model",
-                        lambda model, device, stage: model.to(device))
+    clean = zo.rehearse(
+        meta_gpt(cfg), world_size=4, gpu_memory=10**9, batch=one, **kwargs(3, "cpu", "none")
+    )
+    monkeypatch.setattr(placement, "move_model", lambda model, device, stage: model.to(device))
     whole = 4 * clean.num_params  # the fp32 model
-    planted = zo.rehearse(GPT(cfg), world_size=4, gpu_memory=10**9, batch=one,
-                          **kwargs(3, "cpu", "none"))
+    planted = zo.rehearse(
+        GPT(cfg), world_size=4, gpu_memory=10**9, batch=one, **kwargs(3, "cpu", "none")
+    )
     assert clean.phases["initialize"].device_peak < whole / 2
     assert planted.phases["initialize"].device_peak >= whole
     est, meas = planted.estimated_phase_bytes(), planted.measured_phase_bytes()
@@ -83,10 +93,12 @@ def test_whole_model_moved_to_device_is_caught(monkeypatch):
     assert "initialize" in str(planted) and planted.peak_phase == "initialize"
     # on a GPU that the clean run fits, the planted one does not
     gpu = int(clean.peak_bytes / 0.9) + 1
-    assert zo.rehearse(meta_gpt(cfg), world_size=4, gpu_memory=gpu, batch=one,
-                       **kwargs(3, "cpu", "none")).fits
-    planted = zo.rehearse(GPT(cfg), world_size=4, gpu_memory=gpu, batch=one,
-                          **kwargs(3, "cpu", "none"))
+    assert zo.rehearse(
+        meta_gpt(cfg), world_size=4, gpu_memory=gpu, batch=one, **kwargs(3, "cpu", "none")
+    ).fits
+    planted = zo.rehearse(
+        GPT(cfg), world_size=4, gpu_memory=gpu, batch=one, **kwargs(3, "cpu", "none")
+    )
     assert not planted.fits and "DOES NOT FIT" in planted.verdict()
 
 
@@ -104,12 +116,14 @@ def test_stray_copy_in_the_last_of_identical_units_is_caught():
     tracker; none is extrapolated from the first."""
     cfg = GPTConfig(layers=8, width=256, heads=4, vocab=512, seq=64, checkpoint=True)
     one = tokens(2, cfg)
-    clean = zo.rehearse(meta_gpt(cfg), world_size=4, gpu_memory=10**9, batch=one,
-                        **kwargs(3, "cpu", "none"))
+    clean = zo.rehearse(
+        meta_gpt(cfg), world_size=4, gpu_memory=10**9, batch=one, **kwargs(3, "cpu", "none")
+    )
     planted_model = meta_gpt(cfg)
     planted_model.blocks[-1].__class__ = StrayCopyBlock
-    planted = zo.rehearse(planted_model, world_size=4, gpu_memory=10**9, batch=one,
-                          **kwargs(3, "cpu", "none"))
+    planted = zo.rehearse(
+        planted_model, world_size=4, gpu_memory=10**9, batch=one, **kwargs(3, "cpu", "none")
+    )
     stray = 2 * 4 * cfg.width * cfg.width  # bf16 fc weight, gathered whole
     assert planted.failure is None and clean.failure is None
     assert planted.peak_bytes >= clean.peak_bytes + stray, (str(clean), str(planted))
@@ -120,21 +134,36 @@ def test_stray_copy_in_the_last_of_identical_units_is_caught():
 def test_activations_are_measured_and_feed_the_planner():
     """Activations grow with the micro-batch, shrink with checkpointing, and the planner given
     the measured figure (activation_bytes) predicts the measured peak within 10%."""
-    small = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(4),
-                        **kwargs(3, "cpu", "none"))
-    large = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(8),
-                        **kwargs(3, "cpu", "none"))
+    small = zo.rehearse(
+        meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(4), **kwargs(3, "cpu", "none")
+    )
+    large = zo.rehearse(
+        meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(8), **kwargs(3, "cpu", "none")
+    )
     ckpt_cfg = GPTConfig(layers=4, width=128, heads=4, vocab=512, seq=64, checkpoint=True)
-    ckpt = zo.rehearse(meta_gpt(ckpt_cfg), world_size=2, gpu_memory=10**9, batch=tokens(8),
-                       **kwargs(3, "cpu", "none"))
+    ckpt = zo.rehearse(
+        meta_gpt(ckpt_cfg),
+        world_size=2,
+        gpu_memory=10**9,
+        batch=tokens(8),
+        **kwargs(3, "cpu", "none"),
+    )
     assert 1.8 < large.activation_bytes / small.activation_bytes < 2.2
     assert ckpt.activation_bytes < 0.7 * large.activation_bytes
     for r in (small, large, ckpt):
         assert r.phases["backward"].device_kinds[ACTIVATIONS] > 0
-        p = zo.plan(meta_gpt(), num_gpus=2, gpu_memory=10**9, host_memory=10**10,
-                    activation_bytes=r.activation_bytes)
-        c = next(c for c in p.candidates
-                 if (c.stage, c.offload_optimizer, c.offload_param) == (3, "cpu", "none"))
+        p = zo.plan(
+            meta_gpt(),
+            num_gpus=2,
+            gpu_memory=10**9,
+            host_memory=10**10,
+            activation_bytes=r.activation_bytes,
+        )
+        c = next(
+            c
+            for c in p.candidates
+            if (c.stage, c.offload_optimizer, c.offload_param) == (3, "cpu", "none")
+        )
         assert abs(c.estimate.gpu_bytes - r.peak_bytes) <= 0.10 * r.peak_bytes
 
 
@@ -142,15 +171,18 @@ def test_breakdown_by_kind_and_tier():
     """Stage 3, optimizer on the host, parameters on the GPU: the GPU holds the parameter
     shards between steps, gathers units in forward/backward and holds no optimizer state;
     the host holds the fp32 state (fake host tensors, counted)."""
-    r = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(),
-                    **kwargs(3, "cpu", "none"))
+    r = zo.rehearse(
+        meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(), **kwargs(3, "cpu", "none")
+    )
     shard = 2 * r.estimate.shard_numel
     assert r.phases["step"].device_kinds.get(PARAMS) == shard
     assert OPTIMIZER not in r.phases["step"].device_kinds
     assert r.phases["step"].host_kinds.get(OPTIMIZER, 0) >= 12 * r.estimate.shard_numel
     assert r.phases["forward"].h2d_bytes > 0 or r.phases["backward"].d2h_bytes > 0
-    assert any(m.device_kinds.get(GATHERED, 0) for m in r.phases.values()) or \
-        r.phases["backward"].device_peak > shard
+    assert (
+        any(m.device_kinds.get(GATHERED, 0) for m in r.phases.values())
+        or r.phases["backward"].device_peak > shard
+    )
 
 
 class MixesDevices(nn.Module):
@@ -167,8 +199,9 @@ class MixesDevices(nn.Module):
 def test_host_device_mix_is_reported():
     with torch.device("meta"):
         model = MixesDevices()
-    r = zo.rehearse(model, world_size=1, gpu_memory=10**9,
-                    batch=lambda: torch.zeros(2, 16), stage=2)
+    r = zo.rehearse(
+        model, world_size=1, gpu_memory=10**9, batch=lambda: torch.zeros(2, 16), stage=2
+    )
     assert not r.fits and not r.device_clean
     assert r.failure.startswith("forward") and "mixed host and device" in r.problems[0]
     assert "NOT DEVICE-CLEAN" in r.verdict()
@@ -178,19 +211,28 @@ def test_model_larger_than_this_machine_allocates_nothing():
     """A 12B-parameter stack (48 GB in fp32, more than this machine's RAM) rehearses at stage 3
     with the optimizer on the host (192 GB of host state, simulated) without allocating it."""
     import resource
+
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(20_000, 20_000, bias=False) for _ in range(30)])
-    r = zo.rehearse(model, world_size=4, gpu_memory=80 * 10**9,
-                    batch=lambda: torch.zeros(4, 20_000), iterations=1,
-                    **kwargs(3, "cpu", "none"))
+    r = zo.rehearse(
+        model,
+        world_size=4,
+        gpu_memory=80 * 10**9,
+        batch=lambda: torch.zeros(4, 20_000),
+        iterations=1,
+        **kwargs(3, "cpu", "none"),
+    )
     assert r.failure is None and r.fits
     assert r.phases["step"].host_peak > 12 * 12e9 / 4  # fp32 master, m, v of a quarter
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 6 * 2**30
     assert abs(r.estimate_error) <= 0.10
 
 
-@pytest.mark.parametrize("choice", [(2, "nvme", "none"), (3, "nvme", "nvme"),
-                                    (3, "cpu", "nvme")], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "choice",
+    [(2, "nvme", "none"), (3, "nvme", "nvme"), (3, "cpu", "nvme")],
+    ids=lambda c: "-".join(map(str, c)),
+)
 def test_nvme_tier_is_simulated(tmp_path, choice):
     """The NVMe tier runs the engine's own swap code on a simulated disk: the files' sizes
     are what estimate_memory puts on NVMe per rank (to 4 KiB alignment per file), the step
@@ -198,8 +240,15 @@ def test_nvme_tier_is_simulated(tmp_path, choice):
     peak agrees with the estimate, and nothing is written to nvme_path (which need not
     exist on this machine)."""
     nvme_path = tmp_path / "not-here"
-    r = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=10**9, batch=tokens(),
-                    nvme_path=str(nvme_path), host_memory=8 * 10**9, **kwargs(*choice))
+    r = zo.rehearse(
+        meta_gpt(),
+        world_size=2,
+        gpu_memory=10**9,
+        batch=tokens(),
+        nvme_path=str(nvme_path),
+        host_memory=8 * 10**9,
+        **kwargs(*choice),
+    )
     assert r.failure is None and r.device_clean, (r.failure, r.problems)
     assert r.nvme_simulated and not nvme_path.exists()
     nvme = max(m.nvme_peak for m in r.phases.values())
@@ -224,6 +273,7 @@ def test_simulated_disk_refuses_what_was_never_written():
     disk refuses the write that does not fit."""
     from zero_offload.rehearsal.disk import SimulatedDisk
     from zero_offload.swap.errors import SwapIOError
+
     disk = SimulatedDisk(capacity=8192)
     files = disk.io_engine()
     buf = torch.empty(4096, dtype=torch.uint8)
@@ -240,8 +290,14 @@ def test_simulated_disk_refuses_what_was_never_written():
 
 
 def test_misses_say_what_to_change():
-    r = zo.rehearse(meta_gpt(), world_size=2, gpu_memory=5 * 10**6, micro_batch=None,
-                    batch=tokens(), **kwargs(2, "none", "none"))
+    r = zo.rehearse(
+        meta_gpt(),
+        world_size=2,
+        gpu_memory=5 * 10**6,
+        micro_batch=None,
+        batch=tokens(),
+        **kwargs(2, "none", "none"),
+    )
     assert not r.fits and "DOES NOT FIT" in r.verdict()
     assert any("checkpointing" in s for s in r.suggestions())
 
@@ -250,26 +306,90 @@ def test_cli_on_a_config_folder(tmp_path, capsys):
     """``zero-offload rehearse`` on a Hugging Face config.json: the planner picks the
     configuration, the rehearsal runs it and prints the verdict (exit 0: it fits)."""
     pytest.importorskip("transformers")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
-              "max_position_embeddings": 128, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    rc = main(["rehearse", "--model", str(tmp_path), "--gpus", "2", "--gpu-memory", "1GB",
-               "--host-memory", "8GB", "--micro-batch", "2x64", "--checkpointing"])
+    rc = main(
+        [
+            "rehearse",
+            "--model",
+            str(tmp_path),
+            "--gpus",
+            "2",
+            "--gpu-memory",
+            "1GB",
+            "--host-memory",
+            "8GB",
+            "--micro-batch",
+            "2x64",
+            "--checkpointing",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verdict: FITS" in out and "device-clean: yes" in out and "simulated" in out
-    rc = main(["rehearse", "--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "1MB",
-               "--stage", "2", "--micro-batch", "2x64", "--json"])
+    rc = main(
+        [
+            "rehearse",
+            "--model",
+            str(tmp_path),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "1MB",
+            "--stage",
+            "2",
+            "--micro-batch",
+            "2x64",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and not report["fits"] and report["peak_bytes"] > 10**6
-    assert main(["rehearse", "--model", "llama-1t", "--gpus", "1", "--gpu-memory", "1GB",
-                 "--stage", "3"]) == 2
+    assert (
+        main(
+            [
+                "rehearse",
+                "--model",
+                "llama-1t",
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "1GB",
+                "--stage",
+                "3",
+            ]
+        )
+        == 2
+    )
     # the NVMe tier, simulated: a disk of the given size per node, shared by its ranks
-    nvme = ["rehearse", "--model", str(tmp_path), "--gpus", "2", "--gpu-memory", "1GB",
-            "--host-memory", "8GB", "--stage", "3", "--offload-optimizer", "nvme",
-            "--micro-batch", "2x64"]
+    nvme = [
+        "rehearse",
+        "--model",
+        str(tmp_path),
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "1GB",
+        "--host-memory",
+        "8GB",
+        "--stage",
+        "3",
+        "--offload-optimizer",
+        "nvme",
+        "--micro-batch",
+        "2x64",
+    ]
     assert main(nvme + ["--nvme-bytes", "1GB"]) == 0
     out = capsys.readouterr().out
     assert "NVMe peak" in out and "NVMe         simulated" in out

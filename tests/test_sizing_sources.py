@@ -1,5 +1,6 @@
 """One source for every size: the memory model adds up what the components' own sizing
 functions say (the functions their constructors call), and re-defines no count or rule."""
+
 from __future__ import annotations
 
 import ast
@@ -31,22 +32,39 @@ def test_memory_model_defines_no_count_of_its_own() -> None:
     model), and it does no arithmetic on an engine setting: a count derived from
     ``prefetch_depth`` (buffers, units gathered) belongs to the component that allocates it."""
     tree = ast.parse(Path(memory_model.__file__).read_text())
-    numbers = {t.id for node in tree.body if isinstance(node, ast.Assign)
-               and isinstance(node.value, ast.Constant) and type(node.value.value) in (int, float)
-               for t in node.targets if isinstance(t, ast.Name)}
+    numbers = {
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and type(node.value.value) in (int, float)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     assert numbers == {"_DEFAULT_LARGEST_FRACTION"}
-    derived = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.BinOp)
-               and "prefetch_depth" in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-               and not isinstance(node.op, ast.Mult)]
+    derived = [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.BinOp)
+        and "prefetch_depth" in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        and not isinstance(node.op, ast.Mult)
+    ]
     assert derived == []
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_stage3_terms_are_the_gatherer_and_param_pool_sizes(depth: int) -> None:
     largest, gpus, b = 50_000_000, 4, 2
-    e = zo.estimate_memory(2e9, num_gpus=gpus, stage=3, offload_optimizer="cpu",
-                           offload_param="nvme", largest_layer_params=largest,
-                           prefetch_depth=depth, host_memory_limit=64 * 2**30)
+    e = zo.estimate_memory(
+        2e9,
+        num_gpus=gpus,
+        stage=3,
+        offload_optimizer="cpu",
+        offload_param="nvme",
+        largest_layer_params=largest,
+        prefetch_depth=depth,
+        host_memory_limit=64 * 2**30,
+    )
     assert _term(e, "gathered params") == gathered_units(depth) * largest * b
     shard_bytes = b * math.ceil(largest / gpus)
     assert _term(e, "param swap buffers") == (depth + 2) * pool_footprint(shard_bytes)
@@ -62,15 +80,20 @@ def test_reductions_in_flight_are_the_reducers() -> None:
 def test_padding_is_the_layouts() -> None:
     for numel in (1, 63, 64, 65, 1000, 4097, 123_457):
         for shards in (1, 2, 3, 8):
-            assert padded_numel(numel, shards) == \
-                build_layout([("w", torch.Size([numel]))], shards).padded_numel
+            assert (
+                padded_numel(numel, shards)
+                == build_layout([("w", torch.Size([numel]))], shards).padded_numel
+            )
 
 
 def test_pool_size_under_a_budget_is_the_pools(tmp_path: Path) -> None:
     """The estimate's pool rule is BufferPool's: as many buffers as the budget holds, each
     rounded as the pool rounds it."""
-    for buffer_bytes, wanted, limit in ((10_000, 4, 10**6), (10_000, 4, 25_000),
-                                        (5000, 3, 8192 * 2 + 1)):
+    for buffer_bytes, wanted, limit in (
+        (10_000, 4, 10**6),
+        (10_000, 4, 25_000),
+        (5000, 3, 8192 * 2 + 1),
+    ):
         pool = BufferPool(buffer_bytes, wanted, host_memory_limit=limit, pin=False)
         try:
             assert pool.count == pool_count(pool_footprint(buffer_bytes), wanted, limit)
@@ -84,10 +107,18 @@ def test_nvme_terms_are_the_nvme_optimizers_pools(tmp_path: Path, limit_mib: int
     """The estimate's NVMe terms equal the host memory a real NvmeAdam of the same shard and
     budget holds (its pools and output buffer), with gradients on disk and off."""
     numel, limit = 20_000_000, limit_mib * 2**20
-    e = zo.estimate_memory(numel, num_gpus=1, stage=2, offload_optimizer="nvme",
-                           dtype=torch.bfloat16, host_memory_limit=limit, device="cpu")
-    cfg = build_config(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
-                       dtype=torch.bfloat16)
+    e = zo.estimate_memory(
+        numel,
+        num_gpus=1,
+        stage=2,
+        offload_optimizer="nvme",
+        dtype=torch.bfloat16,
+        host_memory_limit=limit,
+        device="cpu",
+    )
+    cfg = build_config(
+        stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path), dtype=torch.bfloat16
+    )
     opt = NvmeAdam(numel, cfg, torch.bfloat16, 0, limit)
     try:
         assert (opt.disk_grads is not None) == (limit_mib == 60)

@@ -5,6 +5,7 @@ Also: stage 3 refuses to run under CUDA graph capture.
 
 The process groups here time out after 30 s, so a hang fails the test rather than stalling it.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -49,10 +50,13 @@ def _diverge(rank: int, world: int, skip_rank: int, stop_rank: int) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("skip_rank, stop_rank, named", [
-    (1, -1, ["rank 0 runs module 'b'", "rank 1 runs module 'c'"]),  # rank 1 skips b
-    (-1, 1, ["rank 0 runs module 'c'", "rank 1 ended its forward"]),  # rank 1 exits early
-])
+@pytest.mark.parametrize(
+    "skip_rank, stop_rank, named",
+    [
+        (1, -1, ["rank 0 runs module 'b'", "rank 1 runs module 'c'"]),  # rank 1 skips b
+        (-1, 1, ["rank 0 runs module 'c'", "rank 1 ended its forward"]),  # rank 1 exits early
+    ],
+)
 def test_ranks_running_different_modules_get_one_clear_error(skip_rank, stop_rank, named):
     messages = run_ranks(2, _diverge, skip_rank, stop_rank, timeout=TIMEOUT)
     assert messages[0] == messages[1], "every rank raises the same error"

@@ -1,6 +1,7 @@
 """What a run shows: ``engine.last_step`` after each update, and the profiler ranges a user's
 ``torch.profiler`` trace gets (forward, backward, step, gathers, reductions, swap I/O, CPU
 Adam)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,16 +20,30 @@ def _train_step(engine, gen, micro: int = 1) -> None:
 
 def test_last_step_and_profiler_ranges_stage3_nvme(tmp_path):
     torch.manual_seed(0)
-    engine = zo.initialize(make("gpt"), stage=3, offload_optimizer="nvme", offload_param="nvme",
-                           nvme_path=str(tmp_path), max_grad_norm=1.0,
-                           gradient_accumulation_steps=2)
+    engine = zo.initialize(
+        make("gpt"),
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        nvme_path=str(tmp_path),
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=2,
+    )
     gen = torch.Generator().manual_seed(0)
     _train_step(engine, gen, micro=2)  # the first step records the module order
     with profile() as prof:
         _train_step(engine, gen, micro=2)
     names = {e.name for e in prof.events()}
-    for phase in ("forward", "backward", "step", "gather", "reduce_scatter", "cpu_adam",
-                  "swap_in", "swap_out"):
+    for phase in (
+        "forward",
+        "backward",
+        "step",
+        "gather",
+        "reduce_scatter",
+        "cpu_adam",
+        "swap_in",
+        "swap_out",
+    ):
         assert f"zero_offload.{phase}" in names, phase
     s = engine.last_step
     assert s["applied"] == 1.0 and s["skipped_steps"] == 0.0 and s["loss_scale"] == 1.0

@@ -4,6 +4,7 @@ for (until then the target holds NaNs or stale values), so an engine that uses a
 gathered unit or a staged gradient before waiting for its event trains to different numbers.
 The same engine code runs as on CUDA (``streams.cuda`` is True); only the stream layer is
 played. Training must match the plain CPU engine bit for bit."""
+
 from __future__ import annotations
 
 import contextlib
@@ -90,23 +91,41 @@ class LateStreams(Streams):
         return torch.empty(numel, dtype=dtype)
 
 
-CASES = [(2, "cpu", "none"), (3, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
-         (1, "cpu", "none"), (3, "nvme", "none")]
+CASES = [
+    (2, "cpu", "none"),
+    (3, "none", "cpu"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
+    (1, "cpu", "none"),
+    (3, "nvme", "none"),
+]
 
 
-def _train(tmp_path, stage, opt, param, late: bool, monkeypatch,
-           **kwargs) -> tuple[dict, list[Streams]]:
+def _train(
+    tmp_path, stage, opt, param, late: bool, monkeypatch, **kwargs
+) -> tuple[dict, list[Streams]]:
     made: list[Streams] = []
     if late:
+
         def factory(device):
             made.append(LateStreams(device))
             return made[-1]
+
         monkeypatch.setattr(engine_module, "Streams", factory)
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(), stage=stage, offload_optimizer=opt, offload_param=param,
-                           nvme_path=tmp_path, dtype=torch.bfloat16, lr=1e-3,
-                           max_grad_norm=1.0, prefetch_depth=2, gradient_accumulation_steps=2,
-                           **kwargs)
+    engine = zo.initialize(
+        TinyGPT(),
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        nvme_path=tmp_path,
+        dtype=torch.bfloat16,
+        lr=1e-3,
+        max_grad_norm=1.0,
+        prefetch_depth=2,
+        gradient_accumulation_steps=2,
+        **kwargs,
+    )
     for streams in made:
         streams.defer_copies_into = True
     gen = torch.Generator().manual_seed(0)
@@ -141,10 +160,8 @@ def test_params_on_device_take_asynchronous_copies_after_a_host_step(tmp_path, m
     sub-group is computed would carry its values (or NaNs) and change the result."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    plain, _ = _train(tmp_path / "a", 3, "nvme", "none", False, monkeypatch,
-                      sub_group_size=3000)
-    late, made = _train(tmp_path / "b", 3, "nvme", "none", True, monkeypatch,
-                        sub_group_size=3000)
+    plain, _ = _train(tmp_path / "a", 3, "nvme", "none", False, monkeypatch, sub_group_size=3000)
+    late, made = _train(tmp_path / "b", 3, "nvme", "none", True, monkeypatch, sub_group_size=3000)
     assert made[0].copies_into > 0, "the updated shards were copied synchronously"
     for name in plain:
         assert torch.equal(plain[name], late[name]), name

@@ -34,8 +34,13 @@ def ready(*words):
 
 
 def _start(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _line(proc: subprocess.Popen) -> str:
@@ -60,8 +65,12 @@ def _swapper(path: Path) -> Swapper:
 
 
 def _dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(done.stdout)
 
 
@@ -219,7 +228,9 @@ def test_handlers_installed_from_the_main_thread_only_and_put_back() -> None:
     assert rc == 0, err
 
 
-def test_sigkilled_runs_folder_is_removed_by_the_next_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_sigkilled_runs_folder_is_removed_by_the_next_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     proc = _start(f"""
         s = Swapper({str(tmp_path)!r}, 4 << 20, host_memory_limit=1 << 30)
         s.swap_out("m", torch.ones(1 << 20)).result()  # 4 MiB
@@ -247,17 +258,29 @@ def test_folders_of_dead_owners_go_others_stay(tmp_path: Path) -> None:
     me = psutil.Process()
     host = socket.gethostname()
     dead = _fake_rank_dir(tmp_path, "dead", {"host": host, "pid": _dead_pid(), "start_time": 1.0})
-    reused = _fake_rank_dir(tmp_path, "reused",  # our pid, but an older process had it
-                            {"host": host, "pid": os.getpid(), "start_time": me.create_time() - 1000})
-    live = _fake_rank_dir(tmp_path, "live", {"host": host, "pid": os.getpid(), "start_time": me.create_time()})
-    other_host = _fake_rank_dir(tmp_path, "other-host", {"host": "another-node.example", "pid": _dead_pid(),
-                                                         "start_time": 1.0})
+    reused = _fake_rank_dir(
+        tmp_path,
+        "reused",  # our pid, but an older process had it
+        {"host": host, "pid": os.getpid(), "start_time": me.create_time() - 1000},
+    )
+    live = _fake_rank_dir(
+        tmp_path, "live", {"host": host, "pid": os.getpid(), "start_time": me.create_time()}
+    )
+    other_host = _fake_rank_dir(
+        tmp_path,
+        "other-host",
+        {"host": "another-node.example", "pid": _dead_pid(), "start_time": 1.0},
+    )
     unowned = _fake_rank_dir(tmp_path, "users-own-data", None)  # not ours: never touched
     garbled = _fake_rank_dir(tmp_path, "garbled", None)
     (garbled / OWNER_FILE).write_text("{not json")
-    not_a_rank_dir = tmp_path / "users-project" / "cache"  # a record we did not write: never looked at
+    not_a_rank_dir = (
+        tmp_path / "users-project" / "cache"
+    )  # a record we did not write: never looked at
     not_a_rank_dir.mkdir(parents=True)
-    (not_a_rank_dir / OWNER_FILE).write_text(json.dumps({"host": host, "pid": _dead_pid(), "start_time": 1.0}))
+    (not_a_rank_dir / OWNER_FILE).write_text(
+        json.dumps({"host": host, "pid": _dead_pid(), "start_time": 1.0})
+    )
     child = _start(f"""
         s = Swapper({str(tmp_path)!r}, 1 << 20, host_memory_limit=1 << 30)
         ready(s.rank_dir)
@@ -289,9 +312,17 @@ def test_two_runs_sweeping_together_remove_each_folder_once(tmp_path: Path) -> N
         sys.stdin.readline()
         ready(remove_dead_runs({str(tmp_path)!r}))
     """
-    kids = [subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=REPO, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for _ in range(2)]
+    kids = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     for k in kids:
         assert _line(k) == "go"
     for k in kids:
@@ -306,12 +337,17 @@ def test_two_runs_sweeping_together_remove_each_folder_once(tmp_path: Path) -> N
 
 
 def test_owner_record_is_written_for_every_rank(tmp_path: Path) -> None:
-    with _swapper(tmp_path) as a, Swapper(tmp_path, 1 << 20, rank=1, run_id=a.run_id,
-                                          host_memory_limit=1 << 30) as b:
+    with (
+        _swapper(tmp_path) as a,
+        Swapper(tmp_path, 1 << 20, rank=1, run_id=a.run_id, host_memory_limit=1 << 30) as b,
+    ):
         for sw in (a, b):
             rec = json.loads((sw.rank_dir / OWNER_FILE).read_text())
-            assert rec == {"host": socket.gethostname(), "pid": os.getpid(),
-                           "start_time": psutil.Process().create_time()}
+            assert rec == {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "start_time": psutil.Process().create_time(),
+            }
         assert a.rank_dir.parent == b.rank_dir.parent
         a.swap_out("k", torch.ones(1024)).result(10)
     assert list(tmp_path.iterdir()) == []

@@ -51,18 +51,27 @@ def test_round_trip_size_not_multiple_of_block(engine: FileIOEngine, tmp_path: P
 def test_many_in_flight_offsets_and_files(engine: FileIOEngine, tmp_path: Path) -> None:
     chunk = 3 * BLOCK + 4096
     src = _filled(chunk * 16, 2)
-    futs = [engine.write(tmp_path / "big.swp", src.tensor[i * chunk:(i + 1) * chunk], i * chunk) for i in range(16)]
-    futs += [engine.write(tmp_path / f"f{i}.swp", src.tensor[i * chunk:(i + 1) * chunk]) for i in range(16)]
+    futs = [
+        engine.write(tmp_path / "big.swp", src.tensor[i * chunk : (i + 1) * chunk], i * chunk)
+        for i in range(16)
+    ]
+    futs += [
+        engine.write(tmp_path / f"f{i}.swp", src.tensor[i * chunk : (i + 1) * chunk])
+        for i in range(16)
+    ]
     for f in futs:
         f.result(T)
     back = HostBuffer(chunk * 16)
-    futs = [engine.read(tmp_path / "big.swp", back.tensor[i * chunk:(i + 1) * chunk], i * chunk) for i in range(16)]
+    futs = [
+        engine.read(tmp_path / "big.swp", back.tensor[i * chunk : (i + 1) * chunk], i * chunk)
+        for i in range(16)
+    ]
     for f in futs:
         f.result(T)
     assert torch.equal(src.tensor, back.tensor)
     one = HostBuffer(chunk)
     engine.read(tmp_path / "f7.swp", one.tensor).result(T)
-    assert torch.equal(one.tensor, src.tensor[7 * chunk:8 * chunk])
+    assert torch.equal(one.tensor, src.tensor[7 * chunk : 8 * chunk])
 
 
 def test_reads_into_pool_buffers_and_memoryview(engine: FileIOEngine, tmp_path: Path) -> None:
@@ -101,7 +110,7 @@ def test_alignment_is_enforced(engine: FileIOEngine, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="aligned"):
         engine.write(tmp_path / "x", buf.tensor[:100])
     with pytest.raises(ValueError, match="aligned"):
-        engine.write(tmp_path / "x", buf.tensor[4096:4096 + 512])
+        engine.write(tmp_path / "x", buf.tensor[4096 : 4096 + 512])
     with pytest.raises(ValueError, match="aligned"):
         engine.write(tmp_path / "x", buf.tensor, offset=512)
     with pytest.raises(ValueError, match="writable"):
@@ -114,7 +123,11 @@ def test_injected_errno_becomes_swap_io_error(tmp_path: Path, op: str, code: int
     path = tmp_path / "e.swp"
     _write_plain(path, src)
     with FileIOEngine(BLOCK, 2, backend=FaultBackend(op, errno_=code, after=1, times=1)) as eng:
-        fut = eng.write(path, src.tensor) if op == "write" else eng.read(path, HostBuffer(4 * BLOCK).tensor)
+        fut = (
+            eng.write(path, src.tensor)
+            if op == "write"
+            else eng.read(path, HostBuffer(4 * BLOCK).tensor)
+        )
         with pytest.raises(SwapIOError) as info:
             fut.result(T)
     err = info.value
@@ -149,7 +162,9 @@ def test_file_too_short_and_missing(engine: FileIOEngine, tmp_path: Path) -> Non
     assert info.value.errno == errno.ENOENT and "missing.swp" in str(info.value)
 
 
-def test_o_direct_refused_falls_back_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_o_direct_refused_falls_back_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     src, dst = _filled(2 * BLOCK, 7), HostBuffer(2 * BLOCK)
     with caplog.at_level(logging.WARNING, logger="zero_offload.swap.io"):
         with FileIOEngine(BLOCK, 2, backend=FaultBackend("none", refuse_direct=True)) as eng:

@@ -117,11 +117,18 @@ def test_run_dirs_are_unique_and_removed(tmp_path: Path) -> None:
 
 
 def test_files_removed_at_normal_exit(tmp_path: Path) -> None:
-    code = ("import sys, torch; from zero_offload.swap.swapper import Swapper; "
-            f"s = Swapper({str(tmp_path)!r}, 65536, host_memory_limit=1<<30); "
-            "s.swap_out('k', torch.ones(100)).result(); print(s.rank_dir); sys.stdout.flush()")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, torch; from zero_offload.swap.swapper import Swapper; "
+        f"s = Swapper({str(tmp_path)!r}, 65536, host_memory_limit=1<<30); "
+        "s.swap_out('k', torch.ones(100)).result(); print(s.rank_dir); sys.stdout.flush()"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert res.returncode == 0, res.stderr
     assert not Path(res.stdout.strip()).exists() and list(tmp_path.iterdir()) == []
 
@@ -150,7 +157,9 @@ def test_never_written_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_failed_write_leaves_no_valid_copy(tmp_path: Path) -> None:
-    eng = FileIOEngine(16384, 2, backend=FaultBackend("write", errno_=errno.ENOSPC, after=2, times=1))
+    eng = FileIOEngine(
+        16384, 2, backend=FaultBackend("write", errno_=errno.ENOSPC, after=2, times=1)
+    )
     with _swapper(tmp_path, engine=eng) as sw:  # call 1 is the probe, call 2 the first write
         sw.swap_out("k", torch.ones(100)).result(T)
         with pytest.raises(SwapIOError) as info:

@@ -2,6 +2,7 @@
 left, after ``destroy_process_group`` no gloo thread is left (the process group is really
 freed, not torn down later by the interpreter's exit, where it can abort the process), and
 each rank exits 0 by returning from its script, without ``os._exit``."""
+
 from __future__ import annotations
 
 import os
@@ -55,11 +56,24 @@ def _free_port() -> int:
 def test_a_finished_two_rank_stage3_nvme_run_frees_its_threads_and_exits_zero(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}",
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]

@@ -1,6 +1,7 @@
 """Optimizer state split between host memory and NVMe (``offload_optimizer_fraction``): every
 split trains to the same bits as the unsplit runs, checkpoints move between splits and world
 sizes exactly, the ledger and the estimate count the split, and disk traffic follows it."""
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,27 @@ from zero_offload.swap.io import OsBackend
 GROUP = 4096  # small sub-groups: TinyGPT's shard is cut into several
 # (offload_optimizer, offload_optimizer_fraction); ("cpu", None) and ("nvme", None) are
 # the unsplit runs everything is compared with
-PLACEMENTS = [("cpu", None), ("nvme", None), ("nvme", 0.0), ("nvme", 0.5), ("nvme", 1.0),
-              ("nvme", "auto")]
+PLACEMENTS = [
+    ("cpu", None),
+    ("nvme", None),
+    ("nvme", 0.0),
+    ("nvme", 0.5),
+    ("nvme", 1.0),
+    ("nvme", "auto"),
+]
 TIGHT = 250_000  # host_memory_limit (bytes) × ranks that sends TinyGPT's gradients to files
 
 
 def _kwargs(stage: int, opt: str, fraction, nvme: str, **extra) -> dict:
-    kw = dict(stage=stage, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05,
-              dtype=torch.bfloat16, offload_optimizer=opt, sub_group_size=GROUP)
+    kw = dict(
+        stage=stage,
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.05,
+        dtype=torch.bfloat16,
+        offload_optimizer=opt,
+        sub_group_size=GROUP,
+    )
     kw.update(extra)
     if opt == "nvme":
         kw.update(nvme_path=nvme, offload_optimizer_fraction=fraction)
@@ -44,12 +58,21 @@ def _steps(engine, rank: int, world: int, start: int, end: int) -> None:
 
 def _state(engine) -> dict[str, torch.Tensor]:
     """Full parameters, this rank's flat [master | m | v] and the step count."""
-    chunks = [[a.clone() for a in arrays]  # a chunk in files is used before the next read
-              for _lo, arrays in engine.state_chunks() if arrays[1] is not None]
+    chunks = [
+        [a.clone() for a in arrays]  # a chunk in files is used before the next read
+        for _lo, arrays in engine.state_chunks()
+        if arrays[1] is not None
+    ]
     parts = [torch.cat([c[k] for c in chunks]) for k in range(3)]
     out = {f"param.{k}": v for k, v in engine.full_state_dict().items()}
-    out.update({"master": parts[0], "exp_avg": parts[1], "exp_avg_sq": parts[2],
-                "steps": torch.tensor(engine.optimizer_steps)})
+    out.update(
+        {
+            "master": parts[0],
+            "exp_avg": parts[1],
+            "exp_avg_sq": parts[2],
+            "steps": torch.tensor(engine.optimizer_steps),
+        }
+    )
     return out
 
 
@@ -80,7 +103,10 @@ def _train_placements(rank: int, world: int, nvme: str) -> dict:
                 engine = zo.initialize(TinyGPT(), **_kwargs(stage, opt, fraction, nvme, **extra))
                 _steps(engine, rank, world, 0, 3)
                 out[(stage, bool(extra), opt, fraction)] = (
-                    _state(engine), _host_groups(engine), engine.grads is None)
+                    _state(engine),
+                    _host_groups(engine),
+                    engine.grads is None,
+                )
                 engine.close()
     return out
 
@@ -97,12 +123,16 @@ def test_every_split_trains_to_the_bits_of_the_unsplit_runs(world, tmp_path):
             host = results[(stage, tight, "cpu", None)][0]
             _assert_same(_params(state), _params(host), (rank, stage, tight, opt, fraction))
             if opt == "nvme":
-                _assert_same(state, results[(stage, tight, "nvme", None)][0],
-                             (rank, stage, tight, opt, fraction))
+                _assert_same(
+                    state,
+                    results[(stage, tight, "nvme", None)][0],
+                    (rank, stage, tight, opt, fraction),
+                )
             if opt == "nvme":
                 total = results[(stage, tight, "nvme", 0.0)][1]
-                assert groups == {None: 0, 1.0: 0, 0.0: total, 0.5: groups,
-                                  "auto": groups}[fraction]
+                assert (
+                    groups == {None: 0, 1.0: 0, 0.0: total, 0.5: groups, "auto": groups}[fraction]
+                )
                 if fraction == 0.5:  # the whole sub-groups nearest to half
                     assert groups in (total // 2, (total + 1) // 2)
                 assert total >= 3 and grads_in_files == tight
@@ -113,8 +143,7 @@ def test_every_split_trains_to_the_bits_of_the_unsplit_runs(world, tmp_path):
         assert results[(2, True, "nvme", "auto")][1] < results[(2, True, "nvme", 0.0)][1]
 
 
-def _resume_across(rank: int, world: int, ckpt: str, nvme: str, stage: int,
-                   phase: str) -> dict:
+def _resume_across(rank: int, world: int, ckpt: str, nvme: str, stage: int, phase: str) -> dict:
     """'straight': 4 steps at ½ on NVMe; 'save': 2 steps at ½ and save; 'resume': load into
     every other placement and take the last 2 steps; 'load': just load."""
     out = {}
@@ -132,9 +161,14 @@ def _resume_across(rank: int, world: int, ckpt: str, nvme: str, stage: int,
             engine.load_checkpoint(ckpt)
             if phase == "resume":
                 _steps(engine, rank, world, 2, 4)
-        out[(opt, fraction)] = _state(engine) if phase != "load" else (
-            {k: v for k, v in _state(engine).items() if k.startswith("param.")},
-            engine.optimizer_steps)
+        out[(opt, fraction)] = (
+            _state(engine)
+            if phase != "load"
+            else (
+                {k: v for k, v in _state(engine).items() if k.startswith("param.")},
+                engine.optimizer_steps,
+            )
+        )
         engine.close()
     return out
 
@@ -154,8 +188,9 @@ def test_checkpoint_moves_between_splits_and_world_sizes_exactly(stage, tmp_path
         for placement, state in resumed[rank].items():
             _assert_same(state, straight[rank][("nvme", 0.5)], (rank, placement))
     want = {k: v for k, v in saved[0][("nvme", 0.5)].items() if k.startswith("param.")}
-    for placement, (params, steps) in run_ranks(1, _resume_across, ckpt, nvme, stage,
-                                                "load")[0].items():
+    for placement, (params, steps) in run_ranks(1, _resume_across, ckpt, nvme, stage, "load")[
+        0
+    ].items():
         assert steps == 2, placement
         _assert_same(params, want, placement)
 
@@ -188,8 +223,10 @@ def _disk_bytes_of_a_step(tmp_path, fraction) -> tuple[int, int, object]:
     split = engine.optimizer_split
     # each sub-group's file is padded to whole 4 KiB pages for direct I/O
     group = split.sizing.group
-    padded = sum(-(-12 * min(group, split.numel - lo) // 4096) * 4096
-                 for lo in range(split.host_numel, split.numel, group))
+    padded = sum(
+        -(-12 * min(group, split.numel - lo) // 4096) * 4096
+        for lo in range(split.host_numel, split.numel, group)
+    )
     assert counter.read == counter.written == padded
     assert timings.bytes_read == timings.bytes_written == 12 * split.nvme_numel
     engine.close()
@@ -213,26 +250,40 @@ def test_ledger_and_estimate_count_the_split(tmp_path):
     for fraction, limit in ((0.5, None), ("auto", 2_000_000), ("auto", 400_000)):
         torch.manual_seed(0)
         model = TinyGPT()
-        engine = zo.initialize(model, **_kwargs(2, "nvme", fraction, str(tmp_path),
-                                                dtype=torch.float32, host_memory_limit=limit))
+        engine = zo.initialize(
+            model,
+            **_kwargs(
+                2, "nvme", fraction, str(tmp_path), dtype=torch.float32, host_memory_limit=limit
+            ),
+        )
         _steps(engine, 0, 1, 0, 1)
         report = engine.memory_report()
         split = engine.optimizer_split
         with torch.device("meta"):
             shape = TinyGPT()
-        e = zo.estimate_memory(shape, num_gpus=1, stage=2, offload_optimizer="nvme",
-                               dtype=torch.float32, device="cpu", sub_group_size=GROUP,
-                               host_memory_limit=limit, host_available=8 << 30,
-                               offload_optimizer_fraction=fraction)
+        e = zo.estimate_memory(
+            shape,
+            num_gpus=1,
+            stage=2,
+            offload_optimizer="nvme",
+            dtype=torch.float32,
+            device="cpu",
+            sub_group_size=GROUP,
+            host_memory_limit=limit,
+            host_available=8 << 30,
+            offload_optimizer_fraction=fraction,
+        )
         assert 0 < split.host_numel < split.numel or limit == 2_000_000
-        assert report.bytes["nvme"]["optimizer"] == 12 * split.nvme_numel \
-            == e.resident_bytes("nvme")
+        assert (
+            report.bytes["nvme"]["optimizer"] == 12 * split.nvme_numel == e.resident_bytes("nvme")
+        )
         host_part = sum(t.bytes for t in e.terms if t.name == "optimizer state (host part)")
         assert host_part == split.host_state_bytes
         assert e.nvme_fraction == split.nvme_fraction
         assert e.disk_bytes_per_step == split.disk_bytes_per_step()
-        assert abs(report.total("host") - e.resident_bytes("host")) \
-            <= 0.1 * e.resident_bytes("host")
+        assert abs(report.total("host") - e.resident_bytes("host")) <= 0.1 * e.resident_bytes(
+            "host"
+        )
         engine.close()
 
 
@@ -250,19 +301,25 @@ def test_auto_fills_what_the_budget_leaves_beside_the_pipeline():
     assert [host_groups(3300, 1000, f, 0) for f in (0.0, 0.5, 1.0)] == [4, 2, 0]
 
 
-@pytest.mark.parametrize("value, match", [
-    (1.5, "<= 1"), (-0.1, ">= 0"), ("half", "or 'auto'"), (True, "expected a number")])
+@pytest.mark.parametrize(
+    "value, match",
+    [(1.5, "<= 1"), (-0.1, ">= 0"), ("half", "or 'auto'"), (True, "expected a number")],
+)
 def test_a_bad_fraction_names_the_key(value, match, tmp_path):
     with pytest.raises(zo.ConfigError, match=match) as err:
-        zo.initialize(TinyGPT(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path,
-                      offload_optimizer_fraction=value)
+        zo.initialize(
+            TinyGPT(),
+            stage=2,
+            offload_optimizer="nvme",
+            nvme_path=tmp_path,
+            offload_optimizer_fraction=value,
+        )
     assert "offload_optimizer_fraction" in str(err.value)
 
 
 def test_a_fraction_without_the_optimizer_on_nvme_names_the_fix():
     with pytest.raises(zo.ConfigError, match="needs offload_optimizer='nvme'"):
-        zo.initialize(TinyGPT(), stage=2, offload_optimizer="cpu",
-                      offload_optimizer_fraction=0.5)
+        zo.initialize(TinyGPT(), stage=2, offload_optimizer="cpu", offload_optimizer_fraction=0.5)
 
 
 def test_plan_gives_spare_host_memory_to_the_optimizer():
@@ -276,10 +333,16 @@ def test_plan_gives_spare_host_memory_to_the_optimizer():
     assert e.nvme_fraction <= 0.67 and e.host_bytes_per_node <= 128e9 * (1 - p.headroom)
     assert e.disk_bytes_per_step < 0.67 * c.all_nvme_disk_bytes
     assert c.all_nvme_disk_bytes == 24 * 13e9 / 4  # [master | m | v] read and written
-    again = zo.estimate_memory(13e9, num_gpus=4, stage=3, offload_optimizer="nvme",
-                               offload_param=p.kwargs["offload_param"],
-                               host_memory_limit=p.kwargs["host_memory_limit"],
-                               offload_optimizer_fraction="auto", host_available=128 * 10**9)
+    again = zo.estimate_memory(
+        13e9,
+        num_gpus=4,
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param=p.kwargs["offload_param"],
+        host_memory_limit=p.kwargs["host_memory_limit"],
+        offload_optimizer_fraction="auto",
+        host_available=128 * 10**9,
+    )
     assert again.nvme_fraction == e.nvme_fraction and again.terms == e.terms
     assert "less than all on NVMe" in p.explanation
 
@@ -290,20 +353,25 @@ def _train_param_split(rank: int, world: int, nvme: str, ckpt: str) -> dict:
     for opt in ("nvme", "cpu"):
         for fraction in (None, 0.0, 0.5, 1.0):
             torch.manual_seed(0)
-            engine = zo.initialize(TinyGPT(), **_kwargs(3, opt, None, nvme,
-                                                        offload_param_fraction=fraction))
+            engine = zo.initialize(
+                TinyGPT(), **_kwargs(3, opt, None, nvme, offload_param_fraction=fraction)
+            )
             _steps(engine, rank, world, 0, 2)
             if (opt, fraction) == ("nvme", 0.5):
                 engine.save_checkpoint(ckpt, tag="params-half")
             _steps(engine, rank, world, 2, 3)
             store = engine.param_store
-            out[(opt, fraction)] = (_params(_state(engine)), store.host_numel,
-                                    engine.memory_report().bytes["nvme"]["params"])
+            out[(opt, fraction)] = (
+                _params(_state(engine)),
+                store.host_numel,
+                engine.memory_report().bytes["nvme"]["params"],
+            )
             engine.close()
     for fraction in (0.0, 1.0):  # resumed into another split: the same last step
         torch.manual_seed(3)
-        engine = zo.initialize(TinyGPT(), **_kwargs(3, "nvme", None, nvme,
-                                                    offload_param_fraction=fraction))
+        engine = zo.initialize(
+            TinyGPT(), **_kwargs(3, "nvme", None, nvme, offload_param_fraction=fraction)
+        )
         engine.load_checkpoint(ckpt)
         _steps(engine, rank, world, 2, 3)
         out[("resumed", fraction)] = (_params(_state(engine)), engine.param_store.host_numel, 0)
@@ -335,13 +403,22 @@ def test_param_shards_split_by_unit_train_and_resume_to_the_same_bits(world, tmp
 
 def test_estimate_places_the_same_param_units_as_the_engine(tmp_path):
     torch.manual_seed(0)
-    engine = zo.initialize(TinyGPT(), **_kwargs(3, "nvme", None, str(tmp_path),
-                                                offload_param_fraction=0.5))
+    engine = zo.initialize(
+        TinyGPT(), **_kwargs(3, "nvme", None, str(tmp_path), offload_param_fraction=0.5)
+    )
     with torch.device("meta"):
         shape = TinyGPT()
-    e = zo.estimate_memory(shape, num_gpus=1, stage=3, offload_optimizer="nvme",
-                           offload_param="nvme", dtype=torch.bfloat16, device="cpu",
-                           sub_group_size=GROUP, offload_param_fraction=0.5)
+    e = zo.estimate_memory(
+        shape,
+        num_gpus=1,
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        dtype=torch.bfloat16,
+        device="cpu",
+        sub_group_size=GROUP,
+        offload_param_fraction=0.5,
+    )
     terms = {t.name: t.bytes for t in e.terms}
     host_numel = engine.param_store.host_numel
     assert 0 < host_numel < engine.shard_numel
@@ -354,5 +431,6 @@ def test_a_param_fraction_needs_params_on_nvme(tmp_path):
     with pytest.raises(zo.ConfigError, match="needs offload_param='nvme'"):
         zo.initialize(TinyGPT(), stage=3, offload_param="cpu", offload_param_fraction=0.5)
     with pytest.raises(zo.ConfigError, match="offload_param_fraction"):
-        zo.initialize(TinyGPT(), stage=3, offload_param="nvme", nvme_path=tmp_path,
-                      offload_param_fraction=2)
+        zo.initialize(
+            TinyGPT(), stage=3, offload_param="nvme", nvme_path=tmp_path, offload_param_fraction=2
+        )

@@ -1,5 +1,6 @@
 """UnitStates, the one owner of what units are doing: gather transitions with the values they
 bring, the gradients a unit owes in a backward, and the engine's training state."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ def _unit(index: int, sharded: bool, trainable: int = 2) -> FlatUnit:
     full = torch.zeros(layout.padded_numel)
     views = layout.views(full)
     params = [nn.Parameter(v, requires_grad=i < trainable) for i, v in enumerate(views)]
-    unit = FlatUnit(index, params, [f"w{i}" for i in range(3)], layout, full, 0, sharded,
-                    views=views)
+    unit = FlatUnit(
+        index, params, [f"w{i}" for i in range(3)], layout, full, 0, sharded, views=views
+    )
     if sharded:  # as build_units leaves it once its shard is stored
         unit.full.untyped_storage().resize_(0)
     return unit

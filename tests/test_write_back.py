@@ -2,6 +2,7 @@
 stores them (the host shard, or the buffer a shard is written to disk from): no host copy of
 parameter values after the update, counted by ``last_step_timings.param_copy_bytes``, and
 the same parameters as stage 3 without offload, bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,15 @@ from models import TinyGPT, batch, loss_fn
 def _train(tmp_path, param: str, optim: str, dtype: torch.dtype) -> tuple[zo.Engine, list[int]]:
     torch.manual_seed(0)
     # small sub-groups: units are cut by their bounds
-    engine = zo.initialize(TinyGPT(), stage=3, offload_param=param, offload_optimizer=optim,
-                           nvme_path=tmp_path, sub_group_size=3000, dtype=dtype)
+    engine = zo.initialize(
+        TinyGPT(),
+        stage=3,
+        offload_param=param,
+        offload_optimizer=optim,
+        nvme_path=tmp_path,
+        sub_group_size=3000,
+        dtype=dtype,
+    )
     gen = torch.Generator().manual_seed(0)
     copied = []
     for _ in range(2):

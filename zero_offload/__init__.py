@@ -1,9 +1,10 @@
 """zero_offload: ZeRO stages 0-3 with CPU/NVMe offload on torch.distributed.
 
-    import zero_offload as zo
-    engine = zo.initialize(model, stage=3, lr=1e-4, dtype=torch.bfloat16)
-    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+import zero_offload as zo
+engine = zo.initialize(model, stage=3, lr=1e-4, dtype=torch.bfloat16)
+loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
+
 from .checkpoint import CheckpointError, consolidate_checkpoint
 from .config import ConfigError, ZeroConfig, build_config, config_keys
 from .engine import Engine, initialize
@@ -15,8 +16,24 @@ from .stages.external import register_external_parameter
 from .stages.nvme_adam import IncompleteStepError
 from .swap import SwapIOError
 
-__all__ = ["ConfigError", "ZeroConfig", "build_config", "config_keys", "Engine", "initialize",
-           "MemoryReport", "estimate_memory", "plan", "rehearse", "Rehearsal",
-           "consolidate_checkpoint", "CheckpointError", "CPUAdam", "CPUAdamW", "SwapIOError",
-           "register_external_parameter", "IncompleteStepError"]
+__all__ = [
+    "ConfigError",
+    "ZeroConfig",
+    "build_config",
+    "config_keys",
+    "Engine",
+    "initialize",
+    "MemoryReport",
+    "estimate_memory",
+    "plan",
+    "rehearse",
+    "Rehearsal",
+    "consolidate_checkpoint",
+    "CheckpointError",
+    "CPUAdam",
+    "CPUAdamW",
+    "SwapIOError",
+    "register_external_parameter",
+    "IncompleteStepError",
+]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing a module when it is used.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,14 +15,27 @@ import sys
 _COMMANDS = [
     (("bench", "adam"), "zero_offload.bench.adam", "CPU Adam kernel vs torch's fused AdamW"),
     (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
-    (("bench", "step"), "zero_offload.bench.step", "one training step: I/O, Adam, overlap; prefetch-depth sweep"),
+    (
+        ("bench", "step"),
+        "zero_offload.bench.step",
+        "one training step: I/O, Adam, overlap; prefetch-depth sweep",
+    ),
     (("plan",), "zero_offload.plan_cli", "which stage and offload fit your model and GPUs"),
-    (("rehearse",), "zero_offload.rehearsal.cli",
-     "run one training step on a simulated GPU: its measured memory, and whether it fits"),
-    (("consolidate",), "zero_offload.checkpoint.cli",
-     "one full-precision state dict from a sharded checkpoint"),
-    (("convert-config",), "zero_offload.convert_cli",
-     "the zero_offload keywords equivalent to a DeepSpeed JSON config"),
+    (
+        ("rehearse",),
+        "zero_offload.rehearsal.cli",
+        "run one training step on a simulated GPU: its measured memory, and whether it fits",
+    ),
+    (
+        ("consolidate",),
+        "zero_offload.checkpoint.cli",
+        "one full-precision state dict from a sharded checkpoint",
+    ),
+    (
+        ("convert-config",),
+        "zero_offload.convert_cli",
+        "the zero_offload keywords equivalent to a DeepSpeed JSON config",
+    ),
 ]
 
 

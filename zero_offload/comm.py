@@ -8,6 +8,7 @@ Counted volume is what one rank sends on the wire with ring algorithms: all-gath
 reduce-scatter of a full tensor of S elements move S·(N−1)/N, all-reduce twice that. With it,
 ZeRO's claims read directly: stages 1–2 move ≈ 2Ψ per step, stage 3 ≈ 3Ψ (× (N−1)/N).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
 # Imported now, before the user's init_process_group: this module's functions take
 # ``group=group.WORLD`` as a default, evaluated at import. Imported later (torch._dynamo
 # imports it, and torch.optim's first step imports torch._dynamo), that default holds the
@@ -80,8 +82,9 @@ class Comm:
         self._stats.clear()
 
     # -- collectives -------------------------------------------------------------------------
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor,
-                   async_op: bool = False) -> Handle:
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False
+    ) -> Handle:
         """Concatenate every rank's ``shard`` (equal sizes) into ``output``."""
         self._count("all_gather", output.numel(), output.element_size(), 1.0)
         if self.world_size == 1:
@@ -90,15 +93,17 @@ class Comm:
         work = _all_gather_fn()(output, shard, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor,
-                       async_op: bool = False) -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False
+    ) -> Handle:
         """Sum ``full`` over ranks and leave this rank's slice in ``output``."""
         self._count("reduce_scatter", full.numel(), full.element_size(), 1.0)
         if self.world_size == 1:
             output.copy_(full)
             return _Done()
-        work = _reduce_scatter_fn()(output, full, op=dist.ReduceOp.SUM, group=self.group,
-                                    async_op=async_op)
+        work = _reduce_scatter_fn()(
+            output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
+        )
         return work if async_op else _Done()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:

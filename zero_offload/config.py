@@ -6,6 +6,7 @@ sections keep related knobs together and keep ``Engine`` code from reaching into
 values. A bad key or value raises :class:`ConfigError` naming the key, the value, what is allowed
 and, for a misspelt key, the closest valid one.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -47,8 +48,15 @@ def _bad(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{key}={value!r} is not valid: {allowed}")
 
 
-def _number(key: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, integer: bool = False) -> float | int:
+def _number(
+    key: str,
+    value: Any,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    integer: bool = False,
+) -> float | int:
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(key, value, f"expected {kind}")
@@ -114,13 +122,20 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _whole_numbers(self)
         _number("lr", self.lr, lo=0.0)
-        if (not isinstance(self.no_decay, (list, tuple, set, frozenset))
-                or not all(isinstance(n, str) for n in self.no_decay)):
-            raise _bad("no_decay", self.no_decay,
-                       "expected a list of parameter names, e.g. ['fc.bias', 'norm.weight']")
+        if not isinstance(self.no_decay, (list, tuple, set, frozenset)) or not all(
+            isinstance(n, str) for n in self.no_decay
+        ):
+            raise _bad(
+                "no_decay",
+                self.no_decay,
+                "expected a list of parameter names, e.g. ['fc.bias', 'norm.weight']",
+            )
         object.__setattr__(self, "no_decay", tuple(self.no_decay))
-        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+        if (
+            not isinstance(self.betas, (tuple, list))
+            or len(self.betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)
+        ):
             raise _bad("betas", self.betas, "expected two numbers in [0, 1), e.g. (0.9, 0.999)")
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         _number("eps", self.eps, lo=0.0, lo_open=True)
@@ -176,7 +191,8 @@ class OffloadConfig:
         uses_nvme = "nvme" in (self.optimizer, self.param)
         if uses_nvme and not self.nvme_path:
             raise ConfigError(
-                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'")
+                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'"
+            )
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)):
                 raise _bad("nvme_path", self.nvme_path, "expected a directory path")
@@ -197,25 +213,29 @@ class OffloadConfig:
                     f"offload_param_fraction={value!r} splits the parameter shards between "
                     f"host memory and NVMe, so it needs offload_param='nvme' (got "
                     f"{self.param!r}); set offload_param='nvme' and nvme_path, or drop "
-                    "offload_param_fraction")
+                    "offload_param_fraction"
+                )
         fraction = self.optimizer_fraction
         if fraction is None:
             return
         if fraction != "auto":
             if isinstance(fraction, str):
-                raise _bad("offload_optimizer_fraction", fraction,
-                           "expected a number in [0, 1] (the share on NVMe) or 'auto'")
+                raise _bad(
+                    "offload_optimizer_fraction",
+                    fraction,
+                    "expected a number in [0, 1] (the share on NVMe) or 'auto'",
+                )
             fraction = _number("offload_optimizer_fraction", fraction, lo=0.0, hi=1.0)
             if fraction != fraction:  # nan passes both bounds
-                raise _bad("offload_optimizer_fraction", fraction,
-                           "expected a number in [0, 1]")
+                raise _bad("offload_optimizer_fraction", fraction, "expected a number in [0, 1]")
             object.__setattr__(self, "optimizer_fraction", fraction)
         if self.optimizer != "nvme":
             raise ConfigError(
                 f"offload_optimizer_fraction={fraction!r} splits the optimizer state between host "
                 f"memory and NVMe, so it needs offload_optimizer='nvme' (got "
                 f"{self.optimizer!r}); set offload_optimizer='nvme' and nvme_path, or drop "
-                "offload_optimizer_fraction")
+                "offload_optimizer_fraction"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -226,7 +246,8 @@ class OffloadConfig:
         """``nvme_path``, for a tier on NVMe (validation let that through only with one)."""
         if not self.nvme_path:
             raise ConfigError(
-                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'")
+                "offload to 'nvme' needs nvme_path: pass nvme_path='/path/on/a/fast/disk'"
+            )
         return self.nvme_path
 
 
@@ -264,8 +285,11 @@ class ZeroConfig:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))
             except (RuntimeError, TypeError) as exc:
-                raise _bad("device", self.device, "expected a torch.device or a string such as "
-                           "'cuda:0' or 'cpu'") from exc
+                raise _bad(
+                    "device",
+                    self.device,
+                    "expected a torch.device or a string such as 'cuda:0' or 'cpu'",
+                ) from exc
         if self.init_weights is not None:
             if not isinstance(self.init_weights, (str, os.PathLike)):
                 raise _bad("init_weights", self.init_weights, "expected a file or folder path")
@@ -275,10 +299,12 @@ class ZeroConfig:
         if self.offload.param != "none" and self.stage != 3:
             raise ConfigError(
                 f"offload_param={self.offload.param!r} needs stage=3 (got stage={self.stage}): "
-                "only stage 3 shards the parameters; use stage=3 or offload_param='none'")
+                "only stage 3 shards the parameters; use stage=3 or offload_param='none'"
+            )
         if self.offload.optimizer != "none" and self.stage == 0:
             raise ConfigError(
-                f"offload_optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage=0)")
+                f"offload_optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage=0)"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -287,14 +313,18 @@ class ZeroConfig:
 
 # Flat user-facing key -> (section attribute or None for top level, field name).
 _SECTIONS = {"optimizer": OptimizerConfig, "precision": PrecisionConfig, "offload": OffloadConfig}
-_RENAMES = {"offload_optimizer": ("offload", "optimizer"), "offload_param": ("offload", "param"),
-            "offload_optimizer_fraction": ("offload", "optimizer_fraction"),
-            "offload_param_fraction": ("offload", "param_fraction")}
+_RENAMES = {
+    "offload_optimizer": ("offload", "optimizer"),
+    "offload_param": ("offload", "param"),
+    "offload_optimizer_fraction": ("offload", "optimizer_fraction"),
+    "offload_param_fraction": ("offload", "param_fraction"),
+}
 
 
 def _flat_keys() -> dict[str, tuple[str | None, str]]:
     keys: dict[str, tuple[str | None, str]] = {
-        f.name: (None, f.name) for f in fields(ZeroConfig) if f.name not in _SECTIONS}
+        f.name: (None, f.name) for f in fields(ZeroConfig) if f.name not in _SECTIONS
+    }
     renamed = {target: key for key, target in _RENAMES.items()}
     for section, cls in _SECTIONS.items():
         for f in fields(cls):
@@ -324,8 +354,9 @@ def _load(config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any
     return data
 
 
-def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
-                 **kwargs: Any) -> ZeroConfig:
+def build_config(
+    config: Mapping[str, Any] | str | os.PathLike | None = None, **kwargs: Any
+) -> ZeroConfig:
     """Build and validate a :class:`ZeroConfig` from a dict / JSON path and keyword arguments
     (keywords win over the file)."""
     if isinstance(config, ZeroConfig):
@@ -342,7 +373,9 @@ def build_config(config: Mapping[str, Any] | str | os.PathLike | None = None,
         key = unknown[0]
         close = difflib.get_close_matches(key, list(keys), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown keyword {key!r}{hint}; valid keywords: {', '.join(sorted(keys))}")
+        raise ConfigError(
+            f"unknown keyword {key!r}{hint}; valid keywords: {', '.join(sorted(keys))}"
+        )
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     for key, value in values.items():
@@ -364,4 +397,3 @@ def describe(cfg: ZeroConfig) -> dict[str, Any]:
             continue
         out[key] = str(value) if isinstance(value, (torch.dtype, torch.device)) else value
     return out
-

@@ -1,5 +1,6 @@
 """``zero-offload convert-config ds_config.json``: the zero_offload keywords equivalent to a
 DeepSpeed config, printed as an ``initialize`` call (or JSON with ``--json``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,11 @@ from .ds_config import translate
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a DeepSpeed JSON config file")
-    parser.add_argument("--json", action="store_true",
-                        help="print the keywords as a JSON object (a config= file for initialize)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the keywords as a JSON object (a config= file for initialize)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

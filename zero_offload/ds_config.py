@@ -8,6 +8,7 @@ saying why they are not needed. Anything else, and any ``"auto"`` value nobody r
 :class:`ConfigError` naming the key: a silently ignored setting would train differently from
 what the user asked for.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,10 +23,20 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 
 # Keys that only exist in DeepSpeed's format: their presence marks a dict as one.
-_MARKERS = {"zero_optimization", "fp16", "bf16", "train_batch_size",
-            "train_micro_batch_size_per_gpu", "gradient_clipping", "steps_per_print",
-            "wall_clock_breakdown", "zero_allow_untested_optimizer", "scheduler", "aio",
-            "optimizer"}
+_MARKERS = {
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "scheduler",
+    "aio",
+    "optimizer",
+}
 
 # Keys accepted without effect, with the reason logged once per translation.
 _SIZED_HERE = "zero_offload sizes its own buffers and I/O from the model and the memory budget"
@@ -43,15 +54,11 @@ _IGNORED: dict[str, str] = {
     "zero_optimization.allgather_partitions": "updated shards are always all-gathered",
     "zero_optimization.allgather_bucket_size": "parameters are gathered unit by unit",
     "zero_optimization.round_robin_gradients": "shards are contiguous per rank",
-    "zero_optimization.stage3_max_live_parameters":
-        "gathered parameters are freed after their module runs; prefetch is capped by "
-        "stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_max_reuse_distance":
-        "gathered parameters are freed after their module runs",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
-        "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save":
-        "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
+    "zero_optimization.stage3_max_live_parameters": "gathered parameters are freed after their module runs; prefetch is capped by "
+    "stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_max_reuse_distance": "gathered parameters are freed after their module runs",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
     "zero_optimization.memory_efficient_linear": "zero_offload does not replace nn.Linear",
     "zero_optimization.elastic_checkpoint": "checkpoints load at any world size and stage",
     "zero_optimization.load_from_fp32_weights": "checkpoints always resume from fp32 masters",
@@ -95,8 +102,9 @@ class _Reader:
         if node == AUTO:
             if path not in self.resolve:
                 raise ConfigError(
-                    f"DeepSpeed config key {path!r} is \"auto\", which only a trainer "
-                    "integration can fill in: give it a value")
+                    f'DeepSpeed config key {path!r} is "auto", which only a trainer '
+                    "integration can fill in: give it a value"
+                )
             return self.resolve[path]
         return node
 
@@ -121,21 +129,26 @@ def _leaves(data: Mapping[str, Any], prefix: str = "") -> list[str]:
 def _offload(r: _Reader, section: str, out: dict[str, Any]) -> None:
     device = r.get(f"zero_optimization.{section}.device", "none")
     if device not in ("none", "cpu", "nvme", None):
-        raise ConfigError(f"DeepSpeed config key 'zero_optimization.{section}.device'="
-                          f"{device!r}: expected 'none', 'cpu' or 'nvme'")
+        raise ConfigError(
+            f"DeepSpeed config key 'zero_optimization.{section}.device'="
+            f"{device!r}: expected 'none', 'cpu' or 'nvme'"
+        )
     out[section] = device or "none"
     ratio = r.get(f"zero_optimization.{section}.ratio", 1.0)
     if ratio != 1.0:
-        raise ConfigError(f"DeepSpeed config key 'zero_optimization.{section}.ratio'={ratio!r}: "
-                          "zero_offload offloads all of a rank's optimizer state or none; "
-                          "remove the key or set it to 1.0")
+        raise ConfigError(
+            f"DeepSpeed config key 'zero_optimization.{section}.ratio'={ratio!r}: "
+            "zero_offload offloads all of a rank's optimizer state or none; "
+            "remove the key or set it to 1.0"
+        )
     path = r.get(f"zero_optimization.{section}.nvme_path")
     if path is not None and device == "nvme":
         if out.get("nvme_path", path) != path:
             raise ConfigError(
                 "DeepSpeed config: offload_optimizer.nvme_path and offload_param.nvme_path "
                 f"differ ({out['nvme_path']!r}, {path!r}); zero_offload keeps both tiers under "
-                "one nvme_path: give both the same directory")
+                "one nvme_path: give both the same directory"
+            )
         out["nvme_path"] = path
 
 
@@ -155,8 +168,10 @@ def _precision(r: _Reader, out: dict[str, Any]) -> int:
     out["dtype"] = "float16"
     static = r.get("fp16.loss_scale", 0)
     if static not in (0, None):
-        raise ConfigError(f"DeepSpeed config key 'fp16.loss_scale'={static!r}: zero_offload "
-                          "scales the loss dynamically only; set it to 0")
+        raise ConfigError(
+            f"DeepSpeed config key 'fp16.loss_scale'={static!r}: zero_offload "
+            "scales the loss dynamically only; set it to 0"
+        )
     power = r.get("fp16.initial_scale_power")
     if power is not None:
         out["initial_loss_scale"] = 2.0 ** _number("fp16.initial_scale_power", power)
@@ -175,11 +190,14 @@ def _optimizer(r: _Reader, out: dict[str, Any]) -> None:
     kind = str(r.get("optimizer.type", "AdamW"))
     adamw = r.get("optimizer.params.adam_w_mode", True)
     if kind.lower() not in ("adam", "adamw") or (kind.lower() == "adam" and not adamw):
-        raise ConfigError(f"DeepSpeed config key 'optimizer.type'={kind!r}: zero_offload runs "
-                          "AdamW (decoupled weight decay); use type 'AdamW'")
+        raise ConfigError(
+            f"DeepSpeed config key 'optimizer.type'={kind!r}: zero_offload runs "
+            "AdamW (decoupled weight decay); use type 'AdamW'"
+        )
     if r.get("optimizer.params.amsgrad", False):
-        raise ConfigError("DeepSpeed config key 'optimizer.params.amsgrad'=true is not "
-                          "supported: remove it")
+        raise ConfigError(
+            "DeepSpeed config key 'optimizer.params.amsgrad'=true is not supported: remove it"
+        )
     for key in ("lr", "eps", "weight_decay"):
         value = r.get(f"optimizer.params.{key}")
         if value is not None:
@@ -189,8 +207,12 @@ def _optimizer(r: _Reader, out: dict[str, Any]) -> None:
         out["betas"] = tuple(betas)
 
 
-def translate(data: Mapping[str, Any], resolve: Mapping[str, Any] | None = None,
-              *, allow: tuple[str, ...] = ()) -> dict[str, Any]:
+def translate(
+    data: Mapping[str, Any],
+    resolve: Mapping[str, Any] | None = None,
+    *,
+    allow: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """The :func:`zero_offload.initialize` keywords equivalent to DeepSpeed config ``data``.
 
     ``resolve`` fills ``"auto"`` values by dotted key (what a trainer integration knows, e.g.
@@ -204,11 +226,12 @@ def translate(data: Mapping[str, Any], resolve: Mapping[str, Any] | None = None,
         _offload(r, section, out)
     itemsize = _precision(r, out)
     _optimizer(r, out)
-    for ds_key, key in (("zero_optimization.sub_group_size", "sub_group_size"),
-                        ("zero_optimization.reduce_bucket_size", "reduce_bucket_size"),
-                        ("zero_optimization.stage3_param_persistence_threshold",
-                         "param_persistence_threshold"),
-                        ("gradient_accumulation_steps", "gradient_accumulation_steps")):
+    for ds_key, key in (
+        ("zero_optimization.sub_group_size", "sub_group_size"),
+        ("zero_optimization.reduce_bucket_size", "reduce_bucket_size"),
+        ("zero_optimization.stage3_param_persistence_threshold", "param_persistence_threshold"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+    ):
         value = r.get(ds_key)
         if value is not None:
             out[key] = _number(ds_key, value)
@@ -216,8 +239,9 @@ def translate(data: Mapping[str, Any], resolve: Mapping[str, Any] | None = None,
         out["reduce_bucket_size"] = 1
     prefetch = r.get("zero_optimization.stage3_prefetch_bucket_size")
     if prefetch is not None:  # DeepSpeed counts elements; prefetch_bytes counts bytes
-        out["prefetch_bytes"] = _number("zero_optimization.stage3_prefetch_bucket_size",
-                                        prefetch) * itemsize
+        out["prefetch_bytes"] = (
+            _number("zero_optimization.stage3_prefetch_bucket_size", prefetch) * itemsize
+        )
     clip = r.get("gradient_clipping")
     if clip is not None:
         clip = _number("gradient_clipping", clip, float)
@@ -227,10 +251,15 @@ def translate(data: Mapping[str, Any], resolve: Mapping[str, Any] | None = None,
             continue
         reason = _IGNORED.get(path) or _IGNORED.get(path.split(".")[0])
         if reason is None:
-            hint = (": zero_offload does not run DeepSpeed's lr schedules; remove it and drive "
+            hint = (
+                (
+                    ": zero_offload does not run DeepSpeed's lr schedules; remove it and drive "
                     "engine.optimizer with a torch.optim.lr_scheduler (trainer integrations "
-                    "use the trainer's own scheduler)") if path.startswith("scheduler") else \
-                ": remove it (zero_offload has no equivalent)"
+                    "use the trainer's own scheduler)"
+                )
+                if path.startswith("scheduler")
+                else ": remove it (zero_offload has no equivalent)"
+            )
             raise ConfigError(f"DeepSpeed config key {path!r} is not supported{hint}")
         log.info("DeepSpeed config key %r is not needed: %s", path, reason)
     return out

@@ -8,6 +8,7 @@ buffers, so the user's module runs unchanged. Closing and lending parameters the
 live in ``stages.engine_lifecycle``, the accessors checkpoints and users read in
 ``stages.engine_state``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,9 @@ __all__ = ["Engine", "initialize", "persistent_buffers"]
 log = logging.getLogger(__name__)
 
 
-def _split_host_budget(config: ZeroConfig, plans: list[UnitPlan], device: torch.device,
-                       dtype: torch.dtype) -> tuple[int, int]:
+def _split_host_budget(
+    config: ZeroConfig, plans: list[UnitPlan], device: torch.device, dtype: torch.dtype
+) -> tuple[int, int]:
     """This rank's one host budget (``swap.budget``): the gradient staging buffers first
     (CUDA), then the NVMe parameter pool (at most half of the rest when it shares with the
     NVMe optimizer), the rest for the optimizer with its gradients."""
@@ -60,8 +62,9 @@ def _split_host_budget(config: ZeroConfig, plans: list[UnitPlan], device: torch.
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
         staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
     pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
-    return split_host_budget(host_memory_budget(off.host_memory_limit), pool, off.param,
-                             off.optimizer, staging)
+    return split_host_budget(
+        host_memory_budget(off.host_memory_limit), pool, off.param, off.optimizer, staging
+    )
 
 
 class Engine(EngineLifecycle, EngineState):
@@ -93,33 +96,66 @@ class Engine(EngineLifecycle, EngineState):
         placement.move_model(model, self.device, self.stage)
         if config.broadcast_buffers:
             broadcast_buffers(model, self.comm)
-        plans = plan_units(model, stage=self.stage, world_size=self.comm.world_size,
-                           bucket_size=config.reduce_bucket_size)
-        self._weights = open_pretrained(config.init_weights, model, plans) \
-            if config.init_weights else None
+        plans = plan_units(
+            model,
+            stage=self.stage,
+            world_size=self.comm.world_size,
+            bucket_size=config.reduce_bucket_size,
+        )
+        self._weights = (
+            open_pretrained(config.init_weights, model, plans) if config.init_weights else None
+        )
         shard_numel = sum(p.shard_numel for p in plans)
-        param_budget, optimizer_budget = _split_host_budget(config, plans, self.device,
-                                                            self.dtype)
-        self.param_store = (ParamStore(config, shard_numel,
-                                       max((p.shard_numel for p in plans), default=0),
-                                       self.dtype, self.device, self.comm.rank, param_budget,
-                                       self.streams, param_host_numel(
-                                           [(p.shard_offset, p.shard_numel) for p in plans],
-                                           config.offload.param_fraction))
-                            if self.stage == 3 else None)
+        param_budget, optimizer_budget = _split_host_budget(config, plans, self.device, self.dtype)
+        self.param_store = (
+            ParamStore(
+                config,
+                shard_numel,
+                max((p.shard_numel for p in plans), default=0),
+                self.dtype,
+                self.device,
+                self.comm.rank,
+                param_budget,
+                self.streams,
+                param_host_numel(
+                    [(p.shard_offset, p.shard_numel) for p in plans], config.offload.param_fraction
+                ),
+            )
+            if self.stage == 3
+            else None
+        )
         if self.param_store is not None:
             self._leftovers.closers.append(self.param_store.close)
         # optimizer state and gradients cover the trainable prefix of the rank-flat shard
         self.trainable_numel = trainable = trainable_numel(plans)
         # stage 0 with fp32 compute: the params live in one rank-flat buffer that is the master
-        flat_params = torch.empty(trainable, dtype=torch.float32, device=self.device) \
-            if params_are_master(config, self.dtype) else None
+        flat_params = (
+            torch.empty(trainable, dtype=torch.float32, device=self.device)
+            if params_are_master(config, self.dtype)
+            else None
+        )
         updater = make_updater(
-            trainable, config, self.device, self.dtype, self.comm.rank,
-            self.param_store.resident if self.param_store else flat_params, optimizer_budget)
+            trainable,
+            config,
+            self.device,
+            self.dtype,
+            self.comm.rank,
+            self.param_store.resident if self.param_store else flat_params,
+            optimizer_budget,
+        )
         self._leftovers.closers.append(updater.close)
-        self.units = build_units(model, plans, config, self.comm, self.device, updater,
-                                 self.param_store, self._weights, self._leftovers, flat_params)
+        self.units = build_units(
+            model,
+            plans,
+            config,
+            self.comm,
+            self.device,
+            updater,
+            self.param_store,
+            self._weights,
+            self._leftovers,
+            flat_params,
+        )
         if self._weights is not None:
             load_buffers(model, *self._weights)
             if config.broadcast_buffers:
@@ -137,29 +173,59 @@ class Engine(EngineLifecycle, EngineState):
             if updater.disk_grads is not None:  # in files beside the optimizer's state
                 host_target = updater.disk_grads
             else:  # the optimizer steps on the host: reduced gradient shards go there
-                self.grads = torch.zeros(trainable, dtype=host_grad_dtype(  # never crosses PCIe
-                    self.stage, config.gradient_accumulation_steps, self.dtype))
+                self.grads = torch.zeros(
+                    trainable,
+                    dtype=host_grad_dtype(  # never crosses PCIe
+                        self.stage, config.gradient_accumulation_steps, self.dtype
+                    ),
+                )
                 host_target = ResidentGrads(  # weak: the target must not keep the engine alive
-                    self.grads, on_widen=weak_hook(self._host_grads_widened))
+                    self.grads, on_widen=weak_hook(self._host_grads_widened)
+                )
             self.grad_queue = HostGradQueue(
-                host_target, self.streams,
-                max((p.shard_numel for p in plans if not p.frozen), default=0), self.dtype)
+                host_target,
+                self.streams,
+                max((p.shard_numel for p in plans if not p.frozen), default=0),
+                self.dtype,
+            )
             self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue
         self.shard_numel = shard_numel
         self.unit_states = UnitStates(self.units, self.comm, self.streams)
-        self.gatherer = (ParamGatherer(model, self.units, self.unit_states, self.param_store,
-                                       prefetch_depth=config.prefetch_depth,
-                                       prefetch_bytes=config.prefetch_bytes)
-                         if self.param_store else None)
+        self.gatherer = (
+            ParamGatherer(
+                model,
+                self.units,
+                self.unit_states,
+                self.param_store,
+                prefetch_depth=config.prefetch_depth,
+                prefetch_bytes=config.prefetch_bytes,
+            )
+            if self.param_store
+            else None
+        )
         self.reducer = GradReducer(
-            self.units, self.unit_states, self.comm, self.stage, target,
-            on_reduced=self.gatherer.release if self.gatherer else None)
-        self._leftovers.closers[:0] = [self.reducer.remove_hooks] + \
-            ([self.gatherer.remove_hooks] if self.gatherer else [])
-        self.stepper = ShardStepper(self.units, config, self.comm, self.grads,
-                                                  self.device, self.dtype, updater,
-                                                  self.param_store, self.streams)
+            self.units,
+            self.unit_states,
+            self.comm,
+            self.stage,
+            target,
+            on_reduced=self.gatherer.release if self.gatherer else None,
+        )
+        self._leftovers.closers[:0] = [self.reducer.remove_hooks] + (
+            [self.gatherer.remove_hooks] if self.gatherer else []
+        )
+        self.stepper = ShardStepper(
+            self.units,
+            config,
+            self.comm,
+            self.grads,
+            self.device,
+            self.dtype,
+            updater,
+            self.param_store,
+            self.streams,
+        )
         # the pinned staging buffers go last, once nothing copies from them any more
         self._leftovers.closers += [self.stepper.release_staging, self.streams.close]
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
@@ -169,8 +235,15 @@ class Engine(EngineLifecycle, EngineState):
         self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
         self.clock = StepClock()
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
-        log.info("zero_offload: stage %d, %d units, rank %d/%d, %s on %s", self.stage,
-                 len(self.units), self.comm.rank, self.comm.world_size, self.dtype, self.device)
+        log.info(
+            "zero_offload: stage %d, %d units, rank %d/%d, %s on %s",
+            self.stage,
+            len(self.units),
+            self.comm.rank,
+            self.comm.world_size,
+            self.dtype,
+            self.device,
+        )
 
     def _host_grads_widened(self, grads: torch.Tensor) -> None:
         """The host gradient shard became fp32 (a second backward before a step)."""
@@ -243,8 +316,7 @@ class Engine(EngineLifecycle, EngineState):
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        self.reducer.begin_backward(
-            final=self.is_accumulation_boundary if final is None else final)
+        self.reducer.begin_backward(final=self.is_accumulation_boundary if final is None else final)
         if self.gatherer:
             self.gatherer.begin_backward()
         try:
@@ -291,8 +363,9 @@ class Engine(EngineLifecycle, EngineState):
         self.reducer.zero()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
-    def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
-                        lr_scheduler: Any = None) -> "os.PathLike":
+    def save_checkpoint(
+        self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+    ) -> "os.PathLike":
         """Save this rank's shards (and, rank 0, the manifest) under ``directory/tag``
         (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective.
         Refused with gradients accumulated and not yet stepped (a checkpoint does not carry
@@ -307,16 +380,20 @@ class Engine(EngineLifecycle, EngineState):
                 "that no step() has applied yet, and a checkpoint does not carry gradients: "
                 "save at an accumulation boundary, after the step() that applies them "
                 "(engine.is_accumulation_boundary is True before the backward whose step() "
-                "updates), or call engine.zero_grad() first to drop them")
+                "updates), or call engine.zero_grad() first to drop them"
+            )
         from .checkpoint import save_checkpoint
+
         return save_checkpoint(self, directory, tag, lr_scheduler)
 
-    def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
-                        lr_scheduler: Any = None) -> str:
+    def load_checkpoint(
+        self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+    ) -> str:
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
         stage; returns the tag. Collective."""
         self._check_open()
         from .checkpoint import load_checkpoint
+
         return load_checkpoint(self, directory, tag, lr_scheduler)
 
     # -- inspection -------------------------------------------------------------------------
@@ -339,8 +416,10 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         return export.memory_report(self)
 
-def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None,
-               **kwargs: Any) -> Engine:
+
+def initialize(
+    model: nn.Module, config: Mapping[str, Any] | str | os.PathLike | None = None, **kwargs: Any
+) -> Engine:
     """Wrap ``model`` for ZeRO training. Keywords (or the same keys in ``config``, a dict or a
     JSON file path) are listed by :func:`zero_offload.config.config_keys` and documented in
     the README; a bad one raises :class:`zero_offload.ConfigError`."""

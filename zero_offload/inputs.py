@@ -7,6 +7,7 @@ container's type: a container is copied and its items replaced, never rebuilt fr
 generator (which many container types cannot take). An object it does not know, or whose
 tensors are all in place already, passes through untouched.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,11 @@ def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
             return mutable
         return moved  # a read-only mapping: a plain dict with the same items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: move_inputs(getattr(value, f.name), device, dtype)
-                   for f in dataclasses.fields(value) if f.init and hasattr(value, f.name)}
+        changes = {
+            f.name: move_inputs(getattr(value, f.name), device, dtype)
+            for f in dataclasses.fields(value)
+            if f.init and hasattr(value, f.name)
+        }
         if all(changes[k] is getattr(value, k) for k in changes):
             return value
         return dataclasses.replace(value, **changes)

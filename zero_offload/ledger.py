@@ -1,4 +1,5 @@
 """The memory ledger: what one rank holds, per tier and kind, counted from real tensors."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ class MemoryReport:
     the last step (see :mod:`zero_offload.comm`)."""
 
     bytes: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {t: {k: 0 for k in KINDS} for t in TIERS})
+        default_factory=lambda: {t: {k: 0 for k in KINDS} for t in TIERS}
+    )
     peak_gathered_param_bytes: int = 0
     persistent_param_bytes: int = 0
     pinned_bytes: int = 0
@@ -34,14 +36,20 @@ class MemoryReport:
         self.pinned_bytes += int(pinned)
 
     def total(self, tier: str | None = None, kind: str | None = None) -> int:
-        return sum(n for t, kinds in self.bytes.items() if tier in (None, t)
-                   for k, n in kinds.items() if kind in (None, k))
+        return sum(
+            n
+            for t, kinds in self.bytes.items()
+            if tier in (None, t)
+            for k, n in kinds.items()
+            if kind in (None, k)
+        )
 
     def __str__(self) -> str:
         rows = [f"{'tier':<8}" + "".join(f"{k:>14}" for k in KINDS)]
         for t in TIERS:
-            rows.append(f"{t:<8}" + "".join(f"{self.bytes[t][k] / 2**20:>11.1f} MiB"
-                                            for k in KINDS))
+            rows.append(
+                f"{t:<8}" + "".join(f"{self.bytes[t][k] / 2**20:>11.1f} MiB" for k in KINDS)
+            )
         rows.append(f"pinned host memory: {self.pinned_bytes / 2**20:.1f} MiB")
         rows.append(f"peak gathered params: {self.peak_gathered_param_bytes / 2**20:.1f} MiB")
         for kind, s in sorted(self.comm.items()):

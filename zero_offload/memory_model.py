@@ -17,6 +17,7 @@ parameter count, padding is ignored. Optimizer state and gradients cover only th
 parameters (``requires_grad``, or ``trainable_params`` with a count); frozen ones hold just
 their compute-dtype copy.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,14 +38,25 @@ from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import optimizer_split
 from .stages.param_store import param_host_numel, param_pool_buffers
-from .stages.units import (UnitPlan, owning_modules, plan_units, trainable_numel,
-                           unit_build_bytes)
+from .stages.units import UnitPlan, owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
 from .swap.buffers import ALIGNMENT, round_up
 
-__all__ = ["Term", "MemoryEstimate", "ModelShape", "estimate_memory", "activation_memory",
-           "RESIDENT", "FORWARD_BACKWARD", "REDUCE", "STEP", "INITIALIZE", "MODEL_STATE",
-           "BUFFER", "ACTIVATIONS"]
+__all__ = [
+    "Term",
+    "MemoryEstimate",
+    "ModelShape",
+    "estimate_memory",
+    "activation_memory",
+    "RESIDENT",
+    "FORWARD_BACKWARD",
+    "REDUCE",
+    "STEP",
+    "INITIALIZE",
+    "MODEL_STATE",
+    "BUFFER",
+    "ACTIVATIONS",
+]
 
 # When a term is alive.
 RESIDENT = "resident"  # held between steps: what memory_report() shows after a step
@@ -87,15 +99,22 @@ class ModelShape:
     model: nn.Module | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, model_or_num_params: nn.Module | int | float | "ModelShape",
-           trainable_params: int | float | None = None) -> "ModelShape":
+    def of(
+        cls,
+        model_or_num_params: nn.Module | int | float | "ModelShape",
+        trainable_params: int | float | None = None,
+    ) -> "ModelShape":
         """Read a model's parameter shapes and ``requires_grad`` flags (no memory touched:
         meta models work) or take a parameter count, of which ``trainable_params`` train
         (default: all)."""
-        if isinstance(model_or_num_params, (ModelShape, nn.Module)) and \
-                trainable_params is not None:
-            raise ValueError("trainable_params goes with a parameter count; a model says "
-                             "which parameters train by their requires_grad")
+        if (
+            isinstance(model_or_num_params, (ModelShape, nn.Module))
+            and trainable_params is not None
+        ):
+            raise ValueError(
+                "trainable_params goes with a parameter count; a model says "
+                "which parameters train by their requires_grad"
+            )
         if isinstance(model_or_num_params, ModelShape):
             return model_or_num_params
         if isinstance(model_or_num_params, nn.Module):
@@ -103,25 +122,33 @@ class ModelShape:
             params = [p for g in groups for p in g]
             if not params:
                 raise ValueError("the model has no parameters")
-            return cls(sum(p.numel() for p in params),
-                       sum(p.numel() for p in params if p.requires_grad),
-                       tuple(sum(p.numel() for p in g) for g in groups),
-                       tuple(p.numel() for p in params), model_or_num_params)
+            return cls(
+                sum(p.numel() for p in params),
+                sum(p.numel() for p in params if p.requires_grad),
+                tuple(sum(p.numel() for p in g) for g in groups),
+                tuple(p.numel() for p in params),
+                model_or_num_params,
+            )
         if not _is_count(model_or_num_params):
-            raise TypeError("expected a torch.nn.Module or a parameter count, got "
-                            f"{type(model_or_num_params).__name__}")
+            raise TypeError(
+                "expected a torch.nn.Module or a parameter count, got "
+                f"{type(model_or_num_params).__name__}"
+            )
         n = int(round(model_or_num_params))
         if n < 1:
             raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
         if trainable_params is None:
             return cls(n, n)
         if not _is_count(trainable_params):
-            raise TypeError("trainable_params must be a parameter count, got "
-                            f"{type(trainable_params).__name__}")
+            raise TypeError(
+                f"trainable_params must be a parameter count, got {type(trainable_params).__name__}"
+            )
         t = int(round(trainable_params))
         if not 0 <= t <= n:
-            raise ValueError(f"trainable_params must be between 0 and the parameter count "
-                             f"({n}), got {trainable_params!r}")
+            raise ValueError(
+                f"trainable_params must be between 0 and the parameter count "
+                f"({n}), got {trainable_params!r}"
+            )
         return cls(n, t)
 
 
@@ -164,12 +191,12 @@ class MemoryEstimate:
 
     def resident_bytes(self, tier: str | None = None) -> int:
         """What the engine's ledger (``memory_report``) shows between steps."""
-        return sum(t.bytes for t in self.terms
-                   if t.phase == RESIDENT and tier in (None, t.tier))
+        return sum(t.bytes for t in self.terms if t.phase == RESIDENT and tier in (None, t.tier))
 
     def peak_bytes(self, tier: str) -> int:
-        phase = {p: sum(t.bytes for t in self.terms if t.tier == tier and t.phase == p)
-                 for p in PHASES}
+        phase = {
+            p: sum(t.bytes for t in self.terms if t.tier == tier and t.phase == p) for p in PHASES
+        }
         return phase[RESIDENT] + max(phase[p] for p in PHASES if p != RESIDENT)
 
     @property
@@ -203,18 +230,25 @@ class MemoryEstimate:
         return sum(acts) if acts else None
 
     def largest_terms(self, tier: str, count: int = 3) -> list[Term]:
-        return sorted((t for t in self.terms if t.tier == tier and t.bytes),
-                      key=lambda t: -t.bytes)[:count]
+        return sorted(
+            (t for t in self.terms if t.tier == tier and t.bytes), key=lambda t: -t.bytes
+        )[:count]
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "num_params": self.num_params, "trainable_params": self.trainable_params,
+            "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
             "num_gpus": self.num_gpus,
-            "gpus_per_node": self.gpus_per_node, "stage": self.stage,
-            "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param,
-            "dtype": self.dtype, "shard_numel": self.shard_numel,
-            "trainable_shard_numel": self.trainable_shard_numel, "device": self.device,
-            "gpu_bytes": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
+            "gpus_per_node": self.gpus_per_node,
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "dtype": self.dtype,
+            "shard_numel": self.shard_numel,
+            "trainable_shard_numel": self.trainable_shard_numel,
+            "device": self.device,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
             "model_state_gpu_bytes": self.model_state_bytes("device"),
             "offload_optimizer_fraction": self.nvme_fraction,
@@ -223,16 +257,24 @@ class MemoryEstimate:
         }
 
     def __str__(self) -> str:
-        head = (f"{describe_params(self.num_params, self.trainable_params)}, stage "
-                f"{self.stage}, optimizer "
-                f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
-                f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
-                f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node"
-                + (f"; {self.nvme_fraction:.0%} of the optimizer state in files, "
-                   f"{self.ranks_per_node * self.disk_bytes_per_step / 1e9:.2f} GB/node of "
-                   "disk traffic per step" if self.nvme_fraction is not None else ""))
-        rows = [f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
-                for t in self.terms]
+        head = (
+            f"{describe_params(self.num_params, self.trainable_params)}, stage "
+            f"{self.stage}, optimizer "
+            f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
+            f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
+            f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node"
+            + (
+                f"; {self.nvme_fraction:.0%} of the optimizer state in files, "
+                f"{self.ranks_per_node * self.disk_bytes_per_step / 1e9:.2f} GB/node of "
+                "disk traffic per step"
+                if self.nvme_fraction is not None
+                else ""
+            )
+        )
+        rows = [
+            f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
+            for t in self.terms
+        ]
         return "\n".join([head, *rows])
 
 
@@ -248,19 +290,28 @@ def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> Non
         raise ConfigError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3")
 
 
-def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *, num_gpus: int,
-                    gpus_per_node: int | None = None, stage: int,
-                    offload_optimizer: str | None = None, offload_param: str | None = None,
-                    dtype: torch.dtype | str = torch.bfloat16, prefetch_depth: int = 2,
-                    largest_layer_params: int | None = None,
-                    activation_bytes: int | None = None,
-                    reduce_bucket_size: int = 25_000_000, sub_group_size: int = 100_000_000,
-                    host_memory_limit: int | None = None, device: str = "cuda",
-                    trainable_params: int | float | None = None,
-                    host_available: int | None = None,
-                    offload_optimizer_fraction: float | str | None = None,
-                    offload_param_fraction: float | None = None,
-                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
+def estimate_memory(
+    model_or_num_params: nn.Module | int | float | ModelShape,
+    *,
+    num_gpus: int,
+    gpus_per_node: int | None = None,
+    stage: int,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    prefetch_depth: int = 2,
+    largest_layer_params: int | None = None,
+    activation_bytes: int | None = None,
+    reduce_bucket_size: int = 25_000_000,
+    sub_group_size: int = 100_000_000,
+    host_memory_limit: int | None = None,
+    device: str = "cuda",
+    trainable_params: int | float | None = None,
+    host_available: int | None = None,
+    offload_optimizer_fraction: float | str | None = None,
+    offload_param_fraction: float | None = None,
+    gradient_accumulation_steps: int = 1,
+) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
     ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
@@ -294,26 +345,30 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
     shards = 1 if stage == 0 else num_gpus
     plans: list[UnitPlan] | None = None
     if shape.model is not None:  # the engine's own layout: units, each padded
-        plans = plan_units(shape.model, stage=stage, world_size=num_gpus,
-                           bucket_size=reduce_bucket_size)
+        plans = plan_units(
+            shape.model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size
+        )
         padded = [p.layout.padded_numel for p in plans]
         full, largest = sum(padded), max(padded)
         # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
-        window = sum(sorted(padded, reverse=True)[:gathered_units(prefetch_depth)])
+        window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
         if stage == 3 and largest_layer_params is not None:
             largest = padded_numel(largest_layer_params, shards)
             window = gathered_units(prefetch_depth) * largest
         # gradients are reduced, and stepped, for trainable units only
         trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
         largest_t = trained[0] if trained else 0
-        inflight = sum(trained[:reductions_alive()])
+        inflight = sum(trained[: reductions_alive()])
         s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
         # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
         s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
     else:
         full = psi
-        largest = (largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
-                   if stage == 3 else min(reduce_bucket_size, psi))
+        largest = (
+            largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
+            if stage == 3
+            else min(reduce_bucket_size, psi)
+        )
         largest_t = min(largest, psi_t)
         inflight = reductions_alive() * largest_t
         window = gathered_units(prefetch_depth) * largest
@@ -328,15 +383,25 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
 
     # One host budget per rank, split between the pools as the engine splits it.
-    budget = host_memory_budget(host_memory_limit, available=host_available,
-                                ranks=gpus_per_node or min(num_gpus, 8))
-    staging = (staging_bytes(math.ceil(largest_t / shards), b)
-               if offload_optimizer != "none" and not on_cpu else 0)
+    budget = host_memory_budget(
+        host_memory_limit, available=host_available, ranks=gpus_per_node or min(num_gpus, 8)
+    )
+    staging = (
+        staging_bytes(math.ceil(largest_t / shards), b)
+        if offload_optimizer != "none" and not on_cpu
+        else 0
+    )
     param_pool = _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth), None)
-    param_budget, opt_budget = split_host_budget(budget, param_pool, offload_param,
-                                                 offload_optimizer, staging)
-    split = optimizer_split(s_t, sub_group_size, opt_budget, b,
-                            offload_optimizer_fraction if offload_optimizer == "nvme" else None)
+    param_budget, opt_budget = split_host_budget(
+        budget, param_pool, offload_param, offload_optimizer, staging
+    )
+    split = optimizer_split(
+        s_t,
+        sub_group_size,
+        opt_budget,
+        b,
+        offload_optimizer_fraction if offload_optimizer == "nvme" else None,
+    )
     sizing = split.sizing
     # Parameters.
     if stage < 3:
@@ -345,109 +410,238 @@ def estimate_memory(model_or_num_params: nn.Module | int | float | ModelShape, *
         tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
         # offload_param_fraction: the leading units' shards stay in host memory
         fraction = offload_param_fraction if offload_param == "nvme" else None
-        on_host = (param_host_numel([(p.shard_offset, p.shard_numel) for p in plans],
-                                    fraction) if plans is not None
-                   else round((1.0 - fraction) * s) if fraction is not None else 0)
+        on_host = (
+            param_host_numel([(p.shard_offset, p.shard_numel) for p in plans], fraction)
+            if plans is not None
+            else round((1.0 - fraction) * s)
+            if fraction is not None
+            else 0
+        )
         if tier == "nvme" and not on_host:  # each unit's shard a file of whole 4 KiB blocks
-            add("param shards", tier, RESIDENT, MODEL_STATE, s_files,
-                f"{b}Ψ/N, a file per unit in 4 KiB blocks")
+            add(
+                "param shards",
+                tier,
+                RESIDENT,
+                MODEL_STATE,
+                s_files,
+                f"{b}Ψ/N, a file per unit in 4 KiB blocks",
+            )
         else:
-            add("param shards", tier, RESIDENT, MODEL_STATE, b * (s - on_host),
-                f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files")
+            add(
+                "param shards",
+                tier,
+                RESIDENT,
+                MODEL_STATE,
+                b * (s - on_host),
+                f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files",
+            )
         if on_host:
-            add("param shards (host part)", "host", RESIDENT, MODEL_STATE, b * on_host,
-                f"{b} bytes × the leading units of Ψ/N, in host memory")
-        add("gathered params", "device", FORWARD_BACKWARD, BUFFER,
-            window * b, "the prefetch_depth + 1 largest modules")
+            add(
+                "param shards (host part)",
+                "host",
+                RESIDENT,
+                MODEL_STATE,
+                b * on_host,
+                f"{b} bytes × the leading units of Ψ/N, in host memory",
+            )
+        add(
+            "gathered params",
+            "device",
+            FORWARD_BACKWARD,
+            BUFFER,
+            window * b,
+            "the prefetch_depth + 1 largest modules",
+        )
         if offload_param == "nvme":
-            add("param swap buffers", "host", RESIDENT, BUFFER,
-                _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth),
-                      param_budget),
-                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it")
+            add(
+                "param swap buffers",
+                "host",
+                RESIDENT,
+                BUFFER,
+                _pool(
+                    b * math.ceil(largest / shards),
+                    param_pool_buffers(prefetch_depth),
+                    param_budget,
+                ),
+                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it",
+            )
     # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
     # budget too small for the fp32 shard, they go to files beside the optimizer state.
     grads_on_disk = offload_optimizer == "nvme" and sizing.grads_on_disk
-    g_tier, g_bytes = ("device", b) if offload_optimizer == "none" else (
-        "host", 4 if stage >= 2 and gradient_accumulation_steps > 1 else b)  # host_grad_dtype
+    g_tier, g_bytes = (
+        ("device", b)
+        if offload_optimizer == "none"
+        else ("host", 4 if stage >= 2 and gradient_accumulation_steps > 1 else b)
+    )  # host_grad_dtype
     if grads_on_disk:
         g_tier = "nvme"
     if stage < 2:
-        add("grads", "device", REDUCE, MODEL_STATE, b * psi_t,
-            f"{b}{T}: autograd's full gradients until the step")
-        add("reduced grad shard", g_tier, RESIDENT, BUFFER, g_bytes * s_t,
-            f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}")
-        add("grad bucket", "device", REDUCE, BUFFER,
+        add(
+            "grads",
+            "device",
+            REDUCE,
+            MODEL_STATE,
+            b * psi_t,
+            f"{b}{T}: autograd's full gradients until the step",
+        )
+        add(
+            "reduced grad shard",
+            g_tier,
+            RESIDENT,
+            BUFFER,
+            g_bytes * s_t,
+            f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}",
+        )
+        add(
+            "grad bucket",
+            "device",
+            REDUCE,
+            BUFFER,
             b * (largest_t + (math.ceil(largest_t / shards) if stage else 0)),
-            "one bucket flattened" + (" and its reduced shard" if stage else ""))
+            "one bucket flattened" + (" and its reduced shard" if stage else ""),
+        )
     else:
         add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s_t, f"{g_bytes}{T}/N")
-        add("grad reductions in flight", "device", FORWARD_BACKWARD, BUFFER,
+        add(
+            "grad reductions in flight",
+            "device",
+            FORWARD_BACKWARD,
+            BUFFER,
             inflight * b,
-            f"the {reductions_alive()} largest {'units' if T == 'Ψ' else 'trainable units'}")
+            f"the {reductions_alive()} largest {'units' if T == 'Ψ' else 'trainable units'}",
+        )
     if offload_optimizer != "none" and not on_cpu and largest_t:
-        add("grad staging", "host", RESIDENT, BUFFER, staging,
+        add(
+            "grad staging",
+            "host",
+            RESIDENT,
+            BUFFER,
+            staging,
             f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
-            "device-to-host copies of reduced gradients")
+            "device-to-host copies of reduced gradients",
+        )
     if offload_optimizer != "none" and stage < 3 and not on_cpu and largest_t:
-        add("updated params copied in", "device", STEP, BUFFER,
+        add(
+            "updated params copied in",
+            "device",
+            STEP,
+            BUFFER,
             b * math.ceil(largest_t / shards),
-            "a unit's new shard, on its way to the all-gather")
+            "a unit's new shard, on its way to the all-gather",
+        )
     # initialize() flattens one unit at a time where its values are (the host, for a model
     # built on the meta device or the CPU) and moves it to the device once: its fp32 values,
     # the compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient
     # shard (counted as resident) are allocated only later, so they make room for it.
     making = unit_build_bytes(largest, math.ceil(largest / shards), b)
     later = (8 + b) * s_t if offload_optimizer == "none" else 0
-    add("unit being made", "device", INITIALIZE, BUFFER, max(0, making - later),
+    add(
+        "unit being made",
+        "device",
+        INITIALIZE,
+        BUFFER,
+        max(0, making - later),
         f"(4{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
-        + (f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""))
+        + (f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""),
+    )
     if offload_optimizer == "none" and b != 4 and not on_cpu:
-        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t,
-            f"4{T}/N, for torch's fused AdamW")
+        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t, f"4{T}/N, for torch's fused AdamW")
     # Optimizer state: fp32 master + Adam m + v, of the trainable params only.
     o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
     # fp32 params beside the optimizer are its master (updaters.make_updater)
-    params_master = offload_optimizer == "none" and b == 4 and (stage == 0 or stage == 3 and (
-        offload_param == "none" or offload_param == "cpu" and on_cpu))
+    params_master = (
+        offload_optimizer == "none"
+        and b == 4
+        and (
+            stage == 0
+            or stage == 3
+            and (offload_param == "none" or offload_param == "cpu" and on_cpu)
+        )
+    )
     on_nvme = split.nvme_numel if offload_optimizer == "nvme" else s_t
     if params_master:
-        add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 8 * s_t,
-            f"8{T}/N: m, v (the fp32 params are the master)")
+        add(
+            "optimizer state",
+            o_tier,
+            RESIDENT,
+            MODEL_STATE,
+            8 * s_t,
+            f"8{T}/N: m, v (the fp32 params are the master)",
+        )
     else:
-        add("optimizer state", o_tier, RESIDENT, MODEL_STATE, 12 * on_nvme,
-            f"12{T}/N: fp32 master, m, v" if on_nvme == s_t else
-            f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files")
+        add(
+            "optimizer state",
+            o_tier,
+            RESIDENT,
+            MODEL_STATE,
+            12 * on_nvme,
+            f"12{T}/N: fp32 master, m, v"
+            if on_nvme == s_t
+            else f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
+        )
     if on_nvme != s_t:
-        add("optimizer state (host part)", "host", RESIDENT, MODEL_STATE,
-            split.host_state_bytes, f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
-            "the leading sub-groups, in host memory")
+        add(
+            "optimizer state (host part)",
+            "host",
+            RESIDENT,
+            MODEL_STATE,
+            split.host_state_bytes,
+            f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
+            "the leading sub-groups, in host memory",
+        )
     if offload_optimizer == "nvme":
         count = sizing.buffers
-        add("optimizer swap buffers", "host", RESIDENT, BUFFER, sizing.state_bytes(),
-            f"{count} sub-groups × 12 bytes, as the pool rounds them")
+        add(
+            "optimizer swap buffers",
+            "host",
+            RESIDENT,
+            BUFFER,
+            sizing.state_bytes(),
+            f"{count} sub-groups × 12 bytes, as the pool rounds them",
+        )
         if grads_on_disk:
-            add("grad swap buffers", "host", RESIDENT, BUFFER, sizing.grad_bytes(s_t),
-                f"{count} sub-groups × 4 bytes, as the pool rounds them")
+            add(
+                "grad swap buffers",
+                "host",
+                RESIDENT,
+                BUFFER,
+                sizing.grad_bytes(s_t),
+                f"{count} sub-groups × 4 bytes, as the pool rounds them",
+            )
         if sizing.out_bytes(b):
-            add("param staging", "host", RESIDENT, BUFFER, sizing.out_bytes(b),
-                f"{b} bytes × one sub-group: CPU Adam's output")
+            add(
+                "param staging",
+                "host",
+                RESIDENT,
+                BUFFER,
+                sizing.out_bytes(b),
+                f"{b} bytes × one sub-group: CPU Adam's output",
+            )
     elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
         # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
         # shards are themselves in host memory.
-        shards_on_host = stage == 3 and offload_param != "nvme" and (
-            on_cpu or offload_param == "cpu")
+        shards_on_host = (
+            stage == 3 and offload_param != "nvme" and (on_cpu or offload_param == "cpu")
+        )
         if not shards_on_host:
             tier = "host" if offload_optimizer == "cpu" else "device"
-            add("param staging", tier, RESIDENT, BUFFER, b * s_t,
-                f"{b}{T}/N: CPU Adam's output")
+            add("param staging", tier, RESIDENT, BUFFER, b * s_t, f"{b}{T}/N: CPU Adam's output")
     if activation_bytes:
         add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
     return MemoryEstimate(
-        num_params=psi, trainable_params=psi_t, num_gpus=num_gpus,
-        gpus_per_node=gpus_per_node or min(num_gpus, 8), stage=stage,
-        offload_optimizer=offload_optimizer, offload_param=offload_param,
-        dtype=_dtype_name(dtype), shard_numel=s, trainable_shard_numel=s_t, device=device,
+        num_params=psi,
+        trainable_params=psi_t,
+        num_gpus=num_gpus,
+        gpus_per_node=gpus_per_node or min(num_gpus, 8),
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        dtype=_dtype_name(dtype),
+        shard_numel=s,
+        trainable_shard_numel=s_t,
+        device=device,
         terms=tuple(terms),
         nvme_fraction=split.nvme_fraction if offload_optimizer == "nvme" else None,
         disk_bytes_per_step=split.disk_bytes_per_step() if offload_optimizer == "nvme" else 0,
-        host_budget=budget)
+        host_budget=budget,
+    )

@@ -1,5 +1,6 @@
 """Small sizing helpers of the memory model: dtype sizes, a pool's size under a budget (the
 pool's own rule), the rough activation rule, and how parameter counts are written."""
+
 from __future__ import annotations
 
 import torch
@@ -14,14 +15,24 @@ def describe_params(num_params: int, trainable_params: int, always: bool = False
     ``always``)."""
     text = f"{num_params / 1e9:.2f}B params"
     if always or trainable_params != num_params:
-        count = (f"{trainable_params / 1e9:.2f}B" if trainable_params >= 1e9 else
-                 f"{trainable_params / 1e6:.1f}M")
+        count = (
+            f"{trainable_params / 1e9:.2f}B"
+            if trainable_params >= 1e9
+            else f"{trainable_params / 1e6:.1f}M"
+        )
         text += f" ({count} trainable)"
     return text
 
 
-def activation_memory(*, seq: int, batch: int, width: int, layers: int,
-                      dtype: torch.dtype = torch.bfloat16, checkpointing: bool = True) -> int:
+def activation_memory(
+    *,
+    seq: int,
+    batch: int,
+    width: int,
+    layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    checkpointing: bool = True,
+) -> int:
     """A rough per-GPU activation figure for a transformer: with activation checkpointing
     2 × seq × batch × width × layers elements (each block's input kept, plus as much again for
     the block being recomputed and the logits); without, 17 × that count (Korthikanti et al.,
@@ -32,11 +43,13 @@ def activation_memory(*, seq: int, batch: int, width: int, layers: int,
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
     from .config import compute_dtype  # accepts the same names initialize() accepts
+
     return torch.empty(0, dtype=compute_dtype(dtype)).element_size()
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     from .config import compute_dtype
+
     return str(compute_dtype(dtype)).removeprefix("torch.")
 
 

@@ -110,8 +110,13 @@ def library_path(name: str, extra_flags: Sequence[str] = ()) -> Path:
     cc = compiler()
     flags = BASE_FLAGS + tuple(extra_flags)
     key = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(cc).encode(), " ".join(flags).encode(),
-                 _compiler_version(cc).encode(), _cpu_signature().encode()):
+    for part in (
+        src.read_bytes(),
+        " ".join(cc).encode(),
+        " ".join(flags).encode(),
+        _compiler_version(cc).encode(),
+        _cpu_signature().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     target = cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"

@@ -14,6 +14,7 @@ unit and recomputes the compute-dtype parameters from the master; it is collecti
 stages that all-gather parameters (every rank loads its own rank's dict). A dict holds one
 rank's shard: other world sizes or stages go through ``save_checkpoint``.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -27,14 +28,20 @@ if TYPE_CHECKING:
 __all__ = ["attach_state_dict"]
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
-_RESHARD = ("a zero_offload optimizer state dict holds one rank's shard and loads only on the "
-            "same rank, world size and stage; use engine.save_checkpoint / "
-            "engine.load_checkpoint to change those")
+_RESHARD = (
+    "a zero_offload optimizer state dict holds one rank's shard and loads only on the "
+    "same rank, world size and stage; use engine.save_checkpoint / "
+    "engine.load_checkpoint to change those"
+)
 
 
 def _layout(engine: "Engine") -> dict[str, int]:
-    return {"rank": engine.comm.rank, "world_size": engine.comm.world_size,
-            "stage": engine.stage, "numel": engine.trainable_numel}
+    return {
+        "rank": engine.comm.rank,
+        "world_size": engine.comm.world_size,
+        "stage": engine.stage,
+        "numel": engine.trainable_numel,
+    }
 
 
 def _live(ref: "weakref.ref[Engine]") -> "Engine":
@@ -53,34 +60,43 @@ def _state(engine: "Engine") -> dict[str, Any]:
             break
         for key, values in zip(KEYS, arrays):
             assert values is not None
-            out[key][lo:lo + values.numel()].copy_(values)
-    return {"step": torch.tensor(float(engine.optimizer_steps), dtype=torch.float32), **out,
-            "zero_offload": _layout(engine)}
+            out[key][lo : lo + values.numel()].copy_(values)
+    return {
+        "step": torch.tensor(float(engine.optimizer_steps), dtype=torch.float32),
+        **out,
+        "zero_offload": _layout(engine),
+    }
 
 
 def _check(engine: "Engine", state_dict: dict) -> dict[str, Any]:
     """The one state entry of ``state_dict``, checked against this engine before anything
     is changed."""
     states = list(state_dict.get("state", {}).values())
-    if len(states) != 1 or not isinstance(states[0], dict) or \
-            not {"step", *KEYS} <= set(states[0]):
+    if len(states) != 1 or not isinstance(states[0], dict) or not {"step", *KEYS} <= set(states[0]):
         raise ValueError(
             "optimizer.load_state_dict: this is not a state dict of a zero_offload engine's "
             "optimizer (it needs one state entry with step, master, exp_avg, exp_avg_sq); "
-            "checkpoints written by save_checkpoint load with engine.load_checkpoint")
+            "checkpoints written by save_checkpoint load with engine.load_checkpoint"
+        )
     entry = states[0]
     want, got = _layout(engine), entry.get("zero_offload")
     if got != want:
-        raise ValueError(f"optimizer.load_state_dict: saved for {got}, this engine is "
-                         f"{want}: {_RESHARD}")
+        raise ValueError(
+            f"optimizer.load_state_dict: saved for {got}, this engine is {want}: {_RESHARD}"
+        )
     for key in KEYS:
         t = entry[key]
-        if not isinstance(t, torch.Tensor) or t.shape != (want["numel"],) or \
-                t.dtype != torch.float32:
-            raise ValueError(f"optimizer.load_state_dict: {key} must be a float32 tensor of "
-                             f"{want['numel']} elements, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} "
-                             f"{tuple(getattr(t, 'shape', ()))}")
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.shape != (want["numel"],)
+            or t.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"optimizer.load_state_dict: {key} must be a float32 tensor of "
+                f"{want['numel']} elements, got "
+                f"{getattr(t, 'dtype', type(t).__name__)} "
+                f"{tuple(getattr(t, 'shape', ()))}"
+            )
     return entry
 
 

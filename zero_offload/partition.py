@@ -5,6 +5,7 @@ A group of parameters is laid end to end in one flat buffer, padded so that it s
 offsets, shapes and slices — nothing about devices, processes or I/O — so it is unit-tested
 without any process group.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,21 @@ from typing import Collection, Iterable, Sequence
 
 import torch
 
-__all__ = ["Slot", "FlatLayout", "Overlap", "build_layout", "bucketize", "chunks",
-           "padded_numel", "split_range", "mismatch_message"]
+__all__ = [
+    "Slot",
+    "FlatLayout",
+    "Overlap",
+    "build_layout",
+    "bucketize",
+    "chunks",
+    "padded_numel",
+    "split_range",
+    "mismatch_message",
+]
 
-SHARD_ALIGN = 64  # elements: every shard (and so every rank's slice) starts 256-byte aligned in fp32
+SHARD_ALIGN = (
+    64  # elements: every shard (and so every rank's slice) starts 256-byte aligned in fp32
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,7 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view into ``flat`` (which holds ``padded_numel`` elements)."""
         self._check(flat)
-        return [flat[s.offset:s.end].view(s.shape) for s in self.slots]
+        return [flat[s.offset : s.end].view(s.shape) for s in self.slots]
 
     def flatten_into(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> None:
         """Copy ``tensors`` (one per slot; None means zeros) into ``flat`` and zero the padding."""
@@ -74,12 +86,12 @@ class FlatLayout:
         if len(tensors) != len(self.slots):
             raise ValueError(f"expected {len(self.slots)} tensors, got {len(tensors)}")
         for slot, t in zip(self.slots, tensors):
-            dst = flat[slot.offset:slot.end]
+            dst = flat[slot.offset : slot.end]
             if t is None:
                 dst.zero_()
             else:
                 dst.copy_(t.reshape(-1))
-        flat[self.numel:].zero_()
+        flat[self.numel :].zero_()
 
     def overlaps(self, shard: int) -> list[Overlap]:
         """The slot pieces inside ``shard``, in order (used to map a shard back to names)."""
@@ -94,11 +106,13 @@ class FlatLayout:
     def _check(self, flat: torch.Tensor) -> None:
         if flat.dim() != 1 or flat.numel() != self.padded_numel:
             raise ValueError(
-                f"flat buffer must be 1-D with {self.padded_numel} elements, got {tuple(flat.shape)}")
+                f"flat buffer must be 1-D with {self.padded_numel} elements, got {tuple(flat.shape)}"
+            )
 
 
-def build_layout(named_shapes: Iterable[tuple[str, torch.Size]], num_shards: int,
-                 align: int = SHARD_ALIGN) -> FlatLayout:
+def build_layout(
+    named_shapes: Iterable[tuple[str, torch.Size]], num_shards: int, align: int = SHARD_ALIGN
+) -> FlatLayout:
     """Lay parameters end to end; pad the total to ``num_shards`` equal, ``align``-sized shards."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -157,12 +171,15 @@ def split_range(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def mismatch_message(source: str, missing: Collection[str], unexpected: Collection[str],
-                     shapes: Collection[str]) -> str | None:
+def mismatch_message(
+    source: str, missing: Collection[str], unexpected: Collection[str], shapes: Collection[str]
+) -> str | None:
     """One sentence listing every tensor that does not line up between ``source`` (a file or
     checkpoint) and the model; None when all do."""
-    parts = [f"missing from the {source}: {sorted(missing)}" if missing else "",
-             f"not in the model: {sorted(unexpected)}" if unexpected else "",
-             f"shape mismatches: {sorted(shapes)}" if shapes else ""]
+    parts = [
+        f"missing from the {source}: {sorted(missing)}" if missing else "",
+        f"not in the model: {sorted(unexpected)}" if unexpected else "",
+        f"shape mismatches: {sorted(shapes)}" if shapes else "",
+    ]
     found = [p for p in parts if p]
     return "does not match the model — " + "; ".join(found) if found else None

@@ -6,6 +6,7 @@ batch job, a log file) a log line at each tenth of the work, so that a job log s
 a 20-minute load got without a bar's carriage returns. tqdm is optional: without it the log
 lines are shown everywhere.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,15 @@ def _bar(what: str, total: float, unit: str) -> Any:
     except ImportError:
         return None
     scale = unit == "B"
-    return tqdm(total=total, desc=what, unit=unit, unit_scale=scale, unit_divisor=1024,
-                leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=what,
+        unit=unit,
+        unit_scale=scale,
+        unit_divisor=1024,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 class Progress:
@@ -38,8 +46,15 @@ class Progress:
     at the end. ``show=False`` (e.g. on ranks other than 0) shows nothing. ``logger``: whose
     name the log lines carry (the operation's module)."""
 
-    def __init__(self, what: str, total: float, unit: str = "", *, show: bool = True,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: float,
+        unit: str = "",
+        *,
+        show: bool = True,
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.what = what
         self.total = max(float(total), 0.0)
         self.unit = unit
@@ -59,9 +74,14 @@ class Progress:
         tenth = min(10, int(10 * self.done / self.total))
         if tenth >= self._next_tenth:
             self._next_tenth = tenth + 1
-            self._logger.info("%s: %d%% (%s of %s%s)", self.what, 10 * tenth,
-                              _amount(self.done, self.unit), _amount(self.total, self.unit),
-                              "" if self.unit == "B" or not self.unit else f" {self.unit}")
+            self._logger.info(
+                "%s: %d%% (%s of %s%s)",
+                self.what,
+                10 * tenth,
+                _amount(self.done, self.unit),
+                _amount(self.total, self.unit),
+                "" if self.unit == "B" or not self.unit else f" {self.unit}",
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -71,8 +91,9 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

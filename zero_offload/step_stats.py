@@ -7,6 +7,7 @@ that a user's profiler trace shows them, and :func:`summarize` adds the optimize
 timings, the gradient norm, the loss scale and what the collectives moved. Trainer
 integrations log the result through the trainer's loggers.
 """
+
 from __future__ import annotations
 
 import contextlib

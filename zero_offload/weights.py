@@ -6,6 +6,7 @@ file. Only headers are read up front (names, shapes); each tensor is read when i
 built, so a model larger than host memory loads without ever being whole in it. safetensors
 is a dependency because its lazy, memory-mapped reads are exactly this job.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ class PretrainedWeights:
             else:
                 shards = sorted(root.glob("*.safetensors"))
                 if not shards:
-                    raise ConfigError(f"init_weights={str(root)!r}: no {INDEX} and no "
-                                      "*.safetensors files in that folder")
+                    raise ConfigError(
+                        f"init_weights={str(root)!r}: no {INDEX} and no "
+                        "*.safetensors files in that folder"
+                    )
                 files = {name: shard for shard in shards for name in self._names(shard)}
         elif root.is_file():
             files = {name: root for name in self._names(root)}
@@ -47,8 +50,9 @@ class PretrainedWeights:
         self.path = root
         self._file = files
         self._handles: dict[Path, Any] = {}
-        self.shapes = {name: tuple(self._open(f).get_slice(name).get_shape())
-                       for name, f in files.items()}
+        self.shapes = {
+            name: tuple(self._open(f).get_slice(name).get_shape()) for name, f in files.items()
+        }
 
     @staticmethod
     def _names(path: Path) -> list[str]:
@@ -63,8 +67,12 @@ class PretrainedWeights:
                 raise ConfigError(f"init_weights: cannot read {path}: {exc}") from exc
         return self._handles[path]
 
-    def resolve(self, expected: dict[str, tuple[int, ...]], aliases: dict[str, list[str]],
-                buffers: dict[str, tuple[int, ...]] | None = None) -> dict[str, str]:
+    def resolve(
+        self,
+        expected: dict[str, tuple[int, ...]],
+        aliases: dict[str, list[str]],
+        buffers: dict[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, str]:
         """Map each model parameter (and persistent buffer) name to the stored name that holds
         it (itself, or a tied alias); raise one error listing every missing, unexpected or
         mis-shaped tensor. Buffers may be missing (the model keeps its own values: many files
@@ -97,8 +105,9 @@ class PretrainedWeights:
         self._handles.clear()
 
 
-def open_pretrained(path: str | os.PathLike, model: nn.Module,
-                    plans: list[UnitPlan]) -> tuple[PretrainedWeights, dict[str, str]]:
+def open_pretrained(
+    path: str | os.PathLike, model: nn.Module, plans: list[UnitPlan]
+) -> tuple[PretrainedWeights, dict[str, str]]:
     """Open the file and check it against the model's parameters (by their units' names, tied
     aliases accepted) and persistent buffers before any memory is allocated; returns the
     weights and, per model name, the stored name to read."""

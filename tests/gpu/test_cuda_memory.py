@@ -14,6 +14,7 @@
 Skipped without CUDA; ``tests/gpu/check.sh`` runs it. Measured values go to the junit report
 (``record_property``), which check.sh prints in its summary table.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -72,8 +73,15 @@ def test_stage3_param_offload_trains_a_model_larger_than_the_device_cap(capped, 
     base = capped
     with torch.device("meta"):
         model = Big()
-    engine = zo.initialize(model, stage=3, offload_optimizer="cpu", offload_param="cpu",
-                           dtype=torch.bfloat16, lr=1e-4, prefetch_depth=1)
+    engine = zo.initialize(
+        model,
+        stage=3,
+        offload_optimizer="cpu",
+        offload_param="cpu",
+        dtype=torch.bfloat16,
+        lr=1e-4,
+        prefetch_depth=1,
+    )
     after_init = torch.cuda.memory_allocated() - base
     peak_init = torch.cuda.max_memory_allocated() - base
     record_property("after_init_MiB", round(after_init / MiB, 1))
@@ -93,7 +101,9 @@ def test_stage3_param_offload_trains_a_model_larger_than_the_device_cap(capped, 
         allocated.append(torch.cuda.memory_allocated() - base)
     peak_step = torch.cuda.max_memory_allocated() - base
     record_property("peak_step_per_unit", round(peak_step / UNIT_BF16, 2))
-    record_property("allocated_steps_MiB", f"{min(allocated) / MiB:.1f}..{max(allocated) / MiB:.1f}")
+    record_property(
+        "allocated_steps_MiB", f"{min(allocated) / MiB:.1f}..{max(allocated) / MiB:.1f}"
+    )
     assert max(allocated[1:]) - allocated[1] <= 16 * MiB, f"device memory grows: {allocated}"
     # gathered units (running + prefetch_depth ahead) and one unit's gradients
     assert peak_step <= 5 * UNIT_BF16, f"steps peaked at {peak_step / MiB:.0f} MiB"
@@ -136,20 +146,42 @@ def _caching_host_bytes() -> int:
     return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
-@pytest.mark.parametrize("stage,opt,param,dtype", [
-    (2, "cpu", "none", torch.bfloat16), (2, "cpu", "none", torch.float32),
-    (3, "cpu", "cpu", torch.bfloat16), (3, "cpu", "none", torch.bfloat16),
-    (3, "nvme", "nvme", torch.bfloat16), (2, "nvme", "none", torch.float32)],
-    ids=["2-cpu-bf16", "2-cpu-fp32", "3-cpu-cpu-bf16", "3-cpu-none-bf16", "3-nvme-nvme-bf16",
-         "2-nvme-fp32"])
-def test_pinned_host_memory_matches_the_ledger(tmp_path, monkeypatch, record_property, stage,
-                                               opt, param, dtype):
+@pytest.mark.parametrize(
+    "stage,opt,param,dtype",
+    [
+        (2, "cpu", "none", torch.bfloat16),
+        (2, "cpu", "none", torch.float32),
+        (3, "cpu", "cpu", torch.bfloat16),
+        (3, "cpu", "none", torch.bfloat16),
+        (3, "nvme", "nvme", torch.bfloat16),
+        (2, "nvme", "none", torch.float32),
+    ],
+    ids=[
+        "2-cpu-bf16",
+        "2-cpu-fp32",
+        "3-cpu-cpu-bf16",
+        "3-cpu-none-bf16",
+        "3-nvme-nvme-bf16",
+        "2-nvme-fp32",
+    ],
+)
+def test_pinned_host_memory_matches_the_ledger(
+    tmp_path, monkeypatch, record_property, stage, opt, param, dtype
+):
     counter = RegisterCounter(torch.cuda.cudart())
     monkeypatch.setattr(torch.cuda, "cudart", lambda: counter)
     cached_before = _caching_host_bytes()
     torch.manual_seed(0)
-    engine = zo.initialize(make("gpt"), stage=stage, offload_optimizer=opt, offload_param=param,
-                           nvme_path=tmp_path, dtype=dtype, lr=1e-3, sub_group_size=50_000)
+    engine = zo.initialize(
+        make("gpt"),
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        nvme_path=tmp_path,
+        dtype=dtype,
+        lr=1e-3,
+        sub_group_size=50_000,
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = batch("gpt", 4, gen)
@@ -163,8 +195,9 @@ def test_pinned_host_memory_matches_the_ledger(tmp_path, monkeypatch, record_pro
     record_property("registered_KiB", registered // 1024)
     record_property("caching_host_allocator_KiB", cached // 1024)
     assert ledger > 0
-    assert abs(registered + cached - ledger) <= 0.1 * ledger, \
+    assert abs(registered + cached - ledger) <= 0.1 * ledger, (
         f"pinned {registered + cached} bytes, ledger says {ledger}"
+    )
     engine.close()
     assert counter.locked == {}, "close() left host memory page-locked"
 
@@ -176,11 +209,18 @@ class HostWaits:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: Counter[str] = Counter()
-        for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
-                            (torch.cuda, "synchronize")):
+        for owner, name in (
+            (torch.cuda.Event, "synchronize"),
+            (torch.cuda.Stream, "synchronize"),
+            (torch.cuda, "synchronize"),
+        ):
             self._wrap(monkeypatch, owner, name, lambda *a: True)
-        self._wrap(monkeypatch, concurrent.futures.Future, "result",
-                   lambda future, *a, **k: not future.done())
+        self._wrap(
+            monkeypatch,
+            concurrent.futures.Future,
+            "result",
+            lambda future, *a, **k: not future.done(),
+        )
 
     def _wrap(self, monkeypatch, owner, name: str, blocks) -> None:
         real = getattr(owner, name)
@@ -194,12 +234,21 @@ class HostWaits:
         monkeypatch.setattr(owner, name, counted)
 
 
-@pytest.mark.parametrize("stage,opt,param", [(2, "cpu", "none"), (3, "cpu", "cpu"),
-                                             (3, "none", "cpu"), (3, "cpu", "none")])
+@pytest.mark.parametrize(
+    "stage,opt,param",
+    [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "none", "cpu"), (3, "cpu", "none")],
+)
 def test_host_does_not_wait_in_forward_or_backward(monkeypatch, record_property, stage, opt, param):
     torch.manual_seed(0)
-    engine = zo.initialize(make("gpt"), stage=stage, offload_optimizer=opt, offload_param=param,
-                           dtype=torch.bfloat16, lr=1e-3, prefetch_depth=2)
+    engine = zo.initialize(
+        make("gpt"),
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        dtype=torch.bfloat16,
+        lr=1e-3,
+        prefetch_depth=2,
+    )
     gen = torch.Generator().manual_seed(0)
     forward, backward = Counter(), Counter()
     for step in range(3):
@@ -220,5 +269,6 @@ def test_host_does_not_wait_in_forward_or_backward(monkeypatch, record_property,
     record_property("forward_waits", dict(forward))
     record_property("backward_waits", dict(backward))
     assert not forward, f"the host waited in forward: {dict(forward)}"
-    assert not backward - Counter({queue: backward[queue]}), \
+    assert not backward - Counter({queue: backward[queue]}), (
         f"the host waited for the GPU in backward: {dict(backward)}"
+    )

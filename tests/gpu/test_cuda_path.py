@@ -6,6 +6,7 @@ reference result (every cross-stream hand-over waits for its event).
 
 Everything here skips without CUDA; ``tests/gpu/check.sh`` runs it on a machine with a GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,9 @@ pytestmark = [
 
 # (stage, offload_optimizer, offload_param)
 CASES = [(s, o, "none") for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + [
-    (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
+]
 # GPU and CPU fp32 kernels reduce in different orders: gradients differ in the last bits, which
 # Adam's g / sqrt(v) can amplify where a gradient is near zero. Tighter than one Adam step.
 MAX_DIFF_LR, MEAN_DIFF = 0.5, 1e-5
@@ -50,16 +53,31 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _train(rank: int, world: int, nvme: str, stage: int, opt: str, param: str,
-           steps: int = equivalence.STEPS) -> tuple[zo.Engine, torch.nn.Module]:
+def _train(
+    rank: int,
+    world: int,
+    nvme: str,
+    stage: int,
+    opt: str,
+    param: str,
+    steps: int = equivalence.STEPS,
+) -> tuple[zo.Engine, torch.nn.Module]:
     """equivalence.train on the GPU: targets go to the engine's device too."""
     torch.manual_seed(0)
     model = make("gpt")
     initial = copy.deepcopy(model)
-    engine = zo.initialize(model, lr=equivalence.LR, weight_decay=equivalence.WD,
-                           max_grad_norm=equivalence.CLIP, dtype=torch.float32, stage=stage,
-                           offload_optimizer=opt, offload_param=param, nvme_path=nvme,
-                           sub_group_size=3000)
+    engine = zo.initialize(
+        model,
+        lr=equivalence.LR,
+        weight_decay=equivalence.WD,
+        max_grad_norm=equivalence.CLIP,
+        dtype=torch.float32,
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        nvme_path=nvme,
+        sub_group_size=3000,
+    )
     gen = torch.Generator().manual_seed(1234)
     per_rank = equivalence.GLOBAL_BATCH // world
     for _ in range(steps):
@@ -73,8 +91,11 @@ def _train(rank: int, world: int, nvme: str, stage: int, opt: str, param: str,
 def _case(rank: int, world: int, nvme: str, stage: int, opt: str, param: str) -> dict:
     engine, initial = _train(rank, world, nvme, stage, opt, param)
     assert engine.device.type == "cuda"
-    info = {"grads_pinned": (engine.grads.is_pinned() if engine.grads is not None else False)
-            if opt != "none" else None}
+    info = {
+        "grads_pinned": (engine.grads.is_pinned() if engine.grads is not None else False)
+        if opt != "none"
+        else None
+    }
     sd = engine.full_state_dict()
     engine.close()
     if rank == 0:
@@ -91,12 +112,21 @@ def _check(info: dict, opt: str) -> None:
 
 
 @pytest.mark.parametrize("stage,opt,param", CASES)
-def test_engine_on_cuda_matches_cpu_reference(tmp_path: Path, stage: int, opt: str, param: str) -> None:
+def test_engine_on_cuda_matches_cpu_reference(
+    tmp_path: Path, stage: int, opt: str, param: str
+) -> None:
     _check(_case(0, 1, str(tmp_path), stage, opt, param), opt)
 
 
-def _nccl_entry(rank: int, world: int, init_file: str, out_dir: str, nvme: str, cases: list,
-                env: dict | None = None) -> None:
+def _nccl_entry(
+    rank: int,
+    world: int,
+    init_file: str,
+    out_dir: str,
+    nvme: str,
+    cases: list,
+    env: dict | None = None,
+) -> None:
     os.environ.update(env or {})
     os.environ["LOCAL_RANK"] = str(rank)
     torch.cuda.set_device(rank)
@@ -110,12 +140,18 @@ def _nccl_entry(rank: int, world: int, init_file: str, out_dir: str, nvme: str, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 GPUs and NCCL")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL"
+)
 def test_two_nccl_ranks_match_cpu_reference(tmp_path: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_nccl_entry, args=(2, os.path.join(tmp, "init"), tmp, str(tmp_path), CASES),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            _nccl_entry,
+            args=(2, os.path.join(tmp, "init"), tmp, str(tmp_path), CASES),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
         with open(os.path.join(tmp, "rank0.pkl"), "rb") as f:
             results = pickle.load(f)
     for (_stage, opt, _param), info in results.items():
@@ -123,17 +159,29 @@ def test_two_nccl_ranks_match_cpu_reference(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 GPUs and NCCL")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL"
+)
 def test_two_nccl_ranks_without_record_streams(tmp_path: Path) -> None:
     """``TORCH_NCCL_AVOID_RECORD_STREAMS=1``: NCCL stops protecting the collectives' inputs
     with ``record_stream``, so only the engine's own hand-overs keep the gathers' shards and
     the reduced gradients alive while a side stream reads them."""
     cases = [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "none")]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_nccl_entry, args=(2, os.path.join(tmp, "init"), tmp, str(tmp_path),
-                                              cases, {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            _nccl_entry,
+            args=(
+                2,
+                os.path.join(tmp, "init"),
+                tmp,
+                str(tmp_path),
+                cases,
+                {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
+            ),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
         with open(os.path.join(tmp, "rank0.pkl"), "rb") as f:
             results = pickle.load(f)
     for (_stage, opt, _param), info in results.items():
@@ -201,16 +249,23 @@ def test_step_synchronizes_once(stage: int, dtype: torch.dtype) -> None:
                 engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                  if "synchroniz" in str(w.message)]
+        syncs += [
+            f"{w.filename}:{w.lineno}: {w.message}"
+            for w in caught
+            if "synchroniz" in str(w.message)
+        ]
     engine.close()
-    assert len(syncs) == 2, "engine.step() should synchronize once per step:\n" + \
-        "\n".join(syncs)
+    assert len(syncs) == 2, "engine.step() should synchronize once per step:\n" + "\n".join(syncs)
 
 
 # (stage, offload_optimizer, offload_param) whose forward and backward should not synchronize
-NO_SYNC_CASES = [(2, "none", "none"), (2, "cpu", "none"), (3, "none", "none"),
-                 (3, "cpu", "none"), (3, "cpu", "cpu")]
+NO_SYNC_CASES = [
+    (2, "none", "none"),
+    (2, "cpu", "none"),
+    (3, "none", "none"),
+    (3, "cpu", "none"),
+    (3, "cpu", "cpu"),
+]
 
 
 @pytest.mark.parametrize("stage,opt,param", NO_SYNC_CASES)
@@ -219,8 +274,15 @@ def test_forward_backward_do_not_synchronize(stage: int, opt: str, param: str) -
     gradients going to the host (device-to-host stream, summed by a worker thread) make the
     host wait for nothing in forward and backward: the compute stream never stalls for them."""
     torch.manual_seed(0)
-    engine = zo.initialize(make("gpt"), stage=stage, dtype=torch.bfloat16, lr=1e-3,
-                           offload_optimizer=opt, offload_param=param, prefetch_depth=2)
+    engine = zo.initialize(
+        make("gpt"),
+        stage=stage,
+        dtype=torch.bfloat16,
+        lr=1e-3,
+        offload_optimizer=opt,
+        offload_param=param,
+        prefetch_depth=2,
+    )
     gen = torch.Generator().manual_seed(0)
     syncs: list[str] = []
     for step in range(3):
@@ -235,26 +297,32 @@ def test_forward_backward_do_not_synchronize(stage: int, opt: str, param: str) -
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if step > 0:  # the first forward records the module order
-            syncs += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                      if "synchroniz" in str(w.message)]
+            syncs += [
+                f"{w.filename}:{w.lineno}: {w.message}"
+                for w in caught
+                if "synchroniz" in str(w.message)
+            ]
         engine.step()
     engine.close()
     assert not syncs, "forward/backward synchronized:\n" + "\n".join(syncs)
 
 
 LATE_CASES = [(3, "cpu", "cpu"), (3, "nvme", "none")] + (
-    [] if os.environ.get("TORCH_CUDA_SANITIZER") else [(2, "cpu", "none"), (3, "nvme", "nvme")])
+    [] if os.environ.get("TORCH_CUDA_SANITIZER") else [(2, "cpu", "none"), (3, "nvme", "nvme")]
+)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_side_streams_are_ordered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  when: str) -> None:
+def test_side_streams_are_ordered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
     """Every side stream runs late: a long sleep queued before each of its copies and
     gathers (a missing event wait reads unfilled parameters or stale gradients), or after
     each of its reads (a missing ``record_stream`` or a host buffer reused too early lets the
     memory be overwritten while the side stream still reads it). The compute stream is slow
     before each gradient copy too. Training must still match the reference."""
     from zero_offload.stages import streams as streams_mod
+
     cycles = 20_000_000  # ~10 ms
     S = streams_mod.Streams
     original = (S.to_device, S.to_host, S.on_gather, S.copy_into)
@@ -310,29 +378,53 @@ def test_stream_tests_pass_the_cuda_sanitizer(tmp_path: Path) -> None:
     """The late-stream tests again under ``TORCH_CUDA_SANITIZER=1`` (CSAN), which fails on
     any kernel that reads or writes memory another stream touches without a wait between."""
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          f"{__file__}::test_side_streams_are_ordered"],
-                         env=env, capture_output=True, text=True, timeout=240,
-                         cwd=Path(__file__).resolve().parents[2])
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_side_streams_are_ordered",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, tail
     assert "data race" not in tail.lower(), tail
 
 
-@pytest.mark.parametrize("stage,opt,param", [(2, "cpu", "none"), (3, "cpu", "cpu"),
-                                             (3, "nvme", "nvme")])
-def test_frozen_parameters_on_cuda_match_the_cpu_engine(tmp_path: Path, stage: int, opt: str,
-                                                        param: str) -> None:
+@pytest.mark.parametrize(
+    "stage,opt,param", [(2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+)
+def test_frozen_parameters_on_cuda_match_the_cpu_engine(
+    tmp_path: Path, stage: int, opt: str, param: str
+) -> None:
     """Frozen units on CUDA: no optimizer state, values exported through the side streams
     (``Engine.frozen_shard``), the rest trained like the CPU engine."""
+
     def run(device: str) -> dict:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
         model[0].requires_grad_(False)
         model[2].weight.requires_grad_(False)
-        engine = zo.initialize(model, stage=stage, offload_optimizer=opt, offload_param=param,
-                               nvme_path=tmp_path, dtype=torch.float32, lr=1e-2,
-                               weight_decay=0.1, device=device)
+        engine = zo.initialize(
+            model,
+            stage=stage,
+            offload_optimizer=opt,
+            offload_param=param,
+            nvme_path=tmp_path,
+            dtype=torch.float32,
+            lr=1e-2,
+            weight_decay=0.1,
+            device=device,
+        )
         for i in range(3):
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(device)
             engine.backward(engine(x).square().mean())

@@ -1,6 +1,7 @@
 """Host threads that wait for a copy sleep instead of spinning a CPU core (which CPU Adam and
 the I/O threads need): the events of host-bound and host-read copies are blocking ones.
 Skips without CUDA; ``tests/gpu/check.sh`` runs it on a machine with a GPU."""
+
 from __future__ import annotations
 
 import time

@@ -4,6 +4,7 @@ mode, a single visible GPU per process). Trains two steps at stage 3 with offloa
 memory, saves a checkpoint, loads it into a fresh engine, checks the weights came back, and
 (rank 0, while every rank still holds its CUDA context) lists the processes on each GPU.
 Writes ``rank<N>.json`` under the output folder."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,16 @@ from models import batch, loss_fn, make  # noqa: E402
 
 def _gpu_processes() -> dict[str, list[int]]:
     """Physical GPU index -> pids with a context on it (empty when the driver hides pids)."""
+
     def query(what: str) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-{what}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
     index = {bus: i for i, bus in query("gpu=index,pci.bus_id")}
     found: dict[str, list[int]] = {}
     for pid, bus in query("compute-apps=pid,gpu_bus_id"):
@@ -35,8 +42,14 @@ def _gpu_processes() -> dict[str, list[int]]:
 
 def _build() -> zo.Engine:
     torch.manual_seed(0)
-    return zo.initialize(make("gpt"), stage=3, offload_optimizer="cpu", offload_param="cpu",
-                         dtype=torch.bfloat16, lr=1e-3)
+    return zo.initialize(
+        make("gpt"),
+        stage=3,
+        offload_optimizer="cpu",
+        offload_param="cpu",
+        dtype=torch.bfloat16,
+        lr=1e-3,
+    )
 
 
 def main(out: Path) -> None:
@@ -56,9 +69,13 @@ def main(out: Path) -> None:
     resumed.load_checkpoint(out / "ckpt")
     loaded = resumed.full_state_dict()
     same = all(torch.equal(saved[k], loaded[k]) for k in saved)
-    info = {"pid": os.getpid(), "device": str(resumed.device), "same_weights": same,
-            "current_device": torch.cuda.current_device(),
-            "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    info = {
+        "pid": os.getpid(),
+        "device": str(resumed.device),
+        "same_weights": same,
+        "current_device": torch.cuda.current_device(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
     dist.barrier()
     if rank == 0:
         try:

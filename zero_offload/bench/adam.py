@@ -48,16 +48,30 @@ class Variant:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zero-offload bench adam``."""
-    parser.add_argument("--params", type=int, default=DEFAULT_PARAMS,
-                        help="parameters in the one flat tensor (default 100_000_000)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for every variant (default: physical cores)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                        help="timed rounds; each runs every variant once, interleaved")
+    parser.add_argument(
+        "--params",
+        type=int,
+        default=DEFAULT_PARAMS,
+        help="parameters in the one flat tensor (default 100_000_000)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for every variant (default: physical cores)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="timed rounds; each runs every variant once, interleaved",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
-def _torch_opt(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, **kw: bool) -> torch.optim.Optimizer:
+def _torch_opt(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, **kw: bool
+) -> torch.optim.Optimizer:
     """A torch AdamW whose state is our m / v, so no variant allocates its own state."""
     opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
     opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
@@ -76,16 +90,27 @@ def _variants(n: int, threads: int) -> list[Variant]:
     fused, foreach = _torch_opt(p, m, v, fused=True), _torch_opt(p, m, v, foreach=True)
     step = [0]
 
-    def ours(grad: torch.Tensor, out: torch.Tensor | None, openmp: bool | None = None) -> Callable[[], None]:
+    def ours(
+        grad: torch.Tensor, out: torch.Tensor | None, openmp: bool | None = None
+    ) -> Callable[[], None]:
         def fn() -> None:
             step[0] += 1
-            hyper = K.AdamHyper(step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                weight_decay=WD, adamw=True, grad_scale=1.0)
+            hyper = K.AdamHyper(
+                step=step[0],
+                lr=LR,
+                beta1=BETAS[0],
+                beta2=BETAS[1],
+                eps=EPS,
+                weight_decay=WD,
+                adamw=True,
+                grad_scale=1.0,
+            )
             k = K.get_kernel()
             if openmp is None or k is None:  # the public path (native, or torch fallback)
                 K.adam_update(p, grad, m, v, out=out, num_threads=threads, **hyper)
             else:  # a forced thread-split mechanism, to compare the two
                 K.native_update(k, p, grad, m, v, out, K.adam_scalars(**hyper), threads, openmp)
+
         return fn
 
     def torch_bf16(opt: torch.optim.Optimizer) -> Callable[[], None]:
@@ -93,6 +118,7 @@ def _variants(n: int, threads: int) -> list[Variant]:
             g32.copy_(g16)
             opt.step()
             out16.copy_(p)
+
         return fn
 
     out: list[Variant] = []
@@ -100,8 +126,14 @@ def _variants(n: int, threads: int) -> list[Variant]:
         tl = load_library("adam_traffic", K.KERNEL_FLAGS + K.OPENMP_FLAGS)
         tl.zo_traffic_omp.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
         ptrs = [t.data_ptr() for t in (p, m, v, g32)]
-        out.append(Variant("mem", "ceiling: read 4 / write 3 fp32 (C)",
-                           lambda: tl.zo_traffic_omp(*ptrs, n, threads), 28))
+        out.append(
+            Variant(
+                "mem",
+                "ceiling: read 4 / write 3 fp32 (C)",
+                lambda: tl.zo_traffic_omp(*ptrs, n, threads),
+                28,
+            )
+        )
     except KernelBuildError:  # no compiler: no ceiling, the rest still runs
         pass
     fused_name, fused16_name = "torch AdamW fused=True", "torch fused=True + casts"
@@ -112,13 +144,26 @@ def _variants(n: int, threads: int) -> list[Variant]:
         Variant("fp32", "zero_offload CPUAdam", ours(g32, None), 28, fused_name, True),
         Variant("bf16", fused16_name, torch_bf16(fused), 40),
         Variant("bf16", "torch foreach=True + casts", torch_bf16(foreach), 40, fused16_name),
-        Variant("bf16", "zero_offload CPUAdam, fused out", ours(g16, out16), 28, fused16_name, True),
+        Variant(
+            "bf16", "zero_offload CPUAdam, fused out", ours(g16, out16), 28, fused16_name, True
+        ),
     ]
     if native is not None and native.openmp:  # the measurement behind choosing OpenMP
-        out.insert(4, Variant("fp32", "zero_offload, python-thread split", ours(g32, None, False),
-                              28, fused_name))
-        out.append(Variant("bf16", "zero_offload, python-thread split", ours(g16, out16, False),
-                           28, fused16_name))
+        out.insert(
+            4,
+            Variant(
+                "fp32", "zero_offload, python-thread split", ours(g32, None, False), 28, fused_name
+            ),
+        )
+        out.append(
+            Variant(
+                "bf16",
+                "zero_offload, python-thread split",
+                ours(g16, out16, False),
+                28,
+                fused16_name,
+            )
+        )
     return out
 
 
@@ -133,15 +178,22 @@ def _summarize(variants: list[Variant], n: int) -> list[dict]:
     for v in variants:
         pps = [n / s for s in v.seconds]
         gbs = [n * v.bytes_per_param / s / 1e9 for s in v.seconds]
-        row = {"path": v.path, "variant": v.name, "bytes_per_param": v.bytes_per_param,
-               "seconds": _stats(v.seconds), "params_per_s": _stats(pps), "gb_per_s": _stats(gbs),
-               "ours": v.ours}
+        row = {
+            "path": v.path,
+            "variant": v.name,
+            "bytes_per_param": v.bytes_per_param,
+            "seconds": _stats(v.seconds),
+            "params_per_s": _stats(pps),
+            "gb_per_s": _stats(gbs),
+            "ours": v.ours,
+        }
         base = by_name.get(v.baseline or "") if v.baseline else None
         if v.path != "mem" and v.baseline is None:
             row["ratio_vs_torch_fused"] = 1.0
         if base is not None:  # paired within each round
             row["ratio_vs_torch_fused"] = statistics.median(
-                b / s for s, b in zip(v.seconds, base.seconds))
+                b / s for s, b in zip(v.seconds, base.seconds)
+            )
         if ceiling is not None:
             cg = [n * 28 / s / 1e9 for s in ceiling.seconds]
             row["fraction_of_ceiling"] = statistics.median(x / c for x, c in zip(gbs, cg))
@@ -150,21 +202,28 @@ def _summarize(variants: list[Variant], n: int) -> list[dict]:
 
 
 def _table(rows: list[dict], header: str) -> str:
-    lines = [header, "",
-             f"{'path':5} {'variant':38} {'ms min/med/max':>20} {'Mparam/s':>9} "
-             f"{'GB/s min/med/max':>17} {'B/p':>4} {'x torch fused':>13} {'of ceiling':>10}"]
+    lines = [
+        header,
+        "",
+        f"{'path':5} {'variant':38} {'ms min/med/max':>20} {'Mparam/s':>9} "
+        f"{'GB/s min/med/max':>17} {'B/p':>4} {'x torch fused':>13} {'of ceiling':>10}",
+    ]
     for r in rows:
         s, gb = r["seconds"], r["gb_per_s"]
         ms = f"{s['min'] * 1e3:.1f}/{s['median'] * 1e3:.1f}/{s['max'] * 1e3:.1f}"
         gbs = f"{gb['min']:.1f}/{gb['median']:.1f}/{gb['max']:.1f}"
         ratio = f"{r['ratio_vs_torch_fused']:.2f}x" if "ratio_vs_torch_fused" in r else "-"
         frac = f"{r['fraction_of_ceiling'] * 100:.0f}%" if "fraction_of_ceiling" in r else "-"
-        lines.append(f"{r['path']:5} {r['variant']:38} {ms:>20} "
-                     f"{r['params_per_s']['median'] / 1e6:9.0f} {gbs:>17} {r['bytes_per_param']:4d} "
-                     f"{ratio:>13} {frac:>10}")
+        lines.append(
+            f"{r['path']:5} {r['variant']:38} {ms:>20} "
+            f"{r['params_per_s']['median'] / 1e6:9.0f} {gbs:>17} {r['bytes_per_param']:4d} "
+            f"{ratio:>13} {frac:>10}"
+        )
     lines.append("")
-    lines.append("ratios and fractions: medians of per-round pairs (variants interleaved in each "
-                 "round); GB/s counts the bytes each variant must move (B/p).")
+    lines.append(
+        "ratios and fractions: medians of per-round pairs (variants interleaved in each "
+        "round); GB/s counts the bytes each variant must move (B/p)."
+    )
     return "\n".join(lines)
 
 
@@ -193,19 +252,36 @@ def run(args: argparse.Namespace) -> int:
     kernel = K.kernel_status()
     load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"  # others running skew absolutes
     if args.json:
-        print(json.dumps({"bench": "adam", "params": n, "threads": threads, "rounds": rounds,
-                          "kernel": kernel, "torch": torch.__version__, "loadavg_1m": load,
-                          "results": rows},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "bench": "adam",
+                    "params": n,
+                    "threads": threads,
+                    "rounds": rounds,
+                    "kernel": kernel,
+                    "torch": torch.__version__,
+                    "loadavg_1m": load,
+                    "results": rows,
+                },
+                indent=2,
+            )
+        )
     else:
-        print(_table(rows, f"CPU Adam step, {n:,} params, {threads} threads, {rounds} rounds; "
-                           f"kernel: {kernel}; torch {torch.__version__}; load avg {load}"))
+        print(
+            _table(
+                rows,
+                f"CPU Adam step, {n:,} params, {threads} threads, {rounds} rounds; "
+                f"kernel: {kernel}; torch {torch.__version__}; load avg {load}",
+            )
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero_offload.bench.adam",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_offload.bench.adam", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

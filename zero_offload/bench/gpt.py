@@ -3,6 +3,7 @@
 Sizes are set by :class:`GPTConfig`; ``GPTConfig.preset("13b")`` gives the 13B architecture
 (40 layers, width 5120, 40 heads) that the examples scale down to fit a small machine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 __all__ = ["GPTConfig", "GPT", "synthetic_batch"]
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -105,8 +107,9 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def synthetic_batch(cfg: GPTConfig, batch: int, generator: torch.Generator | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    cfg: GPTConfig, batch: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets drawn from a fixed random sequence (learnable)."""
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=generator)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()

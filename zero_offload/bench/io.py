@@ -34,8 +34,22 @@ MAX_BUFFER = 512 * 1024 * 1024
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 FIO_BS, FIO_IODEPTH = 8 * 1024 * 1024, 8
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:
@@ -48,13 +62,37 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zero-offload bench io``."""
-    parser.add_argument("--path", required=True, type=Path, help="directory on the disk to test (a temp file is made and removed)")
-    parser.add_argument("--size", type=parse_size, default=4 * 2**30, help="file size (default 4GiB)")
-    parser.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE, help="engine bytes per syscall (default %(default)s)")
-    parser.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH, help="engine blocks in flight (default %(default)s)")
+    parser.add_argument(
+        "--path",
+        required=True,
+        type=Path,
+        help="directory on the disk to test (a temp file is made and removed)",
+    )
+    parser.add_argument(
+        "--size", type=parse_size, default=4 * 2**30, help="file size (default 4GiB)"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=parse_size,
+        default=DEFAULT_BLOCK_SIZE,
+        help="engine bytes per syscall (default %(default)s)",
+    )
+    parser.add_argument(
+        "--queue-depth",
+        type=int,
+        default=DEFAULT_QUEUE_DEPTH,
+        help="engine blocks in flight (default %(default)s)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--baseline", choices=["auto", "fio", "python"], default="auto", help="raw baseline (default auto: fio if usable)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--baseline",
+        choices=["auto", "fio", "python"],
+        default="auto",
+        help="raw baseline (default auto: fio if usable)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
 
 
 @dataclass
@@ -84,7 +122,9 @@ def _fs_type(directory: Path) -> str:
         for line in Path("/proc/mounts").read_text().splitlines():
             parts = line.split()
             mnt = parts[1].replace("\\040", " ")
-            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                best
+            ):
                 best, kind = mnt, parts[2]
     except (OSError, IndexError):
         pass
@@ -109,11 +149,21 @@ def _fio_usable() -> str | None:
 
 
 def _fio(path: Path, op: str, size: int) -> float:
-    cmd = ["fio", "--name=zo_bench", f"--filename={path}", f"--rw={op}", f"--bs={FIO_BS}",
-           f"--iodepth={FIO_IODEPTH}", "--ioengine=libaio", "--direct=1", "--iomem=shmhuge",
-           f"--size={size}", "--output-format=json"]
+    cmd = [
+        "fio",
+        "--name=zo_bench",
+        f"--filename={path}",
+        f"--rw={op}",
+        f"--bs={FIO_BS}",
+        f"--iodepth={FIO_IODEPTH}",
+        "--ioengine=libaio",
+        "--direct=1",
+        "--iomem=shmhuge",
+        f"--size={size}",
+        "--output-format=json",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     return job[op]["bw_bytes"] / 1e9
 
 
@@ -127,7 +177,7 @@ def _raw(path: Path, op: str, size: int, buf: HostBuffer) -> float:
         for off in range(0, size, RAW_CHUNK):
             n = min(RAW_CHUNK, size - off)
             pos = off % buf.nbytes
-            if call(fd, [view[pos:pos + n]], off) != n:
+            if call(fd, [view[pos : pos + n]], off) != n:
                 raise OSError(f"short {op} at {off}")
         return size / (time.perf_counter() - t0) / 1e9
     finally:
@@ -137,7 +187,10 @@ def _raw(path: Path, op: str, size: int, buf: HostBuffer) -> float:
 def _ours(engine: FileIOEngine, path: Path, op: str, size: int, buf: HostBuffer) -> float:
     submit = engine.read if op == "read" else engine.write
     t0 = time.perf_counter()
-    futures = [submit(path, buf.tensor[: min(buf.nbytes, size - off)], off) for off in range(0, size, buf.nbytes)]
+    futures = [
+        submit(path, buf.tensor[: min(buf.nbytes, size - off)], off)
+        for off in range(0, size, buf.nbytes)
+    ]
     for f in futures:
         f.result()
     return size / (time.perf_counter() - t0) / 1e9
@@ -169,7 +222,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 when the path cannot be measured."""
     size = (args.size // 4096) * 4096
     if size <= 0 or args.rounds < 1 or args.queue_depth < 1 or args.block_size % 4096:
-        print("bench io: need --size >= 4KiB, --rounds >= 1, --queue-depth >= 1, --block-size a multiple of 4KiB", file=sys.stderr)
+        print(
+            "bench io: need --size >= 4KiB, --rounds >= 1, --queue-depth >= 1, --block-size a multiple of 4KiB",
+            file=sys.stderr,
+        )
         return 2
     why = _check_path(args.path, size)
     if why:
@@ -187,11 +243,16 @@ def run(args: argparse.Namespace) -> int:
         buf = HostBuffer(min(size, MAX_BUFFER))
         _progress(f"bench io: filling {size / 2**30:.2f} GiB test file (untimed)")
         _raw(path, "write", size, buf)
-        baseline: Callable[[str], float] = (lambda op: _fio(path, op, size)) if use_fio else (lambda op: _raw(path, op, size, buf))
+        baseline: Callable[[str], float] = (
+            (lambda op: _fio(path, op, size)) if use_fio else (lambda op: _raw(path, op, size, buf))
+        )
         with FileIOEngine(args.block_size, args.queue_depth) as engine:
             for r in range(args.rounds):
                 for op in ("write", "read"):
-                    order = [("baseline", baseline), ("ours", lambda o: _ours(engine, path, o, size, buf))]
+                    order = [
+                        ("baseline", baseline),
+                        ("ours", lambda o: _ours(engine, path, o, size, buf)),
+                    ]
                     for name, fn in order if r % 2 == 0 else order[::-1]:
                         _progress(f"bench io: round {r + 1}/{args.rounds} {op} {name}")
                         getattr(results[op], name).append(fn(op))
@@ -200,11 +261,18 @@ def run(args: argparse.Namespace) -> int:
         path.unlink(missing_ok=True)
         if sys.stderr.isatty():
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    base_name = (f"fio libaio --direct=1 --iomem=shmhuge bs={FIO_BS >> 20}MiB iodepth={FIO_IODEPTH}" if use_fio
-                 else f"python O_DIRECT loop, one thread, {RAW_CHUNK >> 20} MiB requests, huge-page buffer")
+    base_name = (
+        f"fio libaio --direct=1 --iomem=shmhuge bs={FIO_BS >> 20}MiB iodepth={FIO_IODEPTH}"
+        if use_fio
+        else f"python O_DIRECT loop, one thread, {RAW_CHUNK >> 20} MiB requests, huge-page buffer"
+    )
     report = {
-        "path": str(args.path), "size": size, "rounds": args.rounds, "block_size": args.block_size,
-        "queue_depth": args.queue_depth, "baseline": base_name,
+        "path": str(args.path),
+        "size": size,
+        "rounds": args.rounds,
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "baseline": base_name,
         "baseline_note": None if use_fio else fio_why,
         "results": {op: {**asdict(res), "ratio": res.ratio()} for op, res in results.items()},
     }
@@ -219,11 +287,20 @@ def _print_table(report: dict) -> None:
     def mmm(xs: list[float]) -> str:
         return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
-    print(f"bench io: {report['size'] / 2**30:.2f} GiB file in {report['path']}, O_DIRECT, {report['rounds']} interleaved rounds")
-    print(f"ours:     FileIOEngine block_size={report['block_size'] >> 10} KiB queue_depth={report['queue_depth']}, huge-page buffer")
-    print(f"baseline: {report['baseline']}" + (f" ({report['baseline_note']})" if report["baseline_note"] else ""))
+    print(
+        f"bench io: {report['size'] / 2**30:.2f} GiB file in {report['path']}, O_DIRECT, {report['rounds']} interleaved rounds"
+    )
+    print(
+        f"ours:     FileIOEngine block_size={report['block_size'] >> 10} KiB queue_depth={report['queue_depth']}, huge-page buffer"
+    )
+    print(
+        f"baseline: {report['baseline']}"
+        + (f" ({report['baseline_note']})" if report["baseline_note"] else "")
+    )
     print()
-    print("| op | baseline GB/s (min / median / max) | ours GB/s (min / median / max) | ours / baseline (median) |")
+    print(
+        "| op | baseline GB/s (min / median / max) | ours GB/s (min / median / max) | ours / baseline (median) |"
+    )
     print("|---|---|---|---|")
     for op in ("read", "write"):
         res = report["results"][op]
@@ -231,7 +308,9 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero_offload.bench.io", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_offload.bench.io", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -13,6 +13,7 @@ Run: ``python -m zero_offload.bench.rss --params 2e8 --nvme-path DIR [--steps 6]
 with their default budgets, and adds up their peak RSS against the node's budget
 (``DEFAULT_HOST_FRACTION`` of the available memory): what several ranks on one node hold.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                "usmblks", "fsmblks", "uordblks", "fordblks",
-                                                "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_stats() -> dict[str, int] | None:
@@ -126,16 +139,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-memory-limit", type=parse_size, default=None)
     p.add_argument("--sub-group-size", type=int, default=None)
     p.add_argument("--nvme-path", type=Path, required=True)
-    p.add_argument("--ranks", type=int, default=1,
-                   help="gloo ranks on this node (default 1: this process)")
+    p.add_argument(
+        "--ranks", type=int, default=1, help="gloo ranks on this node (default 1: this process)"
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=args.ranks)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks
+    )
     try:
         result = measure(args)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -148,27 +163,38 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` on ``args.ranks`` spawned ranks of one node; their results, the sum of
     their peaks (an upper bound of the node's peak) and the node's default budget."""
     import tempfile
+
     node_budget = int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
     os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks)  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(args, os.path.join(tmp, "init"), tmp),
-                           nprocs=args.ranks, join=True, start_method="spawn")
+        mp.start_processes(
+            _rank,
+            args=(args, os.path.join(tmp, "init"), tmp),
+            nprocs=args.ranks,
+            join=True,
+            start_method="spawn",
+        )
         ranks = []
         for r in range(args.ranks):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
     peaks = [max(row["peak"] for row in res["rows"]) for res in ranks]
-    return {"ranks": ranks, "peaks": peaks, "sum_of_peaks": sum(peaks),
-            "node_budget": node_budget}
+    return {"ranks": ranks, "peaks": peaks, "sum_of_peaks": sum(peaks), "node_budget": node_budget}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    ns = argparse.Namespace(params=args.params, preset=None, layers=args.layers,
-                            width=args.width, seq=args.seq)
+    ns = argparse.Namespace(
+        params=args.params, preset=None, layers=args.layers, width=args.width, seq=args.seq
+    )
     cfg = model_config(ns)
-    kw: dict[str, Any] = dict(stage=args.stage, offload_optimizer=args.offload_optimizer,
-                              offload_param=args.offload_param if args.stage == 3 else "none",
-                              dtype=_DTYPES[args.dtype], lr=1e-4, nvme_path=os.fspath(args.nvme_path))
+    kw: dict[str, Any] = dict(
+        stage=args.stage,
+        offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param if args.stage == 3 else "none",
+        dtype=_DTYPES[args.dtype],
+        lr=1e-4,
+        nvme_path=os.fspath(args.nvme_path),
+    )
     if args.host_memory_limit:
         kw["host_memory_limit"] = args.host_memory_limit
     if args.sub_group_size:
@@ -193,10 +219,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         sampler.close()
         engine.close()
-    return {"model": {"layers": cfg.layers, "width": cfg.width, "params": cfg.num_params,
-                      "vocab": DEFAULT_VOCAB, "head_dim": HEAD_DIM, "seq": cfg.seq},
-            "config": {k: v for k, v in kw.items() if k != "dtype"} | {"dtype": args.dtype},
-            "rss_before": before, "rows": [r.__dict__ for r in rows]}
+    return {
+        "model": {
+            "layers": cfg.layers,
+            "width": cfg.width,
+            "params": cfg.num_params,
+            "vocab": DEFAULT_VOCAB,
+            "head_dim": HEAD_DIM,
+            "seq": cfg.seq,
+        },
+        "config": {k: v for k, v in kw.items() if k != "dtype"} | {"dtype": args.dtype},
+        "rss_before": before,
+        "rows": [r.__dict__ for r in rows],
+    }
 
 
 def _mib(n: int | None) -> str:
@@ -205,16 +240,22 @@ def _mib(n: int | None) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     m = result["model"]
-    print(f"GPT {m['layers']} x {m['width']}, {m['params'] / 1e6:.0f}M params; "
-          f"{result['config']}; RSS before initialize {_mib(result['rss_before'])} MiB")
-    print(f"{'MiB':<11}{'RSS':>7}{'peak':>7}{'ledger':>8}{'params':>8}{'grads':>7}{'optim':>7}"
-          f"{'malloc':>8}{'mmapped':>8}{'kept':>7}")
+    print(
+        f"GPT {m['layers']} x {m['width']}, {m['params'] / 1e6:.0f}M params; "
+        f"{result['config']}; RSS before initialize {_mib(result['rss_before'])} MiB"
+    )
+    print(
+        f"{'MiB':<11}{'RSS':>7}{'peak':>7}{'ledger':>8}{'params':>8}{'grads':>7}{'optim':>7}"
+        f"{'malloc':>8}{'mmapped':>8}{'kept':>7}"
+    )
     for r in result["rows"]:
         led, mal = r["ledger_host"], r["malloc"] or {}
-        print(f"{r['when']:<11}{_mib(r['rss']):>7}{_mib(r['peak']):>7}{_mib(sum(led.values())):>8}"
-              f"{_mib(led['params']):>8}{_mib(led['grads']):>7}{_mib(led['optimizer']):>7}"
-              f"{_mib(mal.get('arena_in_use')):>8}{_mib(mal.get('mmapped_in_use')):>8}"
-              f"{_mib(mal.get('arena_free')):>7}")
+        print(
+            f"{r['when']:<11}{_mib(r['rss']):>7}{_mib(r['peak']):>7}{_mib(sum(led.values())):>8}"
+            f"{_mib(led['params']):>8}{_mib(led['grads']):>7}{_mib(led['optimizer']):>7}"
+            f"{_mib(mal.get('arena_in_use')):>8}{_mib(mal.get('mmapped_in_use')):>8}"
+            f"{_mib(mal.get('arena_free')):>7}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         for r, res in enumerate(result["ranks"]):
             print(f"rank {r}")
             print_table(res)
-        print(f"sum of the ranks' peak RSS {_mib(result['sum_of_peaks'])} MiB; node budget "
-              f"({DEFAULT_HOST_FRACTION:.0%} of available) {_mib(result['node_budget'])} MiB; "
-              f"ratio {result['sum_of_peaks'] / result['node_budget']:.2f}")
+        print(
+            f"sum of the ranks' peak RSS {_mib(result['sum_of_peaks'])} MiB; node budget "
+            f"({DEFAULT_HOST_FRACTION:.0%} of available) {_mib(result['node_budget'])} MiB; "
+            f"ratio {result['sum_of_peaks'] / result['node_budget']:.2f}"
+        )
         return 0
     result = measure(args)
     if args.json:

@@ -19,6 +19,7 @@ O_DIRECT and a ``--nvme-path`` on a memory filesystem is refused (``bench io``'s
 
 Run: ``python -m zero_offload.bench.step --offload-optimizer nvme --nvme-path DIR [--json]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,33 +51,71 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zero-offload bench step``."""
     size = parser.add_argument_group("model (GPT-style; --params picks layers and width)")
-    size.add_argument("--params", type=float, default=None,
-                      help=f"approximate parameter count (default {DEFAULT_PARAMS:.0e})")
+    size.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help=f"approximate parameter count (default {DEFAULT_PARAMS:.0e})",
+    )
     size.add_argument("--preset", default=None, help="a GPTConfig preset (tiny, small, 1b, ...)")
     size.add_argument("--layers", type=int, default=None)
     size.add_argument("--width", type=int, default=None)
-    size.add_argument("--seq", type=int, default=None, help=f"sequence length (default {DEFAULT_SEQ})")
+    size.add_argument(
+        "--seq", type=int, default=None, help=f"sequence length (default {DEFAULT_SEQ})"
+    )
     size.add_argument("--batch", type=int, default=1, help="micro-batch (default 1)")
-    parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3], help="ZeRO stage (default 3)")
-    parser.add_argument("--offload-optimizer", nargs="+", default=["nvme"], choices=["none", "cpu", "nvme"],
-                        help="one or more; each is a separate run (default nvme)")
+    parser.add_argument(
+        "--stage", type=int, default=3, choices=[1, 2, 3], help="ZeRO stage (default 3)"
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        nargs="+",
+        default=["nvme"],
+        choices=["none", "cpu", "nvme"],
+        help="one or more; each is a separate run (default nvme)",
+    )
     parser.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
-    parser.add_argument("--prefetch-depth", type=int, nargs="+", default=[REFERENCE_DEPTH],
-                        help="one or more; several sweep it and add a resident stage-3 reference")
-    parser.add_argument("--optimizer-fraction", type=_fractions, default=None,
-                        help="comma-separated shares of the optimizer state on NVMe to sweep, "
-                        "e.g. 0,0.5,1 or auto (needs --offload-optimizer nvme)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat every run this many times, interleaved (default 1)")
-    parser.add_argument("--nvme-path", type=Path, default=None, help="directory on the disk to test")
+    parser.add_argument(
+        "--prefetch-depth",
+        type=int,
+        nargs="+",
+        default=[REFERENCE_DEPTH],
+        help="one or more; several sweep it and add a resident stage-3 reference",
+    )
+    parser.add_argument(
+        "--optimizer-fraction",
+        type=_fractions,
+        default=None,
+        help="comma-separated shares of the optimizer state on NVMe to sweep, "
+        "e.g. 0,0.5,1 or auto (needs --offload-optimizer nvme)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every run this many times, interleaved (default 1)",
+    )
+    parser.add_argument(
+        "--nvme-path", type=Path, default=None, help="directory on the disk to test"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--sub-group-size", type=int, default=None, help="params per NVMe sub-group")
-    parser.add_argument("--host-memory-limit", type=parse_size, default=None, help="bytes of host buffers")
+    parser.add_argument(
+        "--sub-group-size", type=int, default=None, help="params per NVMe sub-group"
+    )
+    parser.add_argument(
+        "--host-memory-limit", type=parse_size, default=None, help="bytes of host buffers"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
-    parser.add_argument("--baseline-size", type=parse_size, default=2**30,
-                        help="bytes of raw O_DIRECT read/write baseline on --nvme-path (0: skip)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument(
+        "--baseline-size",
+        type=parse_size,
+        default=2**30,
+        help="bytes of raw O_DIRECT read/write baseline on --nvme-path (0: skip)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of tables"
+    )
 
 
 def _fractions(text: str) -> list[float | str]:
@@ -88,7 +127,8 @@ def _fractions(text: str) -> list[float | str]:
             value: float | str = part if part == "auto" else float(part)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{part!r} is not a fraction (0..1) or 'auto'") from None
+                f"{part!r} is not a fraction (0..1) or 'auto'"
+            ) from None
         if value != "auto" and not 0.0 <= float(value) <= 1.0:
             raise argparse.ArgumentTypeError(f"{part!r} is not in [0, 1]")
         out.append(value)
@@ -100,14 +140,22 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     width ≈ 64 · layers-ish proportions (width a multiple of 128, heads of 64)."""
     seq = args.seq or DEFAULT_SEQ
     if args.preset:
-        over = {k: v for k, v in (("layers", args.layers), ("width", args.width), ("seq", args.seq)) if v}
+        over = {
+            k: v
+            for k, v in (("layers", args.layers), ("width", args.width), ("seq", args.seq))
+            if v
+        }
         cfg = GPTConfig.preset(args.preset, **over)
-        return GPTConfig(**{**asdict(cfg), "heads": max(1, cfg.width // HEAD_DIM) if args.width else cfg.heads})
+        return GPTConfig(
+            **{**asdict(cfg), "heads": max(1, cfg.width // HEAD_DIM) if args.width else cfg.heads}
+        )
     target = int(args.params or DEFAULT_PARAMS)
     width = args.width or max(128, round((target / 0.1875) ** (1 / 3) / 128) * 128)
     per_layer = 12 * width * width + 13 * width
     layers = args.layers or max(1, round((target - (DEFAULT_VOCAB + seq) * width) / per_layer))
-    return GPTConfig(layers=layers, width=width, heads=max(1, width // HEAD_DIM), vocab=DEFAULT_VOCAB, seq=seq)
+    return GPTConfig(
+        layers=layers, width=width, heads=max(1, width // HEAD_DIM), vocab=DEFAULT_VOCAB, seq=seq
+    )
 
 
 @dataclass
@@ -144,10 +192,11 @@ class RunResult:
 
     @property
     def label(self) -> str:
-        fraction = "" if self.optimizer_fraction is None else \
-            f" fraction={self.optimizer_fraction}"
-        return (f"stage {self.stage} opt={self.offload_optimizer} param={self.offload_param} "
-                f"depth={self.prefetch_depth}{fraction}")
+        fraction = "" if self.optimizer_fraction is None else f" fraction={self.optimizer_fraction}"
+        return (
+            f"stage {self.stage} opt={self.offload_optimizer} param={self.offload_param} "
+            f"depth={self.prefetch_depth}{fraction}"
+        )
 
 
 def _sync(device: torch.device) -> None:
@@ -155,10 +204,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int,
-                   fraction: float | str | None = None) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(stage=args.stage, offload_optimizer=opt, offload_param=param,
-                              prefetch_depth=depth, dtype=_DTYPES[args.dtype], lr=1e-4)
+def _engine_kwargs(
+    args: argparse.Namespace, opt: str, param: str, depth: int, fraction: float | str | None = None
+) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        stage=args.stage,
+        offload_optimizer=opt,
+        offload_param=param,
+        prefetch_depth=depth,
+        dtype=_DTYPES[args.dtype],
+        lr=1e-4,
+    )
     if fraction is not None:
         kw["offload_optimizer_fraction"] = fraction
     if "nvme" in (opt, param):
@@ -170,8 +226,15 @@ def _engine_kwargs(args: argparse.Namespace, opt: str, param: str, depth: int,
     return kw
 
 
-def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, depth: int,
-            fraction: float | str | None = None, res: RunResult | None = None) -> RunResult:
+def run_one(
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    opt: str,
+    param: str,
+    depth: int,
+    fraction: float | str | None = None,
+    res: RunResult | None = None,
+) -> RunResult:
     """Fresh model + engine, ``--warmup`` then ``--steps`` timed steps; errors are recorded.
     ``res``: an earlier round's result of the same run, to add this round's samples to."""
     res = res or RunResult(args.stage, opt, param, depth, fraction)
@@ -185,8 +248,10 @@ def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, dept
         return res
     try:
         for i in range(args.warmup + args.steps):
-            _progress(f"bench step: {res.label}: step {i + 1}/{args.warmup + args.steps}"
-                      + (" (warm-up)" if i < args.warmup else ""))
+            _progress(
+                f"bench step: {res.label}: step {i + 1}/{args.warmup + args.steps}"
+                + (" (warm-up)" if i < args.warmup else "")
+            )
             x, y = synthetic_batch(cfg, args.batch, gen)
             _sync(engine.device)
             t0 = time.perf_counter()
@@ -202,14 +267,29 @@ def run_one(args: argparse.Namespace, cfg: GPTConfig, opt: str, param: str, dept
                 raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
             if i >= args.warmup:
                 t = engine.last_step_timings
-                res.samples.append(Sample(t1 - t0, t2 - t1, t2 - t0, t.read_s, t.write_s, t.io_busy_s, t.compute_s,
-                                          t.wall_s, t.bytes_read, t.bytes_written, t.overlap))
+                res.samples.append(
+                    Sample(
+                        t1 - t0,
+                        t2 - t1,
+                        t2 - t0,
+                        t.read_s,
+                        t.write_s,
+                        t.io_busy_s,
+                        t.compute_s,
+                        t.wall_s,
+                        t.bytes_read,
+                        t.bytes_written,
+                        t.overlap,
+                    )
+                )
     finally:
         engine.close(hand_back=False)  # the model is dropped: no gathering it to the host
         del engine
         gc.collect()
-    res.median = {k: statistics.median(getattr(s, k) for s in res.samples)
-                  for k in Sample.__dataclass_fields__}
+    res.median = {
+        k: statistics.median(getattr(s, k) for s in res.samples)
+        for k in Sample.__dataclass_fields__
+    }
     m = res.median
     if m["bytes_read"] + m["bytes_written"] > 0 and m["opt_wall_s"] > 0:
         res.nvme_gbps = (m["bytes_read"] + m["bytes_written"]) / m["opt_wall_s"] / 1e9
@@ -224,8 +304,11 @@ def disk_baseline(directory: Path, size: int) -> dict[str, float]:
     buf = HostBuffer(min(size, 512 * 2**20))
     try:
         _raw(path, "write", size, buf)
-        return {"size": size, "write_gbps": _raw(path, "write", size, buf),
-                "read_gbps": _raw(path, "read", size, buf)}
+        return {
+            "size": size,
+            "write_gbps": _raw(path, "write", size, buf),
+            "read_gbps": _raw(path, "read", size, buf),
+        }
     finally:
         buf.close()
         path.unlink(missing_ok=True)
@@ -233,8 +316,12 @@ def disk_baseline(directory: Path, size: int) -> dict[str, float]:
 
 def _runs_wanted(args: argparse.Namespace) -> list[tuple[str, str, int, float | str | None]]:
     fractions = args.optimizer_fraction or [None]
-    runs = [(opt, args.offload_param, d, f) for opt in args.offload_optimizer
-            for d in args.prefetch_depth for f in (fractions if opt == "nvme" else [None])]
+    runs = [
+        (opt, args.offload_param, d, f)
+        for opt in args.offload_optimizer
+        for d in args.prefetch_depth
+        for f in (fractions if opt == "nvme" else [None])
+    ]
     if len(args.prefetch_depth) > 1 and args.stage == 3:
         for opt in args.offload_optimizer:
             if (opt, "none", REFERENCE_DEPTH, None) not in runs:
@@ -248,13 +335,22 @@ def _fraction_sweep(results: list[RunResult]) -> list[dict[str, Any]]:
     ref = next((r for r in points if r.optimizer_fraction == 1.0 and not r.error), None)
     rows = []
     for r in points:
-        row: dict[str, Any] = {"optimizer_fraction": r.optimizer_fraction, "error": r.error,
-                               "total_s": None, "opt_wall_s": None, "disk_bytes": None,
-                               "time_vs_all_nvme": None, "disk_vs_all_nvme": None}
+        row: dict[str, Any] = {
+            "optimizer_fraction": r.optimizer_fraction,
+            "error": r.error,
+            "total_s": None,
+            "opt_wall_s": None,
+            "disk_bytes": None,
+            "time_vs_all_nvme": None,
+            "disk_vs_all_nvme": None,
+        }
         if not r.error:
             m = r.median
-            row.update(total_s=m["total_s"], opt_wall_s=m["opt_wall_s"],
-                       disk_bytes=m["bytes_read"] + m["bytes_written"])
+            row.update(
+                total_s=m["total_s"],
+                opt_wall_s=m["opt_wall_s"],
+                disk_bytes=m["bytes_read"] + m["bytes_written"],
+            )
             if ref is not None:
                 rm = ref.median
                 row["time_vs_all_nvme"] = m["total_s"] / rm["total_s"]
@@ -270,25 +366,46 @@ def _sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str,
     for r in results:
         if r.offload_param != args.offload_param or r.prefetch_depth not in args.prefetch_depth:
             continue
-        ref = next((x for x in results if x.offload_param == "none" and x.offload_optimizer == r.offload_optimizer
-                    and x.prefetch_depth == REFERENCE_DEPTH and not x.error), None)
+        ref = next(
+            (
+                x
+                for x in results
+                if x.offload_param == "none"
+                and x.offload_optimizer == r.offload_optimizer
+                and x.prefetch_depth == REFERENCE_DEPTH
+                and not x.error
+            ),
+            None,
+        )
         total = None if r.error else r.median["total_s"]
         ratio = total / ref.median["total_s"] if ref and total else None
-        rows.append({"offload_optimizer": r.offload_optimizer, "offload_param": r.offload_param,
-                     "prefetch_depth": r.prefetch_depth, "total_s": total, "ratio_to_resident": ratio,
-                     "error": r.error})
+        rows.append(
+            {
+                "offload_optimizer": r.offload_optimizer,
+                "offload_param": r.offload_param,
+                "prefetch_depth": r.prefetch_depth,
+                "total_s": total,
+                "ratio_to_resident": ratio,
+                "error": r.error,
+            }
+        )
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 on unusable arguments, 1 when every run failed."""
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
-        print("bench step: need --steps >= 1, --warmup >= 0, --batch >= 1, --rounds >= 1",
-              file=sys.stderr)
+        print(
+            "bench step: need --steps >= 1, --warmup >= 0, --batch >= 1, --rounds >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.optimizer_fraction and "nvme" not in args.offload_optimizer:
-        print("bench step: --optimizer-fraction splits the optimizer state between host memory "
-              "and NVMe: add --offload-optimizer nvme", file=sys.stderr)
+        print(
+            "bench step: --optimizer-fraction splits the optimizer state between host memory "
+            "and NVMe: add --offload-optimizer nvme",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = model_config(args)
@@ -299,12 +416,18 @@ def run(args: argparse.Namespace) -> int:
     baseline = None
     if uses_nvme:
         if args.nvme_path is None:
-            print("bench step: offload to nvme needs --nvme-path DIR (on the disk to test)", file=sys.stderr)
+            print(
+                "bench step: offload to nvme needs --nvme-path DIR (on the disk to test)",
+                file=sys.stderr,
+            )
             return 2
         args.nvme_path.mkdir(parents=True, exist_ok=True)
         fs = _fs_type(args.nvme_path)
-        why = (f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure a disk"
-               if fs in MEMORY_FILESYSTEMS else None) or _check_path(args.nvme_path, 12 * cfg.num_params + max(args.baseline_size, 0))
+        why = (
+            f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure a disk"
+            if fs in MEMORY_FILESYSTEMS
+            else None
+        ) or _check_path(args.nvme_path, 12 * cfg.num_params + max(args.baseline_size, 0))
         if why:
             print(f"bench step: {why.replace('--path ', '--nvme-path ')}", file=sys.stderr)
             return 2
@@ -326,21 +449,36 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench step: {res.label}: skipped, {res.error.splitlines()[0]}", file=sys.stderr)
         elif baseline and res.median["bytes_read"] > 0:
             m = res.median
-            ideal = m["bytes_read"] / 1e9 / baseline["read_gbps"] + m["bytes_written"] / 1e9 / baseline["write_gbps"]
+            ideal = (
+                m["bytes_read"] / 1e9 / baseline["read_gbps"]
+                + m["bytes_written"] / 1e9 / baseline["write_gbps"]
+            )
             res.io_efficiency = max(ideal, m["opt_compute_s"]) / m["opt_wall_s"]
         results.append(res)
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     report = {
-        "model": {**asdict(cfg), "params": cfg.num_params}, "batch": args.batch, "dtype": args.dtype,
-        "stage": args.stage, "steps": args.steps, "warmup": args.warmup,
+        "model": {**asdict(cfg), "params": cfg.num_params},
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "stage": args.stage,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "nvme_path": os.fspath(args.nvme_path) if args.nvme_path else None,
-        "sub_group_size": args.sub_group_size, "host_memory_limit": args.host_memory_limit,
+        "sub_group_size": args.sub_group_size,
+        "host_memory_limit": args.host_memory_limit,
         "device": str(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")),
-        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "baseline": baseline,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "baseline": baseline,
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-        "runs": [{**{k: v for k, v in asdict(r).items() if k != "samples"}, "samples": [asdict(s) for s in r.samples]}
-                 for r in results],
+        "runs": [
+            {
+                **{k: v for k, v in asdict(r).items() if k != "samples"},
+                "samples": [asdict(s) for s in r.samples],
+            }
+            for r in results
+        ],
         "sweep": _sweep(results, args) if len(args.prefetch_depth) > 1 else None,
         "rounds": args.rounds,
         "fraction_sweep": _fraction_sweep(results) if args.optimizer_fraction else None,
@@ -359,25 +497,34 @@ def _short(error: str) -> str:
 
 def print_tables(report: dict) -> None:
     m = report["model"]
-    print(f"bench step: GPT {m['layers']} layers x width {m['width']}, {m['params'] / 1e6:.0f}M params, "
-          f"seq {m['seq']}, batch {report['batch']}, {report['dtype']}, stage {report['stage']}, "
-          f"{report['device']}, {report['threads']} threads; median of {report['steps']} steps "
-          f"after {report['warmup']} warm-up")
+    print(
+        f"bench step: GPT {m['layers']} layers x width {m['width']}, {m['params'] / 1e6:.0f}M params, "
+        f"seq {m['seq']}, batch {report['batch']}, {report['dtype']}, stage {report['stage']}, "
+        f"{report['device']}, {report['threads']} threads; median of {report['steps']} steps "
+        f"after {report['warmup']} warm-up"
+    )
     load = report["load_average"]
     if max(load.values()) > 0.5 * (report["cpus"] or 1):
-        print(f"note: 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end on "
-              f"{report['cpus']} CPUs: other work shares this host and skews these numbers")
+        print(
+            f"note: 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end on "
+            f"{report['cpus']} CPUs: other work shares this host and skews these numbers"
+        )
     b = report["baseline"]
     if b:
-        print(f"raw O_DIRECT on {report['nvme_path']} ({b['size'] / 2**30:.2f} GiB, one thread, 64 MiB requests): "
-              f"read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s")
+        print(
+            f"raw O_DIRECT on {report['nvme_path']} ({b['size'] / 2**30:.2f} GiB, one thread, 64 MiB requests): "
+            f"read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s"
+        )
     print()
-    print("| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s | "
-          "opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |")
+    print(
+        "| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s | "
+        "opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
-        opt = r["offload_optimizer"] + ("" if r.get("optimizer_fraction") is None
-                                        else f" ({r['optimizer_fraction']})")
+        opt = r["offload_optimizer"] + (
+            "" if r.get("optimizer_fraction") is None else f" ({r['optimizer_fraction']})"
+        )
         head = f"| {opt} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
             print(f"{head} {_short(r['error'])} |" + " |" * 10)
@@ -385,10 +532,12 @@ def print_tables(report: dict) -> None:
         d = r["median"]
         gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
         eff = f"{r['io_efficiency']:.2f}" if r["io_efficiency"] else "-"
-        print(f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | {d['opt_read_s']:.3f} | "
-              f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_io_busy_s']:.3f} | "
-              f"{d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
-              f"{gbps} | {eff} |")
+        print(
+            f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | {d['opt_read_s']:.3f} | "
+            f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_io_busy_s']:.3f} | "
+            f"{d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
+            f"{gbps} | {eff} |"
+        )
     if report["sweep"]:
         print()
         print("| offload opt / param | prefetch depth | step s | / resident stage 3 (depth 2) |")
@@ -396,29 +545,41 @@ def print_tables(report: dict) -> None:
         for row in report["sweep"]:
             step = f"{row['total_s']:.3f}" if row["total_s"] else _short(row["error"] or "-")
             ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
-            print(f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |")
+            print(
+                f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |"
+            )
     if report.get("fraction_sweep"):
         print()
-        print("| optimizer on NVMe | step s | opt wall s | optimizer disk GB/step | "
-              "step / all NVMe | disk / all NVMe |")
+        print(
+            "| optimizer on NVMe | step s | opt wall s | optimizer disk GB/step | "
+            "step / all NVMe | disk / all NVMe |"
+        )
         print("|---|---|---|---|---|---|")
         for row in report["fraction_sweep"]:
             if row["error"]:
                 print(f"| {row['optimizer_fraction']} | {_short(row['error'])} | | | | |")
                 continue
-            ratios = [f"{row[k]:.2f}" if row[k] is not None else "-"
-                      for k in ("time_vs_all_nvme", "disk_vs_all_nvme")]
-            print(f"| {row['optimizer_fraction']} | {row['total_s']:.3f} | "
-                  f"{row['opt_wall_s']:.3f} | {row['disk_bytes'] / 1e9:.3f} | {ratios[0]} | "
-                  f"{ratios[1]} |")
+            ratios = [
+                f"{row[k]:.2f}" if row[k] is not None else "-"
+                for k in ("time_vs_all_nvme", "disk_vs_all_nvme")
+            ]
+            print(
+                f"| {row['optimizer_fraction']} | {row['total_s']:.3f} | "
+                f"{row['opt_wall_s']:.3f} | {row['disk_bytes'] / 1e9:.3f} | {ratios[0]} | "
+                f"{ratios[1]} |"
+            )
     print()
-    print("overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any request "
-          "in flight; read and write columns sum each request, submit to completion, so they overlap). "
-          "vs raw disk = max(bytes at raw GB/s, compute) / wall.")
+    print(
+        "overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any request "
+        "in flight; read and write columns sum each request, submit to completion, so they overlap). "
+        "vs raw disk = max(bytes at raw GB/s, compute) / wall."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero_offload.bench.step", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_offload.bench.step", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,4 +1,5 @@
 """Save, resume exactly, consolidate: sharded checkpoints with offloaded state included."""
+
 from .consolidate import consolidate_checkpoint
 from .format import CheckpointError
 from .load import load_checkpoint

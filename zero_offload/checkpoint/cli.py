@@ -1,4 +1,5 @@
 """``zero-offload consolidate DIR OUT``: one full-precision state dict from a checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,14 +13,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="the checkpoint folder given to save_checkpoint")
     parser.add_argument("out", help="output file (safetensors when installed, else torch.save)")
     parser.add_argument("--tag", default=None, help="which checkpoint (default: latest)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip the size and checksum check of the rank files")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the size and checksum check of the rank files",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        state = consolidate_checkpoint(args.directory, tag=args.tag, out=args.out,
-                                       verify=not args.no_verify)
+        state = consolidate_checkpoint(
+            args.directory, tag=args.tag, out=args.out, verify=not args.no_verify
+        )
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ Reads only the master section of each rank file, straight into the output tensor
 parameter at a time: memory is one fp32 copy of the parameters (what the output is) and
 nothing of the optimizer state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,12 @@ def _save(state: dict[str, torch.Tensor], aliases: dict[str, str], out: Path) ->
     save_file(state, str(out), metadata={f"alias:{a}": n for a, n in aliases.items()})
 
 
-def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
-                           out: str | os.PathLike | None = None,
-                           verify: bool = True) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    out: str | os.PathLike | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
     """Full fp32 parameters (and module buffers) under their original names. With ``out``,
     also written there: safetensors when installed (tied names in its metadata), else
     ``torch.save``. ``verify``: check every rank file's size and checksums first."""
@@ -48,15 +52,18 @@ def consolidate_checkpoint(directory: str | os.PathLike, tag: str | None = None,
             verify_rank_file(folder / record.file, record)
     state: dict[str, torch.Tensor] = {}
     reader = _Reader(folder, manifest)
-    progress = Progress(f"consolidating checkpoint {folder}",
-                        sum(slot.numel for unit in manifest.units for slot in unit.slots),
-                        "parameters", logger=log)
+    progress = Progress(
+        f"consolidating checkpoint {folder}",
+        sum(slot.numel for unit in manifest.units for slot in unit.slots),
+        "parameters",
+        logger=log,
+    )
     try:
         for unit in manifest.units:
             for slot in unit.slots:
                 tensor = torch.empty(slot.numel, dtype=torch.float32)
                 for rank, element, count, at in pieces(unit, slot, 0, slot.numel):
-                    reader.read(rank, 0, element, tensor[at:at + count])
+                    reader.read(rank, 0, element, tensor[at : at + count])
                 state[slot.name] = tensor.view(slot.shape)
                 progress.update(slot.numel)
     finally:

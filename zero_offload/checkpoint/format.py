@@ -15,6 +15,7 @@ fp32 master, and loading recomputes them. Names and offsets in the manifest let 
 and stage read any other's files, and let consolidation build one state dict without a
 converter and without the optimizer state.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,9 +31,21 @@ import torch
 
 from ..partition import split_range
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "SlotRecord", "UnitRecord", "RankRecord",
-           "Manifest", "read_manifest", "pieces", "verify_rank_file",
-           "write_atomically", "fsync_dir", "SECTIONS", "load_plain"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "SlotRecord",
+    "UnitRecord",
+    "RankRecord",
+    "Manifest",
+    "read_manifest",
+    "pieces",
+    "verify_rank_file",
+    "write_atomically",
+    "fsync_dir",
+    "SECTIONS",
+    "load_plain",
+]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -95,10 +108,13 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path}: checkpoint format version {version!r}, this zero_offload reads "
-                f"version {FORMAT_VERSION}; use the zero_offload release that wrote it")
+                f"version {FORMAT_VERSION}; use the zero_offload release that wrote it"
+            )
         try:
-            raw["units"] = [UnitRecord(**{**u, "slots": [SlotRecord(**s) for s in u["slots"]]})
-                            for u in raw["units"]]
+            raw["units"] = [
+                UnitRecord(**{**u, "slots": [SlotRecord(**s) for s in u["slots"]]})
+                for u in raw["units"]
+            ]
             raw["ranks"] = [RankRecord(**r) for r in raw["ranks"]]
             return cls(**raw)
         except (KeyError, TypeError) as exc:
@@ -117,16 +133,19 @@ def read_manifest(folder: Path) -> Manifest:
     return Manifest.from_json(text, path)
 
 
-def pieces(unit: UnitRecord, slot: SlotRecord, start: int, end: int
-           ) -> list[tuple[int, int, int, int]]:
+def pieces(
+    unit: UnitRecord, slot: SlotRecord, start: int, end: int
+) -> list[tuple[int, int, int, int]]:
     """Where elements [start, end) of a stored parameter are: (rank, element offset in that
     rank's flat shard, count, offset inside [start, end))."""
     lo, hi = slot.offset + start, slot.offset + end
     if unit.num_shards == 1:  # stage 0: every rank holds the whole unit; read rank 0's
         return [(0, unit.shard_offset + lo, hi - lo, 0)]
     size = unit.shard_numel
-    return [(shard, unit.shard_offset + a - shard * size, b - a, a - lo)
-            for shard, a, b in split_range(lo, hi, size)]
+    return [
+        (shard, unit.shard_offset + a - shard * size, b - a, a - lo)
+        for shard, a, b in split_range(lo, hi, size)
+    ]
 
 
 def section_offset(numel: int, section: int, element: int) -> int:
@@ -142,8 +161,10 @@ def verify_rank_file(path: Path, record: RankRecord, chunk: int = 1 << 26) -> No
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     if size != expected:
-        raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated "
-                              "or from another checkpoint)")
+        raise CheckpointError(
+            f"{path}: {size} bytes, the manifest says {expected} (truncated "
+            "or from another checkpoint)"
+        )
     with open(path, "rb") as f:
         for section, want in enumerate(record.crc32):
             crc, left = 0, record.numel * _FP32
@@ -154,8 +175,10 @@ def verify_rank_file(path: Path, record: RankRecord, chunk: int = 1 << 26) -> No
                 crc = zlib.crc32(data, crc)
                 left -= len(data)
             if crc != want:
-                raise CheckpointError(f"{path}: checksum mismatch in the {SECTIONS[section]} "
-                                      "section (the file is damaged)")
+                raise CheckpointError(
+                    f"{path}: checksum mismatch in the {SECTIONS[section]} "
+                    "section (the file is damaged)"
+                )
 
 
 def _numpy_rng_types() -> list[Any]:
@@ -166,9 +189,14 @@ def _numpy_rng_types() -> list[Any]:
     except ImportError:
         multiarray = importlib.import_module("numpy.core.multiarray")
     rebuild = multiarray._reconstruct
-    return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"),
-            (rebuild, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype,
-            type(np.dtype(np.uint32))]
+    return [
+        rebuild,
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
 
 
 def load_plain(path: Path) -> dict[str, Any]:
@@ -183,7 +211,8 @@ def load_plain(path: Path) -> dict[str, Any]:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path}: refused, it is not a file of tensors and plain data (loading it could "
-            f"run code from the file; re-save it with zero_offload): {first}") from exc
+            f"run code from the file; re-save it with zero_offload): {first}"
+        ) from exc
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path}: holds a {type(loaded).__name__}, not a dict")
     return loaded

@@ -6,6 +6,7 @@ and each stored file's size and checksums (the ranks split that work). The state
 one unit at a time into the optimizer's tier (device, host or NVMe) and the compute-dtype
 parameters are recomputed from the master.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,15 @@ import torch
 from ..progress import Progress
 from ..stages.units import persistent_buffers
 from ..partition import mismatch_message
-from .format import (CheckpointError, Manifest, load_plain, pieces, read_manifest,
-                     section_offset, verify_rank_file)
+from .format import (
+    CheckpointError,
+    Manifest,
+    load_plain,
+    pieces,
+    read_manifest,
+    section_offset,
+    verify_rank_file,
+)
 from .tags import resolve_tag, tag_folder
 
 if TYPE_CHECKING:
@@ -36,9 +44,15 @@ def check_names(manifest: Manifest, expected: dict[str, tuple[int, ...]], where:
     """The stored parameters must be exactly the model's, with the same shapes."""
     stored = {name: tuple(slot.shape) for name, (_, slot) in manifest.slots_by_name().items()}
     problem = mismatch_message(
-        "checkpoint", set(expected) - set(stored), set(stored) - set(expected),
-        [f"{n}: stored {stored[n]}, model {expected[n]}"
-         for n in set(stored) & set(expected) if stored[n] != expected[n]])
+        "checkpoint",
+        set(expected) - set(stored),
+        set(stored) - set(expected),
+        [
+            f"{n}: stored {stored[n]}, model {expected[n]}"
+            for n in set(stored) & set(expected)
+            if stored[n] != expected[n]
+        ],
+    )
     if problem:
         raise CheckpointError(f"{where}: {problem}")
 
@@ -111,33 +125,43 @@ def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
             buffers[name].copy_(value)
 
 
-def load_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | None = None,
-                    lr_scheduler: Any = None) -> str:
+def load_checkpoint(
+    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+) -> str:
     """Restore params, optimizer state, step counts, loss scaler and RNG; returns the tag.
     Collective: every rank must call it."""
     root = Path(directory)
     tag = resolve_tag(root, tag)
     folder = tag_folder(root, tag)
     manifest = read_manifest(folder)
-    check_names(manifest, {n: tuple(s.shape) for u in engine.units for n, s in
-                           zip(u.names, u.layout.slots)}, folder / "manifest.json")
+    check_names(
+        manifest,
+        {n: tuple(s.shape) for u in engine.units for n, s in zip(u.names, u.layout.slots)},
+        folder / "manifest.json",
+    )
     _verify(engine, folder, manifest)
     stored = manifest.slots_by_name()
     rank = engine.comm.rank
     reader = _Reader(folder, manifest)
-    progress = Progress(f"loading checkpoint {folder}", sum(u.shard_numel for u in engine.units),
-                        "parameters", show=rank == 0, logger=log)
+    progress = Progress(
+        f"loading checkpoint {folder}",
+        sum(u.shard_numel for u in engine.units),
+        "parameters",
+        show=rank == 0,
+        logger=log,
+    )
     try:
         for unit in engine.units:
             arrays = [torch.zeros(unit.shard_numel, dtype=torch.float32) for _ in range(3)]
             shard = 0 if unit.layout.num_shards == 1 else rank
             for o in unit.layout.overlaps(shard):
                 old_unit, old_slot = stored[unit.layout.slots[o.slot].name]
-                for src_rank, element, count, at in pieces(old_unit, old_slot, o.slot_start,
-                                                           o.slot_end):
+                for src_rank, element, count, at in pieces(
+                    old_unit, old_slot, o.slot_start, o.slot_end
+                ):
                     dst = o.shard_start + at
                     for section, array in enumerate(arrays):
-                        reader.read(src_rank, section, element, array[dst:dst + count])
+                        reader.read(src_rank, section, element, array[dst : dst + count])
             engine.load_unit_state(unit, *arrays)
             progress.update(unit.shard_numel)
         engine.finish_load()

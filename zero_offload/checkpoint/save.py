@@ -6,6 +6,7 @@ only then moves ``latest``. A process killed at any point leaves a complete chec
 every tag that had one, and ``latest`` naming one. State held on NVMe is streamed sub-group by
 sub-group, never whole in memory.
 """
+
 from __future__ import annotations
 
 import io
@@ -21,8 +22,17 @@ import torch
 
 from ..progress import Progress
 from ..stages.units import persistent_buffers
-from .format import (MANIFEST, CheckpointError, Manifest, RankRecord, SlotRecord, UnitRecord,
-                     fsync_dir, section_offset, write_atomically)
+from .format import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    RankRecord,
+    SlotRecord,
+    UnitRecord,
+    fsync_dir,
+    section_offset,
+    write_atomically,
+)
 from .tags import LATEST, check_tag, commit_tag, recover_tag
 
 if TYPE_CHECKING:
@@ -36,7 +46,7 @@ log = logging.getLogger(__name__)
 def _crc_zeros(nbytes: int, crc: int) -> int:
     block = bytes(min(nbytes, 1 << 20))
     while nbytes > 0:
-        crc = zlib.crc32(block[:min(nbytes, len(block))], crc)
+        crc = zlib.crc32(block[: min(nbytes, len(block))], crc)
         nbytes -= len(block)
     return crc
 
@@ -48,8 +58,9 @@ def _write_state(engine: "Engine", path: Path) -> RankRecord:
     crcs = [0, 0, 0]
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    progress = Progress(f"saving checkpoint {path.parent}", 12 * numel, "B",
-                        show=engine.comm.rank == 0, logger=log)
+    progress = Progress(
+        f"saving checkpoint {path.parent}", 12 * numel, "B", show=engine.comm.rank == 0, logger=log
+    )
     try:
         for lo, arrays in engine.state_chunks():
             length = arrays[0].numel()
@@ -78,8 +89,10 @@ def _numpy_rng() -> tuple:
     ``torch.load(weights_only=True)`` reads back."""
     state = np.random.get_state(legacy=True)
     if not isinstance(state, tuple):  # a dict: np.random was given another bit generator
-        raise CheckpointError("save_checkpoint stores numpy's global RNG as MT19937 state, but "
-                              "np.random.set_bit_generator replaced it; set an MT19937 one back")
+        raise CheckpointError(
+            "save_checkpoint stores numpy's global RNG as MT19937 state, but "
+            "np.random.set_bit_generator replaced it; set an MT19937 one back"
+        )
     name, keys, pos, has_gauss, cached = state
     return name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached
 
@@ -87,17 +100,21 @@ def _numpy_rng() -> tuple:
 def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
     extra: dict[str, Any] = {
         **engine.training_state(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": _numpy_rng(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": _numpy_rng(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        },
     }
     if engine.comm.rank == 0:
         extra["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
     extra = _plain(extra)
     _check_plain(extra)
     if engine.comm.rank == 0:
-        extra["buffers"] = {k: v.detach().cpu()
-                            for k, v in persistent_buffers(engine.module).items()}
+        extra["buffers"] = {
+            k: v.detach().cpu() for k, v in persistent_buffers(engine.module).items()
+        }
     return extra
 
 
@@ -111,8 +128,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(map(_plain, value)) if type(value) in (list, tuple) \
+        return (
+            type(value)(map(_plain, value))
+            if type(value) in (list, tuple)
             else [_plain(v) for v in value]
+        )
     return value
 
 
@@ -135,19 +155,35 @@ def _check_plain(extra: dict) -> None:
 
 
 def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
-    units = [UnitRecord(u.shard_offset, u.layout.padded_numel, u.layout.num_shards,
-                        [SlotRecord(s.name, list(s.shape), s.offset, s.numel)
-                         for s in u.layout.slots]) for u in engine.units]
+    units = [
+        UnitRecord(
+            u.shard_offset,
+            u.layout.padded_numel,
+            u.layout.num_shards,
+            [SlotRecord(s.name, list(s.shape), s.offset, s.numel) for s in u.layout.slots],
+        )
+        for u in engine.units
+    ]
     stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
-    aliases = {name: stored[id(p)]
-               for name, p in engine.module.named_parameters(remove_duplicate=False)
-               if stored[id(p)] != name}
-    return Manifest(engine.comm.world_size, engine.stage, str(engine.dtype).removeprefix("torch."),
-                    engine.optimizer_steps, units, ranks, aliases)
+    aliases = {
+        name: stored[id(p)]
+        for name, p in engine.module.named_parameters(remove_duplicate=False)
+        if stored[id(p)] != name
+    }
+    return Manifest(
+        engine.comm.world_size,
+        engine.stage,
+        str(engine.dtype).removeprefix("torch."),
+        engine.optimizer_steps,
+        units,
+        ranks,
+        aliases,
+    )
 
 
-def save_checkpoint(engine: "Engine", directory: str | os.PathLike, tag: str | None = None,
-                    lr_scheduler: Any = None) -> Path:
+def save_checkpoint(
+    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+) -> Path:
     """Write this rank's shards and (rank 0) the manifest; returns ``DIR/<tag>``.
     Collective: every rank must call it."""
     comm = engine.comm

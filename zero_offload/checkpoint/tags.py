@@ -8,6 +8,7 @@ tag resolves to the first complete folder of ``<tag>``, ``.<tag>.partial``, ``.<
 (complete: its manifest exists, which is written last), and the next save of that tag first
 puts the survivor back in place. ``latest`` is one file replaced atomically.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,19 +30,30 @@ _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 
 def check_tag(tag: object) -> str:
     """``tag`` if it can name a checkpoint folder, else a ValueError saying what is allowed."""
-    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST \
-            or tag.endswith(_INTERNAL):
+    if (
+        not isinstance(tag, str)
+        or not _TAG.fullmatch(tag)
+        or tag == LATEST
+        or tag.endswith(_INTERNAL)
+    ):
         raise ValueError(
             f"tag={tag!r} cannot name a checkpoint: use 1-200 letters, digits and . _ + - "
             f"starting with a letter or digit (e.g. 'step100', 'best'), not {LATEST!r} and "
-            f"not ending in {', '.join(_INTERNAL)} (names the save uses itself)")
+            f"not ending in {', '.join(_INTERNAL)} (names the save uses itself)"
+        )
     return tag
 
 
 def _loadable_name(tag: str, where: Path) -> str:
     """Tags read back are only kept inside the folder (older versions allowed more names)."""
-    if not tag or tag.startswith(".") or "\0" in tag or os.sep in tag or \
-            (os.altsep and os.altsep in tag) or tag == LATEST:
+    if (
+        not tag
+        or tag.startswith(".")
+        or "\0" in tag
+        or os.sep in tag
+        or (os.altsep and os.altsep in tag)
+        or tag == LATEST
+    ):
         raise CheckpointError(f"{where}: {tag!r} is not a checkpoint tag")
     return tag
 
@@ -56,10 +68,10 @@ def resolve_tag(directory: Path, tag: str | None) -> str:
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
-            "to pick one") from exc
+            "to pick one"
+        ) from exc
     # older versions wrote tags with surrounding spaces as they were
-    name = text if text.strip() != text and tag_folder(directory, text).exists() \
-        else text.strip()
+    name = text if text.strip() != text and tag_folder(directory, text).exists() else text.strip()
     return _loadable_name(name, latest)
 
 
@@ -78,8 +90,11 @@ def tag_folder(directory: Path, tag: str) -> Path:
     for folder in _candidates(directory, tag):
         if _complete(folder):
             if folder.name != tag:
-                log.warning("checkpoint %r: using %s, left by a save that stopped while "
-                            "replacing it", tag, folder)
+                log.warning(
+                    "checkpoint %r: using %s, left by a save that stopped while replacing it",
+                    tag,
+                    folder,
+                )
             return folder
     return directory / tag
 

@@ -1,4 +1,5 @@
 """What every trainer integration hands its trainer: the engine as a torch optimizer."""
+
 from __future__ import annotations
 
 from typing import Callable, NoReturn, overload
@@ -59,8 +60,10 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict:
-            raise ValueError("zero_offload's optimizer state is restored with the engine "
-                             "checkpoint (the trainer's resume), not load_state_dict")
+            raise ValueError(
+                "zero_offload's optimizer state is restored with the engine "
+                "checkpoint (the trainer's resume), not load_state_dict"
+            )
 
     def __repr__(self) -> str:
         return f"EngineOptimizer(stage={self.engine.stage})"

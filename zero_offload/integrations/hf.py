@@ -31,6 +31,7 @@ How it plugs in (the Trainer methods overridden, and why):
   a Trainer checkpoint also holds ``zero_offload/`` (``engine.save_checkpoint``: fp32
   masters and optimizer state, any tier) from which ``resume_from_checkpoint`` restores.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,13 @@ from ..engine import Engine, initialize
 from .common import EngineOptimizer
 from .stats import step_stats
 
-__all__ = ["ZeroOffloadTrainer", "ZeroOffloadMixin", "zero_offload_trainer", "EngineModule",
-           "EngineOptimizer"]
+__all__ = [
+    "ZeroOffloadTrainer",
+    "ZeroOffloadMixin",
+    "zero_offload_trainer",
+    "EngineModule",
+    "EngineOptimizer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,8 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
     world = max(1, args.world_size)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     out: dict[str, Any] = {
-        "fp16.enabled": bool(args.fp16), "bf16.enabled": bool(args.bf16),
+        "fp16.enabled": bool(args.fp16),
+        "bf16.enabled": bool(args.bf16),
         "optimizer.params.lr": args.learning_rate,
         "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
         "optimizer.params.eps": args.adam_epsilon,
@@ -83,7 +90,8 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "gradient_clipping": args.max_grad_norm,
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "train_batch_size": args.per_device_train_batch_size * world
+        "train_batch_size": args.per_device_train_batch_size
+        * world
         * args.gradient_accumulation_steps,
     }
     if hidden:
@@ -93,25 +101,31 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def engine_keywords(args: Any, model: nn.Module,
-                    zero_offload: Mapping[str, Any] | str | os.PathLike | None,
-                    decay_names: list[str] | None = None) -> dict[str, Any]:
+def engine_keywords(
+    args: Any,
+    model: nn.Module,
+    zero_offload: Mapping[str, Any] | str | os.PathLike | None,
+    decay_names: list[str] | None = None,
+) -> dict[str, Any]:
     """``initialize`` keywords for a Trainer run: TrainingArguments first, then the user's.
     ``decay_names``: the parameters Trainer decays (``get_decay_parameter_names``); the other
     trainable ones go to ``no_decay``, as in Trainer's own no-decay group."""
     optim = getattr(args.optim, "value", args.optim)
     if optim not in _ADAMW:
-        raise ConfigError(f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
-                          "optim='adamw_torch' (the default)")
+        raise ConfigError(
+            f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
+            "optim='adamw_torch' (the default)"
+        )
     kw: dict[str, Any] = dict(
-        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
-        else None)
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+    )
     if decay_names is not None:
         decayed = set(decay_names)
-        no_decay = [n for n, p in model.named_parameters() if p.requires_grad
-                    and n not in decayed]
+        no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decayed]
         if no_decay:
             kw["no_decay"] = no_decay
     if args.bf16 or args.fp16:
@@ -119,15 +133,18 @@ def engine_keywords(args: Any, model: nn.Module,
     user = _load(zero_offload)
     if is_deepspeed(user):
         user = translate(user, _auto_values(args, model), allow=("scheduler",))
-        log.info("DeepSpeed config: Trainer's own lr scheduler (lr_scheduler_type) drives the "
-                 "learning rate")
+        log.info(
+            "DeepSpeed config: Trainer's own lr scheduler (lr_scheduler_type) drives the "
+            "learning rate"
+        )
     kw.update(user)
     gas = kw.pop("gradient_accumulation_steps", args.gradient_accumulation_steps)
     if gas != args.gradient_accumulation_steps:
         raise ConfigError(
             f"gradient_accumulation_steps={gas} in the zero_offload config but "
             f"{args.gradient_accumulation_steps} in TrainingArguments: Trainer counts the "
-            "micro-batches, so set it in TrainingArguments only")
+            "micro-batches, so set it in TrainingArguments only"
+        )
     return kw
 
 
@@ -149,17 +166,24 @@ class ZeroOffloadMixin(_TrainerBase):
     """The overrides that put a zero_offload engine under a ``Trainer`` (sub)class; mixed in
     before it (:class:`ZeroOffloadTrainer`, :func:`zero_offload_trainer`)."""
 
-    def __init__(self, *args: Any,
-                 zero_offload: Mapping[str, Any] | str | os.PathLike | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        zero_offload: Mapping[str, Any] | str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.optimizer is not None:
-            raise ConfigError("ZeroOffloadTrainer builds its own optimizer (the engine's "
-                              "AdamW): do not pass optimizers=(...)")
+            raise ConfigError(
+                "ZeroOffloadTrainer builds its own optimizer (the engine's "
+                "AdamW): do not pass optimizers=(...)"
+            )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ConfigError("ZeroOffloadTrainer replaces DeepSpeed/FSDP: remove "
-                              "TrainingArguments.deepspeed / fsdp and pass the config as "
-                              "zero_offload=...")
+            raise ConfigError(
+                "ZeroOffloadTrainer replaces DeepSpeed/FSDP: remove "
+                "TrainingArguments.deepspeed / fsdp and pass the config as "
+                "zero_offload=..."
+            )
         self.zero_offload_config = zero_offload
         self.engine: Engine | None = None
         self._engine_module: EngineModule | None = None
@@ -168,28 +192,38 @@ class ZeroOffloadMixin(_TrainerBase):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None:
             if self.model is None:
-                raise ConfigError("ZeroOffloadTrainer needs the model before its optimizer: "
-                                  "pass model= (or model_init=) to the Trainer")
-            kw = engine_keywords(self.args, self.model, self.zero_offload_config,
-                                 self.get_decay_parameter_names(self.model))
+                raise ConfigError(
+                    "ZeroOffloadTrainer needs the model before its optimizer: "
+                    "pass model= (or model_init=) to the Trainer"
+                )
+            kw = engine_keywords(
+                self.args,
+                self.model,
+                self.zero_offload_config,
+                self.get_decay_parameter_names(self.model),
+            )
             self.engine = initialize(self.model, **kw)
             self._engine_module = EngineModule(self.engine)
             if self.engine.dtype == torch.float16:  # the engine scales the loss itself
                 self.accelerator.scaler = None
-            log.info("ZeroOffloadTrainer: %s", {k: f"{len(v)} parameters" if k == "no_decay"
-                                                 else v for k, v in kw.items()})
+            log.info(
+                "ZeroOffloadTrainer: %s",
+                {k: f"{len(v)} parameters" if k == "no_decay" else v for k, v in kw.items()},
+            )
         if self.optimizer is None:
             self.optimizer = _PreparedEngineOptimizer(self.engine)
         return self.optimizer
 
-    def _wrap_model(self, model: nn.Module, training: bool = True,
-                    dataloader: Any = None) -> nn.Module:
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
         if self._engine_module is not None:
             return self._engine_module
         return super()._wrap_model(model, training, dataloader)
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         if self.engine is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
@@ -201,8 +235,9 @@ class ZeroOffloadMixin(_TrainerBase):
             raise TypeError(f"compute_loss returned a {type(loss).__name__}, not the loss")
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:  # normalized by num_items_in_batch already (Trainer's own rule)
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
-                or self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         self.engine.backward(loss, final=self.accelerator.sync_gradients)
@@ -247,8 +282,10 @@ class ZeroOffloadMixin(_TrainerBase):
             return super()._load_optimizer_and_scheduler(checkpoint)
         directory = os.path.join(checkpoint, ENGINE_DIR)
         if not os.path.isdir(directory):
-            raise ConfigError(f"resume_from_checkpoint={checkpoint!r} holds no {ENGINE_DIR}/ "
-                              "engine checkpoint: resume from a ZeroOffloadTrainer checkpoint")
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint!r} holds no {ENGINE_DIR}/ "
+                "engine checkpoint: resume from a ZeroOffloadTrainer checkpoint"
+            )
         self.engine.load_checkpoint(directory)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
@@ -262,11 +299,17 @@ class ZeroOffloadMixin(_TrainerBase):
         best = self.state.best_model_checkpoint
         directory = os.path.join(best or "", ENGINE_DIR)
         if best is None or not os.path.isdir(directory):
-            raise ConfigError(f"load_best_model_at_end: {best!r} holds no {ENGINE_DIR}/ engine "
-                              "checkpoint (ZeroOffloadTrainer did not save it); load its "
-                              "model.safetensors with from_pretrained instead")
-        log.info("loading the best model from %s (%s = %s)", best,
-                 self.args.metric_for_best_model, self.state.best_metric)
+            raise ConfigError(
+                f"load_best_model_at_end: {best!r} holds no {ENGINE_DIR}/ engine "
+                "checkpoint (ZeroOffloadTrainer did not save it); load its "
+                "model.safetensors with from_pretrained instead"
+            )
+        log.info(
+            "loading the best model from %s (%s = %s)",
+            best,
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+        )
         self.engine.load_checkpoint(directory)
 
     def _save_scaler(self, output_dir: str) -> None:

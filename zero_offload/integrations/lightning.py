@@ -15,6 +15,7 @@ by ``gradient_clip_val`` over all shards. Checkpoints (``trainer.save_checkpoint
 ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are folders: the engine checkpoint plus
 ``lightning.pt`` with Lightning's own state (loops, schedulers, callbacks).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,25 +44,30 @@ LIGHTNING_STATE = "lightning.pt"  # Lightning's own checkpoint entries, beside t
 NVME_ENV = "ZERO_OFFLOAD_NVME_PATH"  # nvme_path for the registered "..._nvme" names
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer,
-                     module: torch.nn.Module) -> dict[str, Any]:
+def _hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
     """AdamW keywords from the optimizer ``configure_optimizers`` returned. Its groups may
     differ only in weight decay, one value and 0 (the usual no-decay group of biases and
     norm weights: ``no_decay``)."""
     adamw = isinstance(optimizer, torch.optim.AdamW)
-    if not adamw and not (type(optimizer) is torch.optim.Adam
-                          and all(g["weight_decay"] == 0 for g in optimizer.param_groups)):
-        raise ConfigError(f"configure_optimizers returned {type(optimizer).__name__}: "
-                          "zero_offload runs AdamW; return torch.optim.AdamW(...)")
+    if not adamw and not (
+        type(optimizer) is torch.optim.Adam
+        and all(g["weight_decay"] == 0 for g in optimizer.param_groups)
+    ):
+        raise ConfigError(
+            f"configure_optimizers returned {type(optimizer).__name__}: "
+            "zero_offload runs AdamW; return torch.optim.AdamW(...)"
+        )
     keys = ("lr", "betas", "eps")
     groups = optimizer.param_groups
     first = {k: groups[0][k] for k in keys}
     decays = {g["weight_decay"] for g in groups} - {0.0}
     if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
-        raise ConfigError("configure_optimizers returned parameter groups with different "
-                          "hyperparameters; zero_offload trains one group, with weight decay "
-                          "0 allowed for some parameters: use one lr, betas, eps and "
-                          "weight_decay")
+        raise ConfigError(
+            "configure_optimizers returned parameter groups with different "
+            "hyperparameters; zero_offload trains one group, with weight decay "
+            "0 allowed for some parameters: use one lr, betas, eps and "
+            "weight_decay"
+        )
     first["betas"] = tuple(first["betas"])
     first["weight_decay"] = decays.pop() if decays else 0.0
     if first["weight_decay"]:
@@ -74,8 +80,15 @@ def _hyperparameters(optimizer: torch.optim.Optimizer,
 
 # Per-group lists torch's lr schedulers keep (one entry per parameter group of the optimizer
 # they were built on).
-_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums",
-              "max_momentums")
+_PER_GROUP = (
+    "base_lrs",
+    "_last_lr",
+    "lr_lambdas",
+    "min_lrs",
+    "max_lrs",
+    "base_momentums",
+    "max_momentums",
+)
 
 
 def _retarget(scheduler: Any, user: torch.optim.Optimizer, engine: EngineOptimizer) -> None:
@@ -100,21 +113,34 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     strategy_name = "zero_offload"
 
-    def __init__(self, config: Mapping[str, Any] | str | os.PathLike | None = None, *,
-                 accelerator: Any = None, parallel_devices: Any = None,
-                 cluster_environment: Any = None, checkpoint_io: Any = None,
-                 precision_plugin: Any = None, process_group_backend: str | None = None,
-                 **keywords: Any) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend)
+    def __init__(
+        self,
+        config: Mapping[str, Any] | str | os.PathLike | None = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        **keywords: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+        )
         if keywords.get("nvme_path") == NVME_ENV:  # a registered name: the path comes from env
             keywords["nvme_path"] = os.environ.get(NVME_ENV)
             if not keywords["nvme_path"]:
-                raise ConfigError(f"this strategy keeps state on NVMe: set {NVME_ENV}="
-                                  "/path/on/a/fast/disk, or pass ZeroOffloadStrategy("
-                                  "nvme_path=...)")
+                raise ConfigError(
+                    f"this strategy keeps state on NVMe: set {NVME_ENV}="
+                    "/path/on/a/fast/disk, or pass ZeroOffloadStrategy("
+                    "nvme_path=...)"
+                )
         self.zero_offload_config = config
         self.zero_offload_keywords = keywords
         self.engine: Engine | None = None
@@ -146,21 +172,26 @@ class ZeroOffloadStrategy(DDPStrategy):
         kw = _hyperparameters(self.optimizers[0], module)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):
-                raise ConfigError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}:"
-                                  " zero_offload clips by the global norm; use 'norm'")
+                raise ConfigError(
+                    f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}:"
+                    " zero_offload clips by the global norm; use 'norm'"
+                )
             kw["max_grad_norm"] = float(trainer.gradient_clip_val)
         precision = str(trainer.precision)
         if precision == "bf16-mixed":  # autocast runs the bf16 parameters on fp32 inputs
             kw["dtype"] = torch.bfloat16
         elif precision not in ("32-true", "32"):
-            raise ConfigError(f"precision={precision!r}: use '32-true' or 'bf16-mixed' with "
-                              "ZeroOffloadStrategy")
+            raise ConfigError(
+                f"precision={precision!r}: use '32-true' or 'bf16-mixed' with ZeroOffloadStrategy"
+            )
         kw.update(self._user_keywords())
         gas = kw.pop("gradient_accumulation_steps", trainer.accumulate_grad_batches)
         if gas != trainer.accumulate_grad_batches:
-            raise ConfigError(f"gradient_accumulation_steps={gas} in the zero_offload config "
-                              f"but accumulate_grad_batches={trainer.accumulate_grad_batches}: "
-                              "Lightning counts the micro-batches, so set it on the Trainer only")
+            raise ConfigError(
+                f"gradient_accumulation_steps={gas} in the zero_offload config "
+                f"but accumulate_grad_batches={trainer.accumulate_grad_batches}: "
+                "Lightning counts the micro-batches, so set it on the Trainer only"
+            )
         return kw
 
     def setup(self, trainer: Any) -> None:
@@ -174,8 +205,10 @@ class ZeroOffloadStrategy(DDPStrategy):
                 raise ConfigError("configure_optimizers must return exactly one optimizer")
             kw = self._keywords(trainer)
             self.engine = initialize(module, **kw)
-            log.info("ZeroOffloadStrategy: %s", {k: f"{len(v)} parameters" if k == "no_decay"
-                                                  else v for k, v in kw.items()})
+            log.info(
+                "ZeroOffloadStrategy: %s",
+                {k: f"{len(v)} parameters" if k == "no_decay" else v for k, v in kw.items()},
+            )
             engine_opt = EngineOptimizer(self.engine)
             for config in self.lr_scheduler_configs:
                 _retarget(config.scheduler, user_opt, engine_opt)
@@ -220,8 +253,9 @@ class ZeroOffloadStrategy(DDPStrategy):
         with self._forward():
             return super().predict_step(*args, **kwargs)
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
-                 **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         """Lightning already divided the loss for accumulation; the engine only adds the fp16
         loss scale, and learns from ``optimizer_step`` whether this micro-batch ends the
         window (manual optimization: every backward does)."""
@@ -231,8 +265,7 @@ class ZeroOffloadStrategy(DDPStrategy):
         self.engine.backward(closure_loss, final=self._final or not module.automatic_optimization)
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None,
-                       **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         module = model if isinstance(model, LightningModule) else self.lightning_module
         assert module is not None
         self._final = True
@@ -256,27 +289,34 @@ class ZeroOffloadStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the engine checkpoint holds the parameters (fp32 masters)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                        storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("ZeroOffloadStrategy writes checkpoint folders itself: "
-                            "storage_options is not supported")
+            raise TypeError(
+                "ZeroOffloadStrategy writes checkpoint folders itself: "
+                "storage_options is not supported"
+            )
         if self.engine is None:
             raise RuntimeError("ZeroOffloadStrategy saves checkpoints during or after fit")
         path = Path(self.broadcast(str(filepath)))
         self.engine.save_checkpoint(path)
         if self.is_global_zero:
-            rest = {k: v for k, v in checkpoint.items()
-                    if k not in ("state_dict", "optimizer_states")}
+            rest = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
             torch.save(rest, path / LIGHTNING_STATE)
         self.barrier("zero_offload.save_checkpoint")
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         path = Path(checkpoint_path)
         if not (path / LIGHTNING_STATE).is_file():
-            raise ConfigError(f"ckpt_path={str(path)!r} is not a ZeroOffloadStrategy checkpoint "
-                              f"folder (no {LIGHTNING_STATE})")
+            raise ConfigError(
+                f"ckpt_path={str(path)!r} is not a ZeroOffloadStrategy checkpoint "
+                f"folder (no {LIGHTNING_STATE})"
+            )
         if self.engine is None:
             raise RuntimeError("ZeroOffloadStrategy resumes training checkpoints in fit()")
         self.engine.load_checkpoint(path)
@@ -303,15 +343,16 @@ class ZeroOffloadStrategy(DDPStrategy):
             "zero_offload_stage2": dict(stage=2),
             "zero_offload_stage2_offload": dict(stage=2, offload_optimizer="cpu"),
             "zero_offload_stage3": dict(stage=3),
-            "zero_offload_stage3_offload": dict(stage=3, offload_optimizer="cpu",
-                                                offload_param="cpu"),
-            "zero_offload_stage3_offload_nvme": dict(stage=3, offload_optimizer="nvme",
-                                                     offload_param="nvme", nvme_path=NVME_ENV),
+            "zero_offload_stage3_offload": dict(
+                stage=3, offload_optimizer="cpu", offload_param="cpu"
+            ),
+            "zero_offload_stage3_offload_nvme": dict(
+                stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path=NVME_ENV
+            ),
         }
         for name, kw in names.items():
             if name not in registry:
-                registry.register(name, cls, description=f"zero_offload {kw or 'defaults'}",
-                                  **kw)
+                registry.register(name, cls, description=f"zero_offload {kw or 'defaults'}", **kw)
 
 
 ZeroOffloadStrategy.register_strategies(StrategyRegistry)

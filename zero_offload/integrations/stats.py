@@ -1,4 +1,5 @@
 """The engine's last-step stats as trainer log entries (TensorBoard, W&B, CSV, ...)."""
+
 from __future__ import annotations
 
 from typing import Any

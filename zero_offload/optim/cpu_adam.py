@@ -28,10 +28,19 @@ class CPUAdam(torch.optim.Optimizer):
     ``amsgrad`` and ``maximize`` are not supported and raise ValueError.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, adamw: bool = True, *, amsgrad: bool = False,
-                 maximize: bool = False, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        adamw: bool = True,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -44,8 +53,15 @@ class CPUAdam(torch.optim.Optimizer):
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         _reject_unsupported(amsgrad, maximize)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        adamw=bool(adamw), amsgrad=False, maximize=False)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=bool(adamw),
+            amsgrad=False,
+            maximize=False,
+        )
         super().__init__(params, defaults)
         self.num_threads = num_threads
 
@@ -53,8 +69,9 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             # a torch AdamW/Adam state dict says decoupled_weight_decay instead
-            group.setdefault("adamw", group.get("decoupled_weight_decay",
-                                                self.defaults.get("adamw", True)))
+            group.setdefault(
+                "adamw", group.get("decoupled_weight_decay", self.defaults.get("adamw", True))
+            )
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
 
@@ -102,10 +119,21 @@ class CPUAdam(torch.optim.Optimizer):
         step_t = state["step"]
         step = int(step_t.item() if isinstance(step_t, Tensor) else step_t) + 1
         beta1, beta2 = group["betas"]
-        adam_update(p, grad, exp_avg, exp_avg_sq, step=step, lr=_scalar(group["lr"]),
-                    beta1=_scalar(beta1), beta2=_scalar(beta2), eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group.get("adamw", True),
-                    out=out, num_threads=self.num_threads)
+        adam_update(
+            p,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=_scalar(group["lr"]),
+            beta1=_scalar(beta1),
+            beta2=_scalar(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw=group.get("adamw", True),
+            out=out,
+            num_threads=self.num_threads,
+        )
         if isinstance(step_t, Tensor):
             step_t.fill_(step)
         else:
@@ -115,13 +143,29 @@ class CPUAdam(torch.optim.Optimizer):
 class CPUAdamW(CPUAdam):
     """``CPUAdam`` with decoupled weight decay fixed on (the ``torch.optim.AdamW`` math)."""
 
-    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, amsgrad: bool = False,
-                 maximize: bool = False, num_threads: int | None = None) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         adamw=True, amsgrad=amsgrad, maximize=maximize,
-                         num_threads=num_threads)
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=True,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            num_threads=num_threads,
+        )
 
 
 def _scalar(x: float | Tensor) -> float:
@@ -130,6 +174,8 @@ def _scalar(x: float | Tensor) -> float:
 
 def _reject_unsupported(amsgrad: bool, maximize: bool) -> None:
     if amsgrad:
-        raise ValueError("CPUAdam does not support amsgrad=True; use torch.optim.AdamW(amsgrad=True)")
+        raise ValueError(
+            "CPUAdam does not support amsgrad=True; use torch.optim.AdamW(amsgrad=True)"
+        )
     if maximize:
         raise ValueError("CPUAdam does not support maximize=True; negate the loss instead")

@@ -146,8 +146,10 @@ def load_kernel(isa: str | None = None) -> NativeKernel:
     """
     isa = kernel_isa(isa)
     if isa in ("avx512", "avx2") and not _X86:
-        raise IsaUnavailable(f"{ENV_ISA}={isa}: an x86-64 path, and this CPU is "
-                             f"{platform.machine()}; use auto or scalar")
+        raise IsaUnavailable(
+            f"{ENV_ISA}={isa}: an x86-64 path, and this CPU is "
+            f"{platform.machine()}; use auto or scalar"
+        )
     lib = build_kernel(KERNEL_NAME, isa_flags(isa))
     try:
         _declare(lib)
@@ -158,12 +160,14 @@ def load_kernel(isa: str | None = None) -> NativeKernel:
         raise KernelBuildError(
             f"kernel ABI {abi[0]} does not match the binding's {ABI_VERSION}: "
             "zero_offload/kernels/ and the binding come from different versions "
-            "(reinstall zero_offload)")
+            "(reinstall zero_offload)"
+        )
     native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
     if isa != "auto" and native.vec_path != isa:
         raise IsaUnavailable(
             f"{ENV_ISA}={isa}: this CPU (or compiler) has no {isa} path; -march=native "
-            f"builds the {native.vec_path!r} path here (use auto)")
+            f"builds the {native.vec_path!r} path here (use auto)"
+        )
     return native
 
 
@@ -177,11 +181,13 @@ def _load_cached(cc: str, cache: str, isa: str) -> NativeKernel | KernelBuildErr
     except (KernelBuildError, OSError) as exc:
         logger.warning(
             "CPU Adam kernel unavailable, falling back to torch's fused CPU AdamW "
-            "(slower on the bf16 offload path). Reason: %s", exc
+            "(slower on the bf16 offload path). Reason: %s",
+            exc,
         )
         return exc if isinstance(exc, KernelBuildError) else KernelBuildError(str(exc))
-    logger.info("CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path,
-                native.openmp, cache)
+    logger.info(
+        "CPU Adam kernel loaded (%s, openmp=%s, cache %s)", native.vec_path, native.openmp, cache
+    )
     return native
 
 
@@ -224,8 +230,9 @@ def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int) ->
         raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
 
 
-def check_tensors(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                  out: Tensor | None = None) -> None:
+def check_tensors(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor | None = None
+) -> None:
     """Raise a clear error for anything the in-place update cannot take as is."""
     fp32 = (torch.float32,)
     _check("param", param, fp32, param.numel() if isinstance(param, Tensor) else 0)
@@ -241,9 +248,16 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, adamw: bool, grad_scale: float = 1.0
-                 ) -> tuple[ctypes.Array, int]:
+def adam_scalars(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_scale: float = 1.0,
+) -> tuple[ctypes.Array, int]:
     """Fold the hyperparameters in double precision like torch's Python-side math; the
     kernel takes them as ``float[NUM_HP]`` (order of ``zo_hp`` in the C source).
     ``grad_scale``: the factor the kernel multiplies each (widened) gradient by, in fp32."""
@@ -251,16 +265,16 @@ def adam_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float,
     bc2_sqrt = (1 - beta2**step) ** 0.5
     w1 = _f32(1 - beta1)
     values = (
-        1 - lr * weight_decay if adamw else 1.0,         # decay
-        0.0 if adamw else weight_decay,                  # l2
+        1 - lr * weight_decay if adamw else 1.0,  # decay
+        0.0 if adamw else weight_decay,  # l2
         w1,
-        _f32(np.float32(1.0) - np.float32(w1)),          # torch lerp's (1 - weight) in fp32
+        _f32(np.float32(1.0) - np.float32(w1)),  # torch lerp's (1 - weight) in fp32
         beta2,
         1 - beta2,
         eps,
-        -(lr / bc1),                                     # -step_size
+        -(lr / bc1),  # -step_size
         bc2_sqrt,
-        float(np.float32(1.0) / np.float32(bc2_sqrt)),   # correctly rounded fp32 reciprocal
+        float(np.float32(1.0) / np.float32(bc2_sqrt)),  # correctly rounded fp32 reciprocal
         grad_scale,
     )
     return (ctypes.c_float * NUM_HP)(*values), int(bool(adamw))
@@ -270,15 +284,30 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def native_update(k: NativeKernel, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                  exp_avg_sq: Tensor, out: Tensor | None, scalars: tuple, threads: int,
-                  openmp: bool | None = None) -> int:
+def native_update(
+    k: NativeKernel,
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    out: Tensor | None,
+    scalars: tuple,
+    threads: int,
+    openmp: bool | None = None,
+) -> int:
     """Run the kernel on ``threads`` threads (OpenMP when built with it, else Python threads
     calling disjoint ranges without the GIL); returns the kernel's status code. Tensors must
     already have passed :func:`check_tensors`."""
     n = param.numel()
-    args = [_ptr(param), _ptr(grad), _DTYPE_CODES[grad.dtype], _ptr(exp_avg),
-            _ptr(exp_avg_sq), _ptr(out), _NO_OUT if out is None else _DTYPE_CODES[out.dtype]]
+    args = [
+        _ptr(param),
+        _ptr(grad),
+        _DTYPE_CODES[grad.dtype],
+        _ptr(exp_avg),
+        _ptr(exp_avg_sq),
+        _ptr(out),
+        _NO_OUT if out is None else _DTYPE_CODES[out.dtype],
+    ]
     if threads == 1 or (k.openmp if openmp is None else openmp):
         return k.lib.zo_adam_omp(*args, n, *scalars, threads)
     per = -(-n // threads)
@@ -298,27 +327,64 @@ def native_update(k: NativeKernel, param: Tensor, grad: Tensor, exp_avg: Tensor,
     return max(codes, key=abs)
 
 
-def torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
-                  step: int, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, adamw: bool, out: Tensor | None,
-                  grad_scale: float = 1.0) -> None:
+def torch_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    out: Tensor | None,
+    grad_scale: float = 1.0,
+) -> None:
     """torch's fused CPU Adam(W) on the same tensors (grad widened to fp32 first)."""
     g = grad if grad.dtype == torch.float32 else grad.float()
     if grad_scale != 1.0:
         g = g * _f32(grad_scale)  # a new tensor: the caller's gradients stay as they are
     fn = torch._fused_adamw_ if adamw else torch._fused_adam_
-    fn([param], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr,
-       beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-       maximize=False)
+    fn(
+        [param],
+        [g],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [torch.tensor(float(step))],
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
     if out is not None:
         out.view(-1).copy_(param.view(-1))
 
 
 @record_function("zero_offload.cpu_adam")
-def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
-                step: int, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, adamw: bool = True, out: Tensor | None = None,
-                num_threads: int | None = None, grad_scale: float = 1.0) -> None:
+def adam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    out: Tensor | None = None,
+    num_threads: int | None = None,
+    grad_scale: float = 1.0,
+) -> None:
     """One Adam/AdamW step in place on ``param``, ``exp_avg``, ``exp_avg_sq``.
 
     ``step`` is the already-incremented step count (bias correction). ``grad`` may be
@@ -334,9 +400,16 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     n = param.numel()
     if n == 0:
         return
-    hyper = AdamHyper(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-                      eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
-                      grad_scale=_f32(grad_scale))
+    hyper = AdamHyper(
+        step=int(step),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        adamw=bool(adamw),
+        grad_scale=_f32(grad_scale),
+    )
     if not param.untyped_storage().data_ptr():
         # A tensor without memory (a rehearsal's fake tensor) has no values to update, and
         # the kernel it stands for allocates nothing: torch's path would count a widened
@@ -348,8 +421,7 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         if threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
-        rc = native_update(k, param, grad, exp_avg, exp_avg_sq, out, adam_scalars(**hyper),
-                           threads)
+        rc = native_update(k, param, grad, exp_avg, exp_avg_sq, out, adam_scalars(**hyper), threads)
         if rc == 0:
             return
         # The kernel validates before touching memory: nothing was updated, do it in torch.

@@ -7,6 +7,7 @@ Pool buffers are fake host tensors of their real size, counted by the tracker as
 The swap folder itself is a real, empty temporary one. The live, peak, read and written
 bytes are what the rehearsal reports as the NVMe tier.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -43,8 +44,9 @@ class _Files:
         grown = end - self.disk.sizes.get(key, 0)
         if grown > 0:
             if grown > self.disk.free_bytes(Path(key)):
-                return _failed(SwapIOError(key, f"the simulated disk of {self.disk.capacity} "
-                                                f"bytes is full"))
+                return _failed(
+                    SwapIOError(key, f"the simulated disk of {self.disk.capacity} bytes is full")
+                )
             self.disk.sizes[key] = end
             self.paths.add(key)
             self.disk.grow(grown)
@@ -54,8 +56,9 @@ class _Files:
     def read(self, path: str | Path, buf: Any, offset: int = 0) -> "Future[None]":
         nbytes = _nbytes(buf)
         if self.disk.sizes.get(str(path), 0) < offset + nbytes:
-            return _failed(SwapIOError(str(path), f"read of {nbytes} bytes at {offset} past "
-                                                  "what was written"))
+            return _failed(
+                SwapIOError(str(path), f"read of {nbytes} bytes at {offset} past what was written")
+            )
         self.disk.read += nbytes
         return _done()
 

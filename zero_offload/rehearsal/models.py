@@ -5,6 +5,7 @@ Built-in names are the Llama 2 shapes (``llama-7b``, ``llama-13b``, ``llama-70b`
 with a ``config.json`` works too (``AutoModelForCausalLM.from_config``; ``transformers`` is
 imported only then).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,31 @@ __all__ = ["PRESETS", "build_model", "prepare_meta_model", "causal_lm_batch"]
 
 # Llama 2 (Touvron et al., 2023), as in the released config.json files.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=32),
-    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                      num_attention_heads=40, num_key_value_heads=40),
-    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                      num_attention_heads=64, num_key_value_heads=8),
+    "llama-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+    ),
+    "llama-13b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+    ),
+    "llama-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
 }
-_LLAMA_COMMON: dict[str, Any] = dict(vocab_size=32000, max_position_embeddings=4096,
-                                     rms_norm_eps=1e-5, tie_word_embeddings=False)
+_LLAMA_COMMON: dict[str, Any] = dict(
+    vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False
+)
 
 
 def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
@@ -35,8 +52,9 @@ def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - an optional dependency
-        raise RuntimeError("rehearsing a Hugging Face config needs transformers "
-                           "(pip install transformers)") from exc
+        raise RuntimeError(
+            "rehearsing a Hugging Face config needs transformers (pip install transformers)"
+        ) from exc
     if name_or_path in PRESETS:
         config = transformers.LlamaConfig(**_LLAMA_COMMON, **PRESETS[name_or_path])
     elif os.path.isfile(os.path.join(name_or_path, "config.json")):
@@ -44,8 +62,10 @@ def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
             json.load(f)  # a clear error for a broken file before transformers reads it
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     else:
-        raise ValueError(f"unknown model {name_or_path!r}: give one of "
-                         f"{', '.join(PRESETS)} or a folder holding a config.json")
+        raise ValueError(
+            f"unknown model {name_or_path!r}: give one of "
+            f"{', '.join(PRESETS)} or a folder holding a config.json"
+        )
     config.use_cache = False
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -55,7 +75,8 @@ def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.train()
     return model
 

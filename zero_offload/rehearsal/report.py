@@ -1,5 +1,6 @@
 """What a rehearsal found: device bytes per phase and kind, the planner's figures beside them,
 a verdict against the GPU size, and what to change when it does not fit."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,17 +8,27 @@ from typing import Any
 
 import torch
 
-from ..memory_model import (FORWARD_BACKWARD, INITIALIZE, REDUCE, RESIDENT, STEP, MemoryEstimate,
-                            ModelShape, describe_params)
+from ..memory_model import (
+    FORWARD_BACKWARD,
+    INITIALIZE,
+    REDUCE,
+    RESIDENT,
+    STEP,
+    MemoryEstimate,
+    ModelShape,
+    describe_params,
+)
 from .tracker import KINDS, PhaseMemory
 
 __all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY", "tiers_note"]
 
 PHASES = ("initialize", "forward", "backward", "step")
-HONESTY = ("Device bytes are counted per allocation (torch.cuda.max_memory_allocated), "
-           "without the CUDA context (~0.5-1 GB) and the caching allocator's slack: the "
-           "headroom is for those. Values are not simulated: norms read 0, so no overflow or "
-           "clipping is seen.")
+HONESTY = (
+    "Device bytes are counted per allocation (torch.cuda.max_memory_allocated), "
+    "without the CUDA context (~0.5-1 GB) and the caching allocator's slack: the "
+    "headroom is for those. Values are not simulated: norms read 0, so no overflow or "
+    "clipping is seen."
+)
 
 
 def tiers_note(nvme: bool) -> dict[str, str]:
@@ -27,9 +38,12 @@ def tiers_note(nvme: bool) -> dict[str, str]:
         "GPU": "simulated: torch's meta device under FakeTensorMode, every allocation counted",
         "other ranks": "simulated: torch's fake process group (collectives return at once)",
         "host": "simulated: fake CPU tensors, sizes tracked, no data",
-        "NVMe": ("simulated: the engine's swap code on a disk that tracks file sizes, no "
-                 "data and no file written (the swap folder is a real, empty temporary one)"
-                 if nvme else "not used"),
+        "NVMe": (
+            "simulated: the engine's swap code on a disk that tracks file sizes, no "
+            "data and no file written (the swap folder is a real, empty temporary one)"
+            if nvme
+            else "not used"
+        ),
     }
 
 
@@ -49,8 +63,10 @@ def device_problems(engine: Any, when: str) -> list[str]:
             return
         want_type = sim if want == "device" else "cpu"
         if t.device.type != want_type:
-            out.append(f"{when}: {what} is on {t.device.type}, expected "
-                       f"{'the GPU' if want == 'device' else 'the host'}")
+            out.append(
+                f"{when}: {what} is on {t.device.type}, expected "
+                f"{'the GPU' if want == 'device' else 'the host'}"
+            )
 
     cfg = engine.config
     for name, p in engine.module.named_parameters():
@@ -62,8 +78,9 @@ def device_problems(engine: Any, when: str) -> list[str]:
     check("the gradient shard", engine.grads, _tier_of(cfg.offload.optimizer))
     if engine.param_store is not None:
         check("the parameter shards", engine.param_store.resident, _tier_of(cfg.offload.param))
-    check("the fp32 master", engine.optimizer_tensors().get("master"),
-          _tier_of(cfg.offload.optimizer))
+    check(
+        "the fp32 master", engine.optimizer_tensors().get("master"), _tier_of(cfg.offload.optimizer)
+    )
     return out
 
 
@@ -114,8 +131,7 @@ class Rehearsal:
 
     @property
     def fits(self) -> bool:
-        return self.failure is None and not self.problems and \
-            self.peak_bytes <= self.usable_bytes
+        return self.failure is None and not self.problems and self.peak_bytes <= self.usable_bytes
 
     @property
     def device_clean(self) -> bool:
@@ -125,18 +141,25 @@ class Rehearsal:
         """The estimate's device bytes in each measured phase: initialize, the model's
         forward/backward, and ``engine.step()`` (stage 0-1 reductions, then the update)."""
         e = self.estimate
-        by = {p: sum(t.bytes for t in e.terms if t.tier == "device" and t.phase == p)
-              for p in (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)}
-        return {"initialize": by[RESIDENT] + by[INITIALIZE],
-                "forward/backward": by[RESIDENT] + by[FORWARD_BACKWARD],
-                "step": by[RESIDENT] + max(by[REDUCE], by[STEP])}
+        by = {
+            p: sum(t.bytes for t in e.terms if t.tier == "device" and t.phase == p)
+            for p in (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)
+        }
+        return {
+            "initialize": by[RESIDENT] + by[INITIALIZE],
+            "forward/backward": by[RESIDENT] + by[FORWARD_BACKWARD],
+            "step": by[RESIDENT] + max(by[REDUCE], by[STEP]),
+        }
 
     def measured_phase_bytes(self) -> dict[str, int]:
         def peak(*phases: str) -> int:
-            return max((self.phases[p].device_peak for p in phases if p in self.phases),
-                       default=0)
-        return {"initialize": peak("initialize"), "forward/backward": peak("forward", "backward"),
-                "step": peak("step")}
+            return max((self.phases[p].device_peak for p in phases if p in self.phases), default=0)
+
+        return {
+            "initialize": peak("initialize"),
+            "forward/backward": peak("forward", "backward"),
+            "step": peak("step"),
+        }
 
     @property
     def estimate_error(self) -> float:
@@ -156,26 +179,45 @@ class Rehearsal:
             per = acts / b
             fit = int(b - -(-over // per))
             if fit >= 1:
-                out.append(f"a micro-batch of {fit} × {s} tokens (activations scale with it; "
-                           f"raise gradient_accumulation_steps to keep the global batch)")
+                out.append(
+                    f"a micro-batch of {fit} × {s} tokens (activations scale with it; "
+                    f"raise gradient_accumulation_steps to keep the global batch)"
+                )
         if acts and not self.checkpointing:
-            out.append("activation checkpointing (checkpointing=True / --checkpointing) keeps "
-                       "only each layer's input through the forward")
+            out.append(
+                "activation checkpointing (checkpointing=True / --checkpointing) keeps "
+                "only each layer's input through the forward"
+            )
         host = self.host_memory if self.host_memory is not None else 2**62
         from ..planner import plan
-        advice = plan(self.shape, num_gpus=self.world_size, gpu_memory=self.gpu_memory,
-                      host_memory=host, activation_bytes=acts or None,
-                      headroom=self.headroom, dtype=self.estimate_kwargs["dtype"],
-                      prefetch_depth=self.estimate_kwargs["prefetch_depth"])
-        current = (self.estimate.stage, self.estimate.offload_optimizer,
-                   self.estimate.offload_param)
-        if advice.choice is not None and (advice.choice.stage, advice.choice.offload_optimizer,
-                                          advice.choice.offload_param) != current:
+
+        advice = plan(
+            self.shape,
+            num_gpus=self.world_size,
+            gpu_memory=self.gpu_memory,
+            host_memory=host,
+            activation_bytes=acts or None,
+            headroom=self.headroom,
+            dtype=self.estimate_kwargs["dtype"],
+            prefetch_depth=self.estimate_kwargs["prefetch_depth"],
+        )
+        current = (
+            self.estimate.stage,
+            self.estimate.offload_optimizer,
+            self.estimate.offload_param,
+        )
+        if (
+            advice.choice is not None
+            and (advice.choice.stage, advice.choice.offload_optimizer, advice.choice.offload_param)
+            != current
+        ):
             args = ", ".join(f"{k}={v!r}" for k, v in advice.kwargs.items())
             out.append(f"the planner, given the measured activations, recommends {args}")
         elif advice.choice is None:
-            out.append("the planner finds no stage × offload that fits with the measured "
-                       "activations: " + advice.explanation.splitlines()[-1])
+            out.append(
+                "the planner finds no stage × offload that fits with the measured "
+                "activations: " + advice.explanation.splitlines()[-1]
+            )
         return out
 
     def verdict(self) -> str:
@@ -185,77 +227,114 @@ class Rehearsal:
         if self.failure is not None:
             return f"FAILED in {self.failure}"
         if peak <= usable:
-            return (f"FITS: peak {_gb(peak)} GB ({self.peak_phase}) of {_gb(self.gpu_memory)} "
-                    f"GB per GPU, {_gb(usable - peak)} GB below the {self.headroom:.0%} "
-                    "headroom")
-        return (f"DOES NOT FIT: peak {_gb(peak)} GB ({self.peak_phase}) exceeds the "
-                f"{_gb(usable)} GB usable of {_gb(self.gpu_memory)} GB per GPU by "
-                f"{_gb(peak - usable)} GB")
+            return (
+                f"FITS: peak {_gb(peak)} GB ({self.peak_phase}) of {_gb(self.gpu_memory)} "
+                f"GB per GPU, {_gb(usable - peak)} GB below the {self.headroom:.0%} "
+                "headroom"
+            )
+        return (
+            f"DOES NOT FIT: peak {_gb(peak)} GB ({self.peak_phase}) exceeds the "
+            f"{_gb(usable)} GB usable of {_gb(self.gpu_memory)} GB per GPU by "
+            f"{_gb(peak - usable)} GB"
+        )
 
     # -- output -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "num_params": self.num_params, "world_size": self.world_size,
-            "gpu_memory": self.gpu_memory, "headroom": self.headroom,
-            "engine_kwargs": {k: str(v) if isinstance(v, torch.dtype) else v
-                              for k, v in self.engine_kwargs.items()},
+            "model": self.model,
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "gpu_memory": self.gpu_memory,
+            "headroom": self.headroom,
+            "engine_kwargs": {
+                k: str(v) if isinstance(v, torch.dtype) else v
+                for k, v in self.engine_kwargs.items()
+            },
             "micro_batch": list(self.micro_batch) if self.micro_batch else None,
-            "checkpointing": self.checkpointing, "peak_bytes": self.peak_bytes,
-            "fits": self.fits, "verdict": self.verdict(), "problems": list(self.problems),
-            "failure": self.failure, "activation_bytes": self.activation_bytes,
+            "checkpointing": self.checkpointing,
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "verdict": self.verdict(),
+            "problems": list(self.problems),
+            "failure": self.failure,
+            "activation_bytes": self.activation_bytes,
             "estimate_gpu_bytes": self.estimate.gpu_bytes,
-            "estimate_error": self.estimate_error, "suggestions": self.suggestions(),
+            "estimate_error": self.estimate_error,
+            "suggestions": self.suggestions(),
             "phases": {p: vars(m) for p, m in self.phases.items()},
-            "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes,
-            "tiers": tiers_note(self.nvme_simulated), "simulated": HONESTY,
+            "wall_s": self.wall_s,
+            "max_rss_bytes": self.max_rss_bytes,
+            "tiers": tiers_note(self.nvme_simulated),
+            "simulated": HONESTY,
         }
 
     def __str__(self) -> str:
         kw = ", ".join(f"{k}={v!r}" for k, v in self.engine_kwargs.items())
-        mb = (f", micro-batch {self.micro_batch[0]} × {self.micro_batch[1]} tokens"
-              if self.micro_batch else "")
-        lines = [f"rehearsal: {self.model} ({describe_params(self.num_params, self.num_params)})"
-                 f", rank 0 of {self.world_size}, {_gb(self.gpu_memory)} GB GPUs{mb}"
-                 f"{', activation checkpointing' if self.checkpointing else ''}",
-                 f"  initialize({kw})", "",
-                 "GPU GB per phase (peak, and what it held then):",
-                 f"  {'phase':<10} {'peak':>7}  " + "  ".join(f"{k[:11]:>11}" for k in KINDS)
-                 + f"  {'host peak':>9} {'H2D':>7} {'D2H':>7}"
-                 + (f" {'NVMe peak':>9} {'read':>7} {'written':>7}" if self.nvme_simulated
-                    else "")]
+        mb = (
+            f", micro-batch {self.micro_batch[0]} × {self.micro_batch[1]} tokens"
+            if self.micro_batch
+            else ""
+        )
+        lines = [
+            f"rehearsal: {self.model} ({describe_params(self.num_params, self.num_params)})"
+            f", rank 0 of {self.world_size}, {_gb(self.gpu_memory)} GB GPUs{mb}"
+            f"{', activation checkpointing' if self.checkpointing else ''}",
+            f"  initialize({kw})",
+            "",
+            "GPU GB per phase (peak, and what it held then):",
+            f"  {'phase':<10} {'peak':>7}  "
+            + "  ".join(f"{k[:11]:>11}" for k in KINDS)
+            + f"  {'host peak':>9} {'H2D':>7} {'D2H':>7}"
+            + (f" {'NVMe peak':>9} {'read':>7} {'written':>7}" if self.nvme_simulated else ""),
+        ]
         for p in PHASES:
             m = self.phases.get(p)
             if m is None:
                 continue
-            lines.append(f"  {p:<10} {_gb(m.device_peak):>7}  "
-                         + "  ".join(f"{_gb(m.device_kinds.get(k, 0)):>11}" for k in KINDS)
-                         + f"  {_gb(m.host_peak):>9} {_gb(m.h2d_bytes):>7} "
-                         f"{_gb(m.d2h_bytes):>7}"
-                         + (f" {_gb(m.nvme_peak):>9} {_gb(m.nvme_read):>7} "
-                            f"{_gb(m.nvme_written):>7}" if self.nvme_simulated else ""))
+            lines.append(
+                f"  {p:<10} {_gb(m.device_peak):>7}  "
+                + "  ".join(f"{_gb(m.device_kinds.get(k, 0)):>11}" for k in KINDS)
+                + f"  {_gb(m.host_peak):>9} {_gb(m.h2d_bytes):>7} "
+                f"{_gb(m.d2h_bytes):>7}"
+                + (
+                    f" {_gb(m.nvme_peak):>9} {_gb(m.nvme_read):>7} {_gb(m.nvme_written):>7}"
+                    if self.nvme_simulated
+                    else ""
+                )
+            )
         est, meas = self.estimated_phase_bytes(), self.measured_phase_bytes()
-        lines += ["", f"planner (estimate_memory, activations as measured: "
-                  f"{_gb(self.activation_bytes)} GB):"]
+        lines += [
+            "",
+            f"planner (estimate_memory, activations as measured: {_gb(self.activation_bytes)} GB):",
+        ]
         for p in ("initialize", "forward/backward", "step"):
             diff = (est[p] - meas[p]) / max(meas[p], 1)
-            lines.append(f"  {p:<17} estimated {_gb(est[p]):>7} GB, measured "
-                         f"{_gb(meas[p]):>7} GB ({diff:+.1%})")
-        for t in sorted((t for t in self.estimate.terms if t.tier == "device"),
-                        key=lambda t: -t.bytes):
+            lines.append(
+                f"  {p:<17} estimated {_gb(est[p]):>7} GB, measured "
+                f"{_gb(meas[p]):>7} GB ({diff:+.1%})"
+            )
+        for t in sorted(
+            (t for t in self.estimate.terms if t.tier == "device"), key=lambda t: -t.bytes
+        ):
             lines.append(f"    {_gb(t.bytes):>7} GB  {t.name} [{t.phase}] ({t.formula})")
         tiers = [("host", self.estimate.host_bytes_per_rank, "host_peak")]
         if self.nvme_simulated:
             tiers.append(("NVMe", self.estimate.nvme_bytes_per_rank, "nvme_peak"))
         for tier, estimated, attr in tiers:
             got = max((getattr(m, attr) for m in self.phases.values()), default=0)
-            lines.append(f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
-                         f"measured {_gb(got):>7} GB")
+            lines.append(
+                f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
+                f"measured {_gb(got):>7} GB"
+            )
         lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]
         lines += [f"  {p}" for p in self.problems]
         lines += [f"verdict: {self.verdict()}"]
         lines += [f"  try: {s}" for s in self.suggestions()]
-        lines += ["", f"rehearsed in {self.wall_s:.0f} s, max RSS "
-                  f"{self.max_rss_bytes / 2**30:.2f} GiB", "tiers (none real):"]
+        lines += [
+            "",
+            f"rehearsed in {self.wall_s:.0f} s, max RSS {self.max_rss_bytes / 2**30:.2f} GiB",
+            "tiers (none real):",
+        ]
         lines += [f"  {k:<12} {v}" for k, v in tiers_note(self.nvme_simulated).items()]
         lines += [f"note: {HONESTY}"]
         return "\n".join(lines)

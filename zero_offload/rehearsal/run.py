@@ -6,6 +6,7 @@ stray full-size copy shows up as it would in ``torch.cuda.max_memory_allocated``
 is set beside ``estimate_memory`` for the same configuration (with the measured activations)
 in a :class:`~.report.Rehearsal`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ def _key(t: torch.Tensor) -> int:
 
 def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
     """What each storage the engine holds is, read from the engine at the moment asked."""
+
     def identify() -> dict[int, str]:
         engine = holder.get("engine")
         if engine is None:
@@ -63,6 +65,7 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
         for buffer in engine.reductions_in_flight():
             out[_key(buffer)] = COMM
         return out
+
     return identify
 
 
@@ -70,13 +73,15 @@ def _engine_class(tracker: MemoryTracker) -> type[Engine]:
     class RehearsalEngine(Engine):
         def _make_streams(self) -> Streams:
             return SimulatedStreams(self.device, on_transfer=lambda t: tracker.tag(t, COMM))
+
     return RehearsalEngine
 
 
 def _fused_device_adam(engine: Engine) -> None:
     """On CUDA the device optimizer is torch's fused AdamW; give the simulation the same."""
     engine._replace_device_optimizer(
-        lambda params: SimulatedFusedAdamW(params, **adam_kwargs(engine.config)))
+        lambda params: SimulatedFusedAdamW(params, **adam_kwargs(engine.config))
+    )
 
 
 class _Inline(Executor):
@@ -115,13 +120,21 @@ def _call(engine: Engine, batch: Any) -> Any:
     return engine(batch)
 
 
-def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
-             micro_batch: tuple[int, int] | None = None,
-             batch: Callable[[], Any] | None = None,
-             loss_fn: Callable[[Any], torch.Tensor] | None = None,
-             checkpointing: bool = False, iterations: int = 2, headroom: float = 0.1,
-             host_memory: int | None = None, nvme_bytes: int | None = None,
-             **engine_kwargs: Any) -> Rehearsal:
+def rehearse(
+    model: nn.Module | str,
+    *,
+    world_size: int,
+    gpu_memory: int,
+    micro_batch: tuple[int, int] | None = None,
+    batch: Callable[[], Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    checkpointing: bool = False,
+    iterations: int = 2,
+    headroom: float = 0.1,
+    host_memory: int | None = None,
+    nvme_bytes: int | None = None,
+    **engine_kwargs: Any,
+) -> Rehearsal:
     """Run rank 0's ``initialize`` and ``iterations`` forward/backward/step rounds of a
     ``world_size``-rank run on a simulated GPU and report the device bytes per phase and
     kind, beside ``estimate_memory``'s and the GPU size (``gpu_memory`` bytes, of which
@@ -154,29 +167,53 @@ def rehearse(model: nn.Module | str, *, world_size: int, gpu_memory: int,
     if host_memory is not None and "host_memory_limit" not in sim_kwargs:
         # as on the target node: its memory shared by its ranks (estimate_memory's rule)
         sim_kwargs["host_memory_limit"] = host_memory_budget(
-            None, available=int(host_memory), ranks=min(world_size, 8))
+            None, available=int(host_memory), ranks=min(world_size, 8)
+        )
     disk = None
     stack = contextlib.ExitStack()
     if "nvme" in (engine_kwargs.get("offload_optimizer"), engine_kwargs.get("offload_param")):
         disk = SimulatedDisk(nvme_bytes)
         # the swap folder is real and stays empty: the files are the simulated disk's
         sim_kwargs["nvme_path"] = stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="zero-offload-rehearsal-"))
+            tempfile.TemporaryDirectory(prefix="zero-offload-rehearsal-")
+        )
         stack.enter_context(use_disk(disk))
     with stack:
-        return _rehearse(model, name, world_size=world_size, gpu_memory=gpu_memory,
-                         micro_batch=micro_batch, batch=batch, loss_fn=loss_fn or _default_loss,
-                         checkpointing=checkpointing, iterations=iterations,
-                         headroom=headroom, host_memory=host_memory, disk=disk,
-                         engine_kwargs=engine_kwargs,
-                         config=build_config(None, device=DEVICE, **sim_kwargs))
+        return _rehearse(
+            model,
+            name,
+            world_size=world_size,
+            gpu_memory=gpu_memory,
+            micro_batch=micro_batch,
+            batch=batch,
+            loss_fn=loss_fn or _default_loss,
+            checkpointing=checkpointing,
+            iterations=iterations,
+            headroom=headroom,
+            host_memory=host_memory,
+            disk=disk,
+            engine_kwargs=engine_kwargs,
+            config=build_config(None, device=DEVICE, **sim_kwargs),
+        )
 
 
-def _rehearse(model: nn.Module, name: str, *, world_size: int, gpu_memory: int,
-              micro_batch: tuple[int, int] | None, batch: Callable[[], Any],
-              loss_fn: Callable[[Any], torch.Tensor], checkpointing: bool, iterations: int,
-              headroom: float, host_memory: int | None, disk: SimulatedDisk | None,
-              engine_kwargs: dict[str, Any], config: ZeroConfig) -> Rehearsal:
+def _rehearse(
+    model: nn.Module,
+    name: str,
+    *,
+    world_size: int,
+    gpu_memory: int,
+    micro_batch: tuple[int, int] | None,
+    batch: Callable[[], Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    checkpointing: bool,
+    iterations: int,
+    headroom: float,
+    host_memory: int | None,
+    disk: SimulatedDisk | None,
+    engine_kwargs: dict[str, Any],
+    config: ZeroConfig,
+) -> Rehearsal:
     shape = ModelShape.of(model)
     holder: dict[str, Engine] = {}
     tracker = MemoryTracker(DEVICE.type, _identify(holder), disk=disk)
@@ -215,24 +252,50 @@ def _rehearse(model: nn.Module, name: str, *, world_size: int, gpu_memory: int,
                 failure = f"{tracker.phase}: {type(exc).__name__}: {exc}"
                 log.warning("rehearsal failed", exc_info=True)
                 if "Mismatch" in type(exc).__name__:
-                    problems.append(f"{tracker.phase}: an operation mixed host and device "
-                                    f"tensors ({exc})")
+                    problems.append(
+                        f"{tracker.phase}: an operation mixed host and device tensors ({exc})"
+                    )
     wall = time.perf_counter() - start
     measured = dict(tracker.phases)
-    acts = max((measured[p].device_kinds.get("activations", 0)
-                for p in ("forward", "backward") if p in measured), default=0)
+    acts = max(
+        (
+            measured[p].device_kinds.get("activations", 0)
+            for p in ("forward", "backward")
+            if p in measured
+        ),
+        default=0,
+    )
     est_kwargs: dict[str, Any] = dict(
-        num_gpus=world_size, stage=config.stage, offload_optimizer=config.offload.optimizer,
-        offload_param=config.offload.param, dtype=config.precision.dtype,
-        prefetch_depth=config.prefetch_depth, reduce_bucket_size=config.reduce_bucket_size,
+        num_gpus=world_size,
+        stage=config.stage,
+        offload_optimizer=config.offload.optimizer,
+        offload_param=config.offload.param,
+        dtype=config.precision.dtype,
+        prefetch_depth=config.prefetch_depth,
+        reduce_bucket_size=config.reduce_bucket_size,
         sub_group_size=config.offload.sub_group_size,
-        host_memory_limit=config.offload.host_memory_limit, host_available=host_memory)
+        host_memory_limit=config.offload.host_memory_limit,
+        host_available=host_memory,
+    )
     estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
     return Rehearsal(
-        model=name, num_params=shape.num_params, world_size=world_size,
-        gpu_memory=int(gpu_memory), headroom=headroom, host_memory=host_memory,
+        model=name,
+        num_params=shape.num_params,
+        world_size=world_size,
+        gpu_memory=int(gpu_memory),
+        headroom=headroom,
+        host_memory=host_memory,
         engine_kwargs={k: v for k, v in engine_kwargs.items()},
-        micro_batch=micro_batch, checkpointing=checkpointing, phases=measured,
-        activation_bytes=acts, estimate=estimate, shape=shape, estimate_kwargs=est_kwargs,
-        problems=tuple(problems), failure=failure, wall_s=wall, nvme_simulated=disk is not None,
-        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        phases=measured,
+        activation_bytes=acts,
+        estimate=estimate,
+        shape=shape,
+        estimate_kwargs=est_kwargs,
+        problems=tuple(problems),
+        failure=failure,
+        wall_s=wall,
+        nvme_simulated=disk is not None,
+        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )

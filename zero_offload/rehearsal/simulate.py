@@ -9,6 +9,7 @@ streams and events as no-ops, and a copy between host and device is a separate d
 tensor, as on CUDA. :class:`SimulatedFusedAdamW` stands in for torch's fused CUDA AdamW,
 which torch will not build for the meta device: one in-place kernel, no temporaries.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,9 @@ class SimulatedStreams(Streams):
         self.cuda = True
         self.on_transfer = on_transfer  # called with every device tensor a host copy makes
 
-    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None, *,
-                  own: bool = False) -> tuple[torch.Tensor, Any]:
+    def to_device(
+        self, host: torch.Tensor, dtype: torch.dtype | None = None, *, own: bool = False
+    ) -> tuple[torch.Tensor, Any]:
         dtype = dtype or host.dtype
         if host.device.type != "cpu":
             if host.dtype != dtype:
@@ -119,10 +121,21 @@ class SimulatedFusedAdamW(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"].add_(1)
-                torch._fused_adamw_([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-                                    [], [state["step"]], lr=group["lr"], beta1=beta1,
-                                    beta2=beta2, weight_decay=group["weight_decay"],
-                                    eps=group["eps"], amsgrad=False, maximize=False)
+                torch._fused_adamw_(
+                    [p],
+                    [p.grad],
+                    [state["exp_avg"]],
+                    [state["exp_avg_sq"]],
+                    [],
+                    [state["step"]],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                )
         return loss
 
 
@@ -133,8 +146,10 @@ def fake_world(world_size: int) -> Iterator[FakeTensorMode]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("a rehearsal runs its own fake process group: call it in a process "
-                           "that has not initialized torch.distributed")
+        raise RuntimeError(
+            "a rehearsal runs its own fake process group: call it in a process "
+            "that has not initialized torch.distributed"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

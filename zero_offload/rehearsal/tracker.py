@@ -13,6 +13,7 @@ allocated it, else by phase (forward/backward: activations).
 Scalar reads (``.item()``) have no value under fake tensors; they read 0 (True for a flag),
 so norms read 0 and no overflow is seen: values are not simulated, only sizes.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryTracker", "PhaseMemory", "KINDS", "PARAMS", "GATHERED", "GRADS", "OPTIMIZER",
-           "ACTIVATIONS", "COMM", "OTHER"]
+__all__ = [
+    "MemoryTracker",
+    "PhaseMemory",
+    "KINDS",
+    "PARAMS",
+    "GATHERED",
+    "GRADS",
+    "OPTIMIZER",
+    "ACTIVATIONS",
+    "COMM",
+    "OTHER",
+]
 
 PARAMS = "params"
 GATHERED = "gathered units"
@@ -114,9 +125,12 @@ class MemoryTracker(TorchDispatchMode):
     ``device_type``: the simulated accelerator's device type; everything on ``cpu`` is host.
     ``disk``: the simulated NVMe tier (a :class:`~.disk.SimulatedDisk`), when there is one."""
 
-    def __init__(self, device_type: str,
-                 identify: Callable[[], dict[int, str]] | None = None,
-                 disk: Any = None) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        identify: Callable[[], dict[int, str]] | None = None,
+        disk: Any = None,
+    ) -> None:
         super().__init__()
         self.disk = disk
         self._disk_io = (0, 0)  # the disk's (read, written) when the phase began
@@ -169,8 +183,9 @@ class MemoryTracker(TorchDispatchMode):
         return self._device_now, self._host_now
 
     # -- the dispatch hook ----------------------------------------------------------------
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         if func is _DEVICE:  # a metadata query (autograd asks it of every gradient)
             t = args[0]
             if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
@@ -184,8 +199,10 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in _fakes((out, args, tuple(kwargs.values()))):
             self._register(t)
-        if self._device_bound <= self._current.device_peak and \
-                self._host_bound <= self._current.host_peak:
+        if (
+            self._device_bound <= self._current.device_peak
+            and self._host_bound <= self._current.host_peak
+        ):
             return out  # nothing can have passed a peak
         self._scan()
         grew_device = self._device_now > self._current.device_peak
@@ -195,9 +212,10 @@ class MemoryTracker(TorchDispatchMode):
         if grew_host:
             self._current.host_peak = self._host_now
         if grew_device or grew_host:
-            self._snapshot(grew_device and self._device_now > self._snap_device *
-                           (1 + _SNAPSHOT_STEP),
-                           grew_host and self._host_now > self._snap_host * (1 + _SNAPSHOT_STEP))
+            self._snapshot(
+                grew_device and self._device_now > self._snap_device * (1 + _SNAPSHOT_STEP),
+                grew_host and self._host_now > self._snap_host * (1 + _SNAPSHOT_STEP),
+            )
         return out
 
     def _count_copy(self, func: Any, args: tuple, kwargs: dict) -> None:

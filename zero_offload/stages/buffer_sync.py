@@ -5,6 +5,7 @@ Each rank's forward updates its buffers from its own micro-batch, so they drift 
 ``initialize`` and before each training forward (``broadcast_buffers=True``), in one
 collective per dtype. Exports read rank 0's values, so every rank writes the same ones.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ def rank0_values(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
         comm.broadcast(flat, src=0)
         offset = 0
         for t in group:
-            out[id(t)] = flat[offset:offset + t.numel()].view(t.shape).clone()
+            out[id(t)] = flat[offset : offset + t.numel()].view(t.shape).clone()
             offset += t.numel()
     return [out[id(t)] for t in tensors]
 

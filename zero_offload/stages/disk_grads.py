@@ -7,6 +7,7 @@ files), and the optimizer's step reads it back beside the state (:meth:`DiskGrad
 With every buffer taken by sub-groups still waiting for pieces, the oldest is written out and
 read back when its next piece comes, so any arrival order fits a fixed number of buffers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,15 +37,28 @@ class DiskGrads:
         """Host memory it holds, as the pool rounds it: ``buffers`` fp32 sub-groups."""
         return buffers * pool_footprint(4 * group)
 
-    def __init__(self, path: str | Path, numel: int, group: int, buffers: int, rank: int,
-                 engine: FileIOEngine | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        numel: int,
+        group: int,
+        buffers: int,
+        rank: int,
+        engine: FileIOEngine | None = None,
+    ) -> None:
         self.numel = numel
         self.group = group
         self.bounds = chunks(numel, group)
-        self.swapper = Swapper(path, buffer_bytes=4 * group, buffer_count=buffers,
-                               min_buffers=2, host_memory_limit=self.host_bytes(group, buffers),
-                               rank=rank, engine=engine,
-                               pin=pins(crosses_pcie=False))  # summed on the host
+        self.swapper = Swapper(
+            path,
+            buffer_bytes=4 * group,
+            buffer_count=buffers,
+            min_buffers=2,
+            host_memory_limit=self.host_bytes(group, buffers),
+            rank=rank,
+            engine=engine,
+            pin=pins(crosses_pcie=False),
+        )  # summed on the host
         # sub-groups being summed (in buffers, oldest first), elements summed so far per
         # sub-group this backward, and what was written this window
         self._filling: dict[int, HostBuffer] = {}
@@ -72,7 +86,7 @@ class DiskGrads:
         values = values.to("cpu")
         for i, a, b in split_range(offset, offset + values.numel(), self.group):
             lo, hi = self.bounds[i]
-            self._buffer(i)[a - lo:b - lo].add_(values[a - offset:b - offset])
+            self._buffer(i)[a - lo : b - lo].add_(values[a - offset : b - offset])
             self._covered[i] = self._covered.get(i, 0) + b - a
             if self._covered[i] == hi - lo:
                 self._write(i)
@@ -133,8 +147,10 @@ class DiskGrads:
 
     def _write(self, i: int) -> None:
         grad = self._buffer(i)
-        self._stats[i] = (float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
-                          bool(torch.isfinite(grad).all()))
+        self._stats[i] = (
+            float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
+            bool(torch.isfinite(grad).all()),
+        )
         del self._covered[i]
         self._evict(i)
 
@@ -149,8 +165,9 @@ class DiskGrads:
 
     def add_to(self, report: MemoryReport) -> None:
         report.add("nvme", "grads", 4 * self.numel)
-        report.add("host", "grads", self.swapper.host_buffer_nbytes,
-                   pinned=self.swapper.pool.pinned_nbytes)
+        report.add(
+            "host", "grads", self.swapper.host_buffer_nbytes, pinned=self.swapper.pool.pinned_nbytes
+        )
 
     def close(self) -> None:
         self.swapper.close()

@@ -4,6 +4,7 @@ parameters back to the model and releases hooks, threads, files and buffers.
 
 :class:`EngineLifecycle` is a part of :class:`zero_offload.Engine`, which builds the
 attributes declared here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -57,11 +58,11 @@ class EngineLifecycle:
         if self._closed:
             raise RuntimeError(
                 "this zero_offload engine is closed: close() handed the trained parameters back "
-                "to the model; call zero_offload.initialize(model, ...) again to train on")
+                "to the model; call zero_offload.initialize(model, ...) again to train on"
+            )
 
     @contextlib.contextmanager
-    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None
-                            ) -> Iterator[None]:
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
         """Inside the block the model's parameters (or only ``params``) hold their current
         values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
         by calling the model. At stage 3 each one holds a copy of its gathered values —
@@ -78,8 +79,10 @@ class EngineLifecycle:
             owner = {id(p): u for u in self.units for p in u.params}
             wanted = list(params)
             if any(id(p) not in owner for p in wanted):
-                raise ValueError("gathered_parameters: a parameter given is not one of the "
-                                 "engine's model (pass model.parameters() or some of them)")
+                raise ValueError(
+                    "gathered_parameters: a parameter given is not one of the "
+                    "engine's model (pass model.parameters() or some of them)"
+                )
             units = [owner[id(p)] for p in wanted]
         with self.gatherer.lend_values(units):
             yield
@@ -125,8 +128,9 @@ class EngineLifecycle:
             self.param_store.flush()
         if self.config.broadcast_buffers:
             broadcast_buffers(self._module, self.comm)
-        hand_back_parameters(self._module, self.units, self.stage, self.unit_states,
-                             self.param_store)
+        hand_back_parameters(
+            self._module, self.units, self.stage, self.unit_states, self.param_store
+        )
 
     def __enter__(self: _E) -> _E:
         return self

@@ -4,6 +4,7 @@ of the last step for users, benchmarks and tests.
 
 :class:`EngineState` is a part of :class:`zero_offload.Engine`, which builds the attributes
 declared here."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -35,6 +36,7 @@ class EngineState:
     _last_step_peak: int
 
     if TYPE_CHECKING:  # provided by the engine
+
         def _check_open(self) -> None: ...
         def zero_grad(self) -> None: ...
         def frozen_shard(self, unit: FlatUnit) -> torch.Tensor: ...
@@ -42,8 +44,9 @@ class EngineState:
         def optimizer(self) -> torch.optim.Optimizer: ...
 
     # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
-    def state_chunks(self) -> Iterator[
-            tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
+    def state_chunks(
+        self,
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
         """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
         offset order: the optimizer's state streamed from its tier, then each frozen unit's
         values with moments that are zero (None)."""
@@ -53,8 +56,9 @@ class EngineState:
         for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
             yield unit.shard_offset, (self.frozen_shard(unit), None, None)
 
-    def load_unit_state(self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor,
-                        exp_avg_sq: torch.Tensor) -> None:
+    def load_unit_state(
+        self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> None:
         """Restore one unit's shard: optimizer state (trainable units) and parameters."""
         if not unit.frozen:
             self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
@@ -69,12 +73,16 @@ class EngineState:
     def training_state(self) -> dict[str, Any]:
         """Counters and optimizer hyperparameters a resume needs (plain data)."""
         opt = self.stepper
-        return {"micro_steps": self.micro_steps, "global_steps": self.global_steps,
-                "optimizer_steps": self.optimizer_steps,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.optimizer.param_groups],
-                "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
-                "missed_updates": opt.missed_updates()}
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+            "missed_updates": opt.missed_updates(),
+        }
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
@@ -138,8 +146,10 @@ class EngineState:
     @property
     def swappers(self) -> list[Swapper]:
         """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
-        found = [getattr(self.stepper.updater, "swapper", None),
-                 getattr(self.param_store, "swapper", None)]
+        found = [
+            getattr(self.stepper.updater, "swapper", None),
+            getattr(self.param_store, "swapper", None),
+        ]
         return [s for s in found if s is not None]
 
     # -- what the last step did ------------------------------------------------------------

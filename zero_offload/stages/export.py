@@ -4,6 +4,7 @@ of a frozen unit, and the bytes it holds per tier (``memory_report``).
 Exports gather one unit at a time: a stage-3 model is exported on a device that could never
 hold it whole.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,11 +31,19 @@ def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     """See :meth:`Engine.full_state_dict`."""
     master = engine.stepper.updater.master_values()  # where the optimizer keeps it
     values: dict[int, torch.Tensor] = {}
-    progress = Progress("gathering the full model", sum(u.layout.numel for u in engine.units),
-                        "parameters", show=engine.comm.rank == 0, logger=log)
+    progress = Progress(
+        "gathering the full model",
+        sum(u.layout.numel for u in engine.units),
+        "parameters",
+        show=engine.comm.rank == 0,
+        logger=log,
+    )
     for u in engine.units:  # one unit at a time on the device
-        shard = frozen_shard(engine, u) if u.frozen else \
-            master[u.shard_offset:u.shard_offset + u.shard_numel]
+        shard = (
+            frozen_shard(engine, u)
+            if u.frozen
+            else master[u.shard_offset : u.shard_offset + u.shard_numel]
+        )
         shard = placement.to_device(shard, engine.device)
         full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=engine.device)
         if u.layout.num_shards == 1:
@@ -42,7 +51,7 @@ def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
         else:
             engine.comm.all_gather(full, shard)
         for p, slot in zip(u.params, u.layout.slots):
-            values[id(p)] = full[slot.offset:slot.end].view(slot.shape).cpu().clone()
+            values[id(p)] = full[slot.offset : slot.end].view(slot.shape).cpu().clone()
         del shard, full
         progress.update(u.layout.numel)
     progress.close()
@@ -86,7 +95,8 @@ def memory_report(engine: "Engine") -> MemoryReport:
     if engine.grad_queue is not None:
         engine.grad_queue.add_to(rep)
     if engine.gatherer:
-        rep.peak_gathered_param_bytes = max(engine.last_step_peak,
-                                            engine.gatherer.peak_gathered_bytes)
+        rep.peak_gathered_param_bytes = max(
+            engine.last_step_peak, engine.gatherer.peak_gathered_bytes
+        )
     rep.comm = engine.last_comm
     return rep

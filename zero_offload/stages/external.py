@@ -15,6 +15,7 @@ Two ways cover them:
   gather it. The gatherer records the use, so from the next step on the unit is prefetched
   ahead of it like any module's.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -27,11 +28,30 @@ __all__ = ["register_external_parameter", "declared_external", "ReleasedAccess",
 _ATTR = "_zero_offload_external_parameters"
 # Calls that read a parameter's metadata, not its memory: no gather for them (``p.grad`` in the
 # gradient reducer, ``p.shape`` in a model's checks).
-_METADATA_METHODS = frozenset({
-    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
-    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
-    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-    "untyped_storage", "data_ptr", "__len__", "_has_compatible_shallow_copy_type"})
+_METADATA_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "__hash__",
+        "untyped_storage",
+        "data_ptr",
+        "__len__",
+        "_has_compatible_shallow_copy_type",
+    }
+)
 # Attributes whose getter makes a view of the parameter's memory: those do gather.
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 
@@ -40,8 +60,10 @@ def reads_memory(func: Any) -> bool:
     """Whether a torch call (or tensor attribute getter) may reach a tensor's memory."""
     name = getattr(func, "__name__", None)
     if name == "__get__" or name == "__set__":  # an attribute of a tensor
-        return (name == "__get__" and
-                getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_ATTRIBUTES)
+        return (
+            name == "__get__"
+            and getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_ATTRIBUTES
+        )
     return name not in _METADATA_METHODS
 
 
@@ -52,11 +74,14 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     found at run time too (with one warning); declaring them saves the first on-demand
     gather. Call it before :func:`zero_offload.initialize`; other stages ignore it."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"register_external_parameter needs an nn.Module, got "
-                        f"{type(module).__name__}")
+        raise TypeError(
+            f"register_external_parameter needs an nn.Module, got {type(module).__name__}"
+        )
     if not isinstance(parameter, nn.Parameter):
-        raise TypeError(f"register_external_parameter needs an nn.Parameter (e.g. "
-                        f"other_module.weight), got {type(parameter).__name__}")
+        raise TypeError(
+            f"register_external_parameter needs an nn.Parameter (e.g. "
+            f"other_module.weight), got {type(parameter).__name__}"
+        )
     declared = module.__dict__.setdefault(_ATTR, [])
     if not any(p is parameter for p in declared):
         declared.append(parameter)
@@ -89,8 +114,9 @@ class ReleasedAccess(TorchFunctionMode):
         elif self._released(id(value)):
             self._on_access(value)
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if reads_memory(func):
             for a in args:

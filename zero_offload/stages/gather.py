@@ -24,6 +24,7 @@ inputs pass through an identity autograd function whose backward — run once th
 backward is done — releases them. Modules run outside the engine's forward (e.g. a
 ``generate()`` loop) gather and free without recording the order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,9 @@ class _AfterBackward(torch.autograd.Function):
     gradient reduction would release."""
 
     @staticmethod
-    def forward(ctx: Any, gatherer: "ParamGatherer", units: list[FlatUnit],
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, gatherer: "ParamGatherer", units: list[FlatUnit], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.gatherer, ctx.units = gatherer, units
         return tuple(t.view_as(t) for t in tensors)
 
@@ -85,13 +87,12 @@ class _AfterBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _release_after_backward(gatherer: "ParamGatherer", units: list[FlatUnit], args: tuple,
-                            kwargs: dict) -> tuple[tuple, dict] | None:
+def _release_after_backward(
+    gatherer: "ParamGatherer", units: list[FlatUnit], args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
     """The module's inputs (those that need gradients) routed through :class:`_AfterBackward`."""
-    slots = [(i, a) for i, a in enumerate(args)
-             if isinstance(a, torch.Tensor) and a.requires_grad]
-    keys = [(k, v) for k, v in kwargs.items()
-            if isinstance(v, torch.Tensor) and v.requires_grad]
+    slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
     if not slots and not keys:
         return None  # no gradient flows through the module: backward never needs it
     routed = _AfterBackward.apply(gatherer, units, *[t for _, t in slots + keys])
@@ -99,7 +100,7 @@ def _release_after_backward(gatherer: "ParamGatherer", units: list[FlatUnit], ar
     for (i, _), t in zip(slots, routed):
         new_args[i] = t
     new_kwargs = dict(kwargs)
-    for (k, _), t in zip(keys, routed[len(slots):]):
+    for (k, _), t in zip(keys, routed[len(slots) :]):
         new_kwargs[k] = t
     return tuple(new_args), new_kwargs
 
@@ -126,12 +127,21 @@ def _check_not_capturing() -> None:
             "stage 3 cannot run under CUDA graph capture (torch.cuda.graph, "
             "make_graphed_callables, torch.compile mode='reduce-overhead'): its hooks gather and "
             "free parameters, which a graph cannot record. Capture a model trained at stage 0-2, "
-            "or run stage 3 eagerly")
+            "or run stage 3 eagerly"
+        )
 
 
 class ParamGatherer:
-    def __init__(self, model: nn.Module, units: list[FlatUnit], states: UnitStates,
-                 store: ParamStore, *, prefetch_depth: int, prefetch_bytes: int | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[FlatUnit],
+        states: UnitStates,
+        store: ParamStore,
+        *,
+        prefetch_depth: int,
+        prefetch_bytes: int | None,
+    ) -> None:
         self.states = states  # each unit's gather state, and the engine's pass
         self.store = store
         self.streams = store.streams
@@ -147,8 +157,10 @@ class ParamGatherer:
         self.declared: dict[nn.Module, list[FlatUnit]] = {}  # gathered with the module
         self.learned: dict[nn.Module, list[FlatUnit]] = {}  # found used while it ran
         for module in model.modules():
-            for table, params in ((self.module_units, module.parameters(recurse=False)),
-                                  (self.declared, declared_external(module))):
+            for table, params in (
+                (self.module_units, module.parameters(recurse=False)),
+                (self.declared, declared_external(module)),
+            ):
                 found: list[FlatUnit] = []
                 for p in params:
                     u = by_param.get(id(p))
@@ -156,14 +168,14 @@ class ParamGatherer:
                         raise ValueError(
                             f"a parameter declared external for "
                             f"{self._module_name.get(module, type(module).__name__)} is not "
-                            "a parameter of the model")
+                            "a parameter of the model"
+                        )
                     if u.sharded_params and u not in found:
                         found.append(u)
                 if found:
                     table[module] = found
         for module, found in self.declared.items():  # a module's own units come first
-            self.declared[module] = [u for u in found
-                                     if u not in self.module_units.get(module, [])]
+            self.declared[module] = [u for u in found if u not in self.module_units.get(module, [])]
         self._by_ptr: dict[int, FlatUnit] = {}
         self.recorded: list[int] = []  # unit indices in the order the last forward used them
         self._current: list[int] = []
@@ -178,17 +190,22 @@ class ParamGatherer:
         self.peak_gathered_bytes = 0
         # Every module that holds parameters, directly or below: a use found at run time is
         # charged to the innermost running one, and released when it returns.
-        hooked = [m for m in model.modules() if m is model or m in self.declared
-                  or next(m.parameters(), None) is not None]
+        hooked = [
+            m
+            for m in model.modules()
+            if m is model or m in self.declared or next(m.parameters(), None) is not None
+        ]
         self._module_id = {m: i for i, m in enumerate(model.modules())}
         self._modules = list(model.modules())
         self.order = OrderCheck(states.comm, self.streams.device, self._describe)
         self._hooks = []
         for module in hooked:  # weak: a hook must not keep the engine alive
-            self._hooks.append(module.register_forward_pre_hook(weak_hook(self._pre_forward),
-                                                                with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(weak_hook(self._post_forward),
-                                                            always_call=True))
+            self._hooks.append(
+                module.register_forward_pre_hook(weak_hook(self._pre_forward), with_kwargs=True)
+            )
+            self._hooks.append(
+                module.register_forward_hook(weak_hook(self._post_forward), always_call=True)
+            )
 
     def _describe(self, kind: int, ident: int) -> str:
         if kind == MODULE:
@@ -226,8 +243,9 @@ class ParamGatherer:
         values (then back at its released view): reads see the values, and tensors taken
         from them stay valid afterwards. Collective: every rank gathers the same units, in
         unit order, one at a time (memory: the copies plus one gathered unit)."""
-        units = sorted({id(u): u for u in units if u.sharded_params}.values(),
-                       key=lambda u: u.index)
+        units = sorted(
+            {id(u): u for u in units if u.sharded_params}.values(), key=lambda u: u.index
+        )
         lent: list[FlatUnit] = []
         try:
             for unit in units:
@@ -254,10 +272,11 @@ class ParamGatherer:
         the read, which then has a module's computation to finish in."""
         budget = self.prefetch_bytes
         gathers = 0 if reads_only else self.prefetch_depth - self.store.reads_from_disk
-        for taken, index in enumerate(candidates[:self.prefetch_depth]):
+        for taken, index in enumerate(candidates[: self.prefetch_depth]):
             unit = self.units[index]
             if self.states.gather_state(unit) is not GatherState.FREE or (
-                    self.states.in_backward and self.states.grads_reduced(unit)):
+                self.states.in_backward and self.states.grads_reduced(unit)
+            ):
                 continue
             if budget is not None:
                 if unit.full_bytes > budget:
@@ -274,18 +293,21 @@ class ParamGatherer:
         them last time."""
         start = len(self._current)
         self._current.extend(indices)
-        expected = self.recorded[start:start + len(indices)]
+        expected = self.recorded[start : start + len(indices)]
         if self._order_matches and self.recorded and expected != indices:
             self._order_matches = False
             self.order_changes += 1
-            log.warning("stage 3: the modules ran in a different order than in the last "
-                        "forward; prefetching is off for this step and the new order is "
-                        "recorded (data-dependent control flow costs speed, not results)")
+            log.warning(
+                "stage 3: the modules ran in a different order than in the last "
+                "forward; prefetching is off for this step and the new order is "
+                "recorded (data-dependent control flow costs speed, not results)"
+            )
         if self._order_matches and self.recorded:
-            self._prefetch(self.recorded[start + len(indices):])
+            self._prefetch(self.recorded[start + len(indices) :])
 
-    def _pre_forward(self, module: nn.Module, args: tuple,
-                     kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
         frame = _Frame(module)
         if not self._frames:
             _check_not_capturing()
@@ -333,8 +355,11 @@ class ParamGatherer:
         frame = self._frames[-1] if self._frames else None
         if frame is not None:
             module = frame.module
-            known = (unit in frame.units or unit in self.learned.get(module, [])
-                     or unit in self.declared.get(module, []))
+            known = (
+                unit in frame.units
+                or unit in self.learned.get(module, [])
+                or unit in self.declared.get(module, [])
+            )
             if not known:
                 self.learned.setdefault(module, []).append(unit)
                 self._warn_external(module, param)
@@ -358,7 +383,9 @@ class ParamGatherer:
             "gathered on demand, and from the next step on it is gathered ahead of that use. "
             "zero_offload.register_external_parameter(module, param) before initialize "
             "declares such uses and silences this warning (further ones are logged at INFO)",
-            user, name)
+            user,
+            name,
+        )
 
     # -- saved tensors (backward) -------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:

@@ -21,6 +21,7 @@ Which parameters had a gradient in the accumulation window is tracked too (``had
 flag per trainable parameter in :func:`trainable_slots` order): the step updates only those,
 like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,14 @@ from .unit_state import UnitStates
 from .units import FlatUnit
 from .weak import weak_hook
 
-__all__ = ["GradReducer", "GradTarget", "MAX_INFLIGHT", "ResidentGrads", "reductions_alive",
-           "trainable_slots"]
+__all__ = [
+    "GradReducer",
+    "GradTarget",
+    "MAX_INFLIGHT",
+    "ResidentGrads",
+    "reductions_alive",
+    "trainable_slots",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +75,9 @@ class ResidentGrads:
     one already makes the shard fp32 (exact: the first pieces are the reduced values as they
     are), so every sum is taken in fp32, and ``on_widen`` gets the new tensor."""
 
-    def __init__(self, grads: torch.Tensor,
-                 on_widen: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(
+        self, grads: torch.Tensor, on_widen: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         self.grads = grads
         self.on_widen = on_widen
         self._summed = False  # something was added since the last zero_grad
@@ -78,23 +86,33 @@ class ResidentGrads:
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
         self._summed = True
-        if offset in self._filled and self.on_widen is not None \
-                and self.grads.dtype != torch.float32:
-            log.info("gradients summed over several backwards: the host gradient shard "
-                     "becomes fp32 (%.1f MiB)", self.grads.numel() * 4 / 2**20)
+        if (
+            offset in self._filled
+            and self.on_widen is not None
+            and self.grads.dtype != torch.float32
+        ):
+            log.info(
+                "gradients summed over several backwards: the host gradient shard "
+                "becomes fp32 (%.1f MiB)",
+                self.grads.numel() * 4 / 2**20,
+            )
             self.grads = self.grads.float()
             self.on_widen(self.grads)
         self._filled.add(offset)
-        self.grads[offset:offset + values.numel()].add_(values.to(self.grads.device))
+        self.grads[offset : offset + values.numel()].add_(values.to(self.grads.device))
 
     def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
         """The zeroed region at ``offset`` with ``like``'s size, dtype and device, for a
         caller to overwrite with reduced gradients in place (no temporary buffer, no add);
         None when something may have been summed there since :meth:`zero_grad`, or it
         differs from ``like`` (then :meth:`accumulate_grad`)."""
-        view = self.grads[offset:offset + like.numel()]
-        if self._summed or offset in self._lent or view.dtype != like.dtype \
-                or view.device != like.device:
+        view = self.grads[offset : offset + like.numel()]
+        if (
+            self._summed
+            or offset in self._lent
+            or view.dtype != like.dtype
+            or view.device != like.device
+        ):
             return None
         self._lent.add(offset)
         return view
@@ -124,13 +142,22 @@ def _check_frozen(unit: FlatUnit) -> None:
             raise RuntimeError(
                 f"parameter {name!r} got a gradient but had requires_grad=False when "
                 "zero_offload.initialize ran: which parameters train is fixed then (frozen ones "
-                "get no optimizer state); set requires_grad before initialize")
+                "get no optimizer state); set requires_grad before initialize"
+            )
 
 
 class GradReducer:
-    def __init__(self, units: list[FlatUnit], states: UnitStates, comm: Comm, stage: int,
-                 target: GradTarget, *, on_reduced: Callable[[FlatUnit], None] | None = None,
-                 max_inflight: int = MAX_INFLIGHT) -> None:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        states: UnitStates,
+        comm: Comm,
+        stage: int,
+        target: GradTarget,
+        *,
+        on_reduced: Callable[[FlatUnit], None] | None = None,
+        max_inflight: int = MAX_INFLIGHT,
+    ) -> None:
         self.units = units
         self.states = states  # gradients owed per unit, and whether this backward ends a window
         self.comm = comm
@@ -159,8 +186,11 @@ class GradReducer:
             for unit in trainable:
                 for i, p in enumerate(unit.params):
                     if p.requires_grad:  # weak: a hook must not keep the engine alive
-                        self._hooks.append(p.register_post_accumulate_grad_hook(
-                            weak_hook(self._on_grad, unit, first[id(unit)] + i)))
+                        self._hooks.append(
+                            p.register_post_accumulate_grad_hook(
+                                weak_hook(self._on_grad, unit, first[id(unit)] + i)
+                            )
+                        )
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -225,7 +255,7 @@ class GradReducer:
                 elif self.states.mark_reduced(unit):
                     if self.on_reduced is not None:
                         self.on_reduced(unit)
-            for unit in self.order[self._next:]:
+            for unit in self.order[self._next :]:
                 self._reduce_unit(unit)
             self._next = len(self.order)
             self._drain(0)
@@ -255,15 +285,19 @@ class GradReducer:
         """Reduce the units some rank holds late pieces of (per unit of :attr:`order`, as
         agreed), in that order; from now on they are reduced at the end of the backward."""
         units = [u for u, f in zip(self.order, late) if f]
-        log.info("gradients of %d units arrived after their reduction (a parameter used in "
-                 "several reentrant backwards): reducing them at the step, and from now on at "
-                 "the end of the backward", len(units))
+        log.info(
+            "gradients of %d units arrived after their reduction (a parameter used in "
+            "several reentrant backwards): reducing them at the step, and from now on at "
+            "the end of the backward",
+            len(units),
+        )
         for unit in units:
             self._reduce_unit(unit)
         self._drain(0)
         self._deferred.update(id(u) for u in units)
-        self.order = [u for u in self.order if id(u) not in self._deferred] + \
-            [u for u in self.order if id(u) in self._deferred]
+        self.order = [u for u in self.order if id(u) not in self._deferred] + [
+            u for u in self.order if id(u) in self._deferred
+        ]
         self.target.flush()
 
     def _reduce_all(self) -> None:

@@ -15,6 +15,7 @@ tensor of its own:
   again from ``reset_parameters()``). Everything else is released the same way as by
   ``close()``: hooks, the gradient worker thread, swap files.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,8 @@ def check_parameters(model: nn.Module) -> None:
             raise RuntimeError(
                 f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
                 "still open; call engine.close() first (it puts the trained values back into "
-                "the model), then initialize again")
+                "the model), then initialize again"
+            )
 
 
 class Leftovers:
@@ -70,16 +72,21 @@ class Leftovers:
             if has_memory(p):
                 unguard([p])  # a plain nn.Parameter again
             else:  # the old object stays guarded: a reference the user kept fails clearly
-                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                   requires_grad=p.requires_grad)
+                new = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                    requires_grad=p.requires_grad,
+                )
                 for module, name in refs:
                     module._parameters[name] = new
                 lost.append(f"{type(refs[0][0]).__name__}.{refs[0][1]}" if refs else "?")
         if lost:
-            log.warning("zero_offload: a stage-3 engine ended without close() (or during an "
-                        "exception): %d parameters (e.g. %s) lost their values and are on the "
-                        "meta device now; call engine.close() to keep trained values",
-                        len(lost), lost[0])
+            log.warning(
+                "zero_offload: a stage-3 engine ended without close() (or during an "
+                "exception): %d parameters (e.g. %s) lost their values and are on the "
+                "meta device now; call engine.close() to keep trained values",
+                len(lost),
+                lost[0],
+            )
         self.sharded.clear()
         closers, self.closers = self.closers, []
         for close in closers:
@@ -94,8 +101,13 @@ def _own_copy(p: nn.Parameter, value: torch.Tensor, device: torch.device) -> Non
     p.grad = None
 
 
-def hand_back_parameters(model: nn.Module, units: list[FlatUnit], stage: int,
-                         states: UnitStates, store: ParamStore | None) -> None:
+def hand_back_parameters(
+    model: nn.Module,
+    units: list[FlatUnit],
+    stage: int,
+    states: UnitStates,
+    store: ParamStore | None,
+) -> None:
     """Give every parameter of ``units`` a tensor of its own with its current values (see the
     module docstring for where). Stage 3 gathers: collective, in unit order on every rank."""
     host = torch.device("cpu")

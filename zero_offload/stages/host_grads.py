@@ -10,6 +10,7 @@ thread adds each piece to the target once its copy is done; backward waits only 
 the worker (it is a fresh tensor nobody else writes). A failure in the target (a full disk
 with gradients on NVMe) is raised by ``flush``, so ``engine.backward`` reports it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,8 +54,14 @@ class HostGradQueue:
     """A :class:`GradTarget` in front of a host-side target: pieces are copied and added
     in the background, in order; at most ``depth`` are in flight."""
 
-    def __init__(self, target: GradTarget, streams: Streams, largest_piece: int,
-                 dtype: torch.dtype, depth: int = STAGING_BUFFERS) -> None:
+    def __init__(
+        self,
+        target: GradTarget,
+        streams: Streams,
+        largest_piece: int,
+        dtype: torch.dtype,
+        depth: int = STAGING_BUFFERS,
+    ) -> None:
         self.target = target
         self.streams = streams
         self.depth = depth
@@ -63,9 +70,12 @@ class HostGradQueue:
         # call would otherwise create a context on GPU 0 (in every rank).
         on_gpu = streams.device.type == "cuda"
         self._worker: Executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="zo-host-grads",
-            initializer=functools.partial(torch.cuda.set_device, streams.device) if on_gpu
-            else None)
+            max_workers=1,
+            thread_name_prefix="zo-host-grads",
+            initializer=functools.partial(torch.cuda.set_device, streams.device)
+            if on_gpu
+            else None,
+        )
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._staging_bytes = self._pinned_bytes = 0
         self._staging: list[torch.Tensor] = []
@@ -84,13 +94,18 @@ class HostGradQueue:
             piece, copied, staging = values, None, None
         else:
             staging = self._free.get()
-            piece = staging[:values.numel()]
+            piece = staging[: values.numel()]
             copied = self.streams.to_host(values, piece)
-        self._pending.append(self._worker.submit(self._add, offset, piece, final, copied,
-                                                 staging))
+        self._pending.append(self._worker.submit(self._add, offset, piece, final, copied, staging))
 
-    def _add(self, offset: int, piece: torch.Tensor, final: bool,
-             copied: "torch.cuda.Event | None", staging: torch.Tensor | None) -> None:
+    def _add(
+        self,
+        offset: int,
+        piece: torch.Tensor,
+        final: bool,
+        copied: "torch.cuda.Event | None",
+        staging: torch.Tensor | None,
+    ) -> None:
         try:
             if copied is not None:
                 copied.synchronize()

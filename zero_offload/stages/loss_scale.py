@@ -1,6 +1,7 @@
 """Dynamic loss scaling for float16: scale the loss up so small gradients survive in fp16,
 skip a step whose gradients overflowed and halve the scale, double it after a window of
 overflow-free steps."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ class LossScaler:
             self.skipped_steps += 1
             self.good_steps = 0
             new = max(self.scale / 2, self.min_scale)
-            log.warning("float16 gradients overflowed: step skipped, loss scale %g -> %g",
-                        self.scale, new)
+            log.warning(
+                "float16 gradients overflowed: step skipped, loss scale %g -> %g", self.scale, new
+            )
             self.scale = new
         else:
             self.good_steps += 1
@@ -33,8 +35,11 @@ class LossScaler:
                 self.scale *= 2
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

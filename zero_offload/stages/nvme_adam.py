@@ -22,6 +22,7 @@ The fp32 gradient shard stays in host memory when it fits the host budget beside
 pipeline buffers. When it does not, gradients go to files too (:class:`~.disk_grads.DiskGrads`,
 the same sub-groups), and the step reads each sub-group's back beside its state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,12 +45,21 @@ from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
 from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
-from .update_api import (Sink, StateChunk, StepRange, StepTimings, Targets,
-                         adam_hyperparameters, adam_kwargs, whole_range)
+from .update_api import (
+    Sink,
+    StateChunk,
+    StepRange,
+    StepTimings,
+    Targets,
+    adam_hyperparameters,
+    adam_kwargs,
+    whole_range,
+)
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
 log = logging.getLogger(__name__)
+
 
 class IncompleteStepError(RuntimeError):
     """An optimizer step on NVMe failed halfway: the state is partly updated and unusable
@@ -61,14 +71,21 @@ class NvmeAdam:
 
     BUFFERS = PIPELINE_BUFFERS
 
-    def __init__(self, numel: int, cfg: ZeroConfig, dtype: torch.dtype, rank: int,
-                 host_memory_limit: int | None) -> None:
+    def __init__(
+        self,
+        numel: int,
+        cfg: ZeroConfig,
+        dtype: torch.dtype,
+        rank: int,
+        host_memory_limit: int | None,
+    ) -> None:
         off = cfg.offload
         self.numel = numel
         budget = host_memory_budget(host_memory_limit)
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-        self.split = optimizer_split(numel, off.sub_group_size, budget, dtype_bytes,
-                                     off.optimizer_fraction)
+        self.split = optimizer_split(
+            numel, off.sub_group_size, budget, dtype_bytes, off.optimizer_fraction
+        )
         self.sizing = self.split.sizing
         self.group = self.sizing.group
         self.bounds = chunks(numel, self.group)
@@ -81,23 +98,31 @@ class NvmeAdam:
         count = self.sizing.buffers
         on_disk = self.sizing.grads_on_disk
         state_budget = budget - self.sizing.out_bytes(dtype_bytes) - self.sizing.grad_bytes(numel)
-        self.swapper = Swapper(off.nvme_dir, buffer_bytes=12 * self.group,
-                               buffer_count=count, min_buffers=2,
-                               host_memory_limit=state_budget,
-                               expected_bytes=12 * self.split.nvme_numel + 4 * on_disk * numel,
-                               rank=rank,
-                               # the master crosses PCIe only as fp32 compute's new params
-                               pin=pins(crosses_pcie=dtype == torch.float32))
+        self.swapper = Swapper(
+            off.nvme_dir,
+            buffer_bytes=12 * self.group,
+            buffer_count=count,
+            min_buffers=2,
+            host_memory_limit=state_budget,
+            expected_bytes=12 * self.split.nvme_numel + 4 * on_disk * numel,
+            rank=rank,
+            # the master crosses PCIe only as fp32 compute's new params
+            pin=pins(crosses_pcie=dtype == torch.float32),
+        )
         # the gradient shard in files (None: the engine keeps it in host memory)
-        self.disk_grads = (DiskGrads(off.nvme_dir, numel, self.group, count, rank,
-                                     engine=self.swapper.engine) if on_disk else None)
+        self.disk_grads = (
+            DiskGrads(off.nvme_dir, numel, self.group, count, rank, engine=self.swapper.engine)
+            if on_disk
+            else None
+        )
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
         # a sub-group's new params (none in fp32: the master is what is written)
-        self.out = host_empty(self.group if dtype != torch.float32 else 0, dtype,
-                              crosses_pcie=dtype != torch.float32)
+        self.out = host_empty(
+            self.group if dtype != torch.float32 else 0, dtype, crosses_pcie=dtype != torch.float32
+        )
         self.steps = 0
         self.last_timings = StepTimings()
         # sub-groups whose files a failed step left undefined (dropped); empty when sound
@@ -107,10 +132,16 @@ class NvmeAdam:
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
-        log.info("NVMe optimizer state: %d sub-groups of %d params (%d in host memory), %d host "
-                 "buffers of %.1f MiB%s", len(self.bounds), self.group, self.host_groups,
-                 self.swapper.pool.count, 12 * self.group / 2**20,
-                 "; gradients on NVMe too" if on_disk else "")
+        log.info(
+            "NVMe optimizer state: %d sub-groups of %d params (%d in host memory), %d host "
+            "buffers of %.1f MiB%s",
+            len(self.bounds),
+            self.group,
+            self.host_groups,
+            self.swapper.pool.count,
+            12 * self.group / 2**20,
+            "; gradients on NVMe too" if on_disk else "",
+        )
 
     @staticmethod
     def _key(i: int) -> str:
@@ -121,11 +152,16 @@ class NvmeAdam:
         if i >= self.host_groups:
             return None
         lo, hi = self.bounds[i]
-        return self.host_state[3 * lo:3 * hi].view(3, hi - lo)
+        return self.host_state[3 * lo : 3 * hi].view(3, hi - lo)
 
     # -- state in -------------------------------------------------------------------------
-    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
-                   exp_avg_sq: torch.Tensor | None = None) -> None:
+    def load_state(
+        self,
+        offset: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor | None = None,
+        exp_avg_sq: torch.Tensor | None = None,
+    ) -> None:
         """Store state given in increasing, gap-free ``offset`` order (moments default to
         zeros); each sub-group is written as [master | m | v] once it is complete."""
         values = (master, exp_avg, exp_avg_sq)
@@ -134,11 +170,11 @@ class NvmeAdam:
             resident = self._host(i)
             if resident is not None:  # in host memory: copied in place, moments default to 0
                 for row, src in enumerate(values):
-                    part = resident[row, a - lo:b - lo]
+                    part = resident[row, a - lo : b - lo]
                     if src is None:
                         part.zero_()
                     else:
-                        part.copy_(src[a - offset:b - offset])
+                        part.copy_(src[a - offset : b - offset])
                 if b == hi:
                     self._stale.discard(i)
                 continue
@@ -150,7 +186,7 @@ class NvmeAdam:
             state = buf.view(torch.float32, (3, hi - lo))
             for row, src in enumerate(values):
                 if src is not None:
-                    state[row, a - lo:b - lo].copy_(src[a - offset:b - offset])
+                    state[row, a - lo : b - lo].copy_(src[a - offset : b - offset])
             if b == hi:
                 try:
                     self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
@@ -177,6 +213,7 @@ class NvmeAdam:
                 if self._in_flight == 0:
                     timings.io_busy_s += now - self._busy_since
                     self._busy_lock.notify_all()
+
         fut.add_done_callback(done)
         return fut
 
@@ -199,9 +236,14 @@ class NvmeAdam:
         if self.disk_grads is not None:
             self.disk_grads.release(i)
 
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[StepRange] | None = None,
-               targets: Targets | None = None) -> None:
+    def update(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> None:
         """``grads``: the host fp32 shard, or None when the gradients are in files.
         ``ranges``: what to step, with which step count (None: everything). ``targets``:
         where new compute-dtype values go (the kernel writes them there). All or nothing:
@@ -226,7 +268,8 @@ class NvmeAdam:
             raise IncompleteStepError(
                 f"cannot {what}: an earlier optimizer step failed halfway ({self._stale_cause})"
                 f" and left the NVMe optimizer state partly updated; restore a saved state "
-                f"first with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)")
+                f"first with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)"
+            )
 
     def _abort(self, exc: BaseException, changed: list[int]) -> None:
         """After a failed step: wait for the requests still in flight and give the buffers
@@ -248,20 +291,36 @@ class NvmeAdam:
             except OSError as err:  # the disk may be gone; the state is marked already
                 log.warning("cleaning up after the failed step: %s", err)
         if not changed:
-            log.warning("optimizer step failed before any state changed (%s); the state is "
-                        "as before the step", exc)
+            log.warning(
+                "optimizer step failed before any state changed (%s); the state is "
+                "as before the step",
+                exc,
+            )
             return
-        log.error("optimizer step failed after updating %d of %d sub-groups (%s); the state "
-                  "must be loaded again", len(changed), len(self.bounds), self._stale_cause)
+        log.error(
+            "optimizer step failed after updating %d of %d sub-groups (%s); the state "
+            "must be loaded again",
+            len(changed),
+            len(self.bounds),
+            self._stale_cause,
+        )
         raise IncompleteStepError(
             f"the optimizer step failed after updating {len(changed)} of {len(self.bounds)} "
             f"NVMe sub-groups ({self._stale_cause}); the partly updated state was dropped. "
             "Restore a saved state with engine.load_checkpoint(...) (or "
-            "engine.optimizer.load_state_dict) before stepping again") from exc
+            "engine.optimizer.load_state_dict) before stepping again"
+        ) from exc
 
-    def _pipeline(self, grads: torch.Tensor | None, factor: float, sink: Sink, step: int,
-                  changed: list[int], ranges: list[StepRange] | None,
-                  targets: Targets | None = None) -> None:
+    def _pipeline(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        step: int,
+        changed: list[int],
+        ranges: list[StepRange] | None,
+        targets: Targets | None = None,
+    ) -> None:
         """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
         Adam step ``step``); each sub-group whose state is about to change is appended to
         ``changed``. Returns once all are on disk. Host-resident sub-groups come first and
@@ -275,7 +334,8 @@ class NvmeAdam:
             self.last_timings = timings
             return
         lookahead = self.swapper.pool.count >= self.BUFFERS and (
-            self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS)
+            self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS
+        )
         first_disk = self.host_groups  # reading it overlaps the host sub-groups' compute
         pending = self._read(first_disk, timings) if first_disk <= last else None
         writes: list[Future] = []
@@ -289,8 +349,9 @@ class NvmeAdam:
                     assert grads is not None  # not in files: the host shard was passed
                     grad = grads[lo:hi]
                 changed.append(i)
-                self._step_group(resident, grad, lo, hi, factor, ranges, hyper, sink,
-                                 timings, targets)
+                self._step_group(
+                    resident, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
+                )
                 self._release(i)
                 continue
             assert pending is not None and pending[0] is not None
@@ -303,11 +364,13 @@ class NvmeAdam:
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             changed.append(i)  # from here on, sub-group i (and its gradients) change
-            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink,
-                                 timings, targets)
+            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
             timings.bytes_written += 12 * (hi - lo)
-            writes.append(self._timed(self.swapper.swap_out(self._key(i), state.reshape(-1)),
-                                      "write_s", timings))
+            writes.append(
+                self._timed(
+                    self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s", timings
+                )
+            )
             if i > first_disk:
                 self._release(i - 1)
             if not lookahead and i < last:
@@ -322,9 +385,19 @@ class NvmeAdam:
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
 
-    def _step_group(self, state: torch.Tensor, grad: torch.Tensor, lo: int, hi: int,
-                    factor: float, ranges: list[StepRange], hyper: dict,
-                    sink: Sink, timings: StepTimings, targets: Targets | None) -> None:
+    def _step_group(
+        self,
+        state: torch.Tensor,
+        grad: torch.Tensor,
+        lo: int,
+        hi: int,
+        factor: float,
+        ranges: list[StepRange],
+        hyper: dict,
+        sink: Sink,
+        timings: StepTimings,
+        targets: Targets | None,
+    ) -> None:
         """The CPU Adam on sub-group [lo, hi)'s (3, n) state, wherever it lives; elements
         outside ``ranges`` keep their values. The new compute-dtype values go straight into
         their ``targets`` (the rest into ``self.out``); each piece goes to ``sink`` once
@@ -337,21 +410,26 @@ class NvmeAdam:
                 if a >= b:
                     continue
                 if out is not None and done < a:  # not stepped: the master as it is
-                    out[done - p:a - p].copy_(state[0, done - lo:a - lo])
-                kw = dict(hyper, step=count,
-                          weight_decay=hyper["weight_decay"] if decays else 0.0)
-                adam_update(state[0, a - lo:b - lo], grad[a - lo:b - lo],
-                            state[1, a - lo:b - lo], state[2, a - lo:b - lo],
-                            grad_scale=factor,  # scaled in registers
-                            out=None if out is None else out[a - p:b - p], **kw)
+                    out[done - p : a - p].copy_(state[0, done - lo : a - lo])
+                kw = dict(hyper, step=count, weight_decay=hyper["weight_decay"] if decays else 0.0)
+                adam_update(
+                    state[0, a - lo : b - lo],
+                    grad[a - lo : b - lo],
+                    state[1, a - lo : b - lo],
+                    state[2, a - lo : b - lo],
+                    grad_scale=factor,  # scaled in registers
+                    out=None if out is None else out[a - p : b - p],
+                    **kw,
+                )
                 done = b
             if out is not None and done < q:
-                out[done - p:].copy_(state[0, done - lo:q - lo])
+                out[done - p :].copy_(state[0, done - lo : q - lo])
             timings.compute_s += time.perf_counter() - t0
-            sink(p, q, state[0, p - lo:q - lo] if out is None else out)
+            sink(p, q, state[0, p - lo : q - lo] if out is None else out)
 
-    def _outputs(self, lo: int, hi: int, targets: Targets | None
-                 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    def _outputs(
+        self, lo: int, hi: int, targets: Targets | None
+    ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         """Where the kernel writes sub-group [lo, hi)'s new compute-dtype values, piece by
         piece: the ``targets`` pieces, the rest into ``self.out`` (None in fp32: the master
         only). A target is asked for only after the piece before it went to the sink (which
@@ -363,11 +441,11 @@ class NvmeAdam:
         while at < hi:
             piece = None if targets is None else targets(at, hi)
             if piece is None:
-                yield at, hi, self.out[at - lo:hi - lo]
+                yield at, hi, self.out[at - lo : hi - lo]
                 return
             a, b, view = piece
             if at < a:
-                yield at, a, self.out[at - lo:a - lo]
+                yield at, a, self.out[at - lo : a - lo]
             yield a, b, view
             at = b
 
@@ -395,9 +473,14 @@ class NvmeAdam:
 
     def add_to(self, report: MemoryReport) -> None:
         report.add("nvme", "optimizer", 12 * self.split.nvme_numel)
-        report.add("host", "optimizer", self.swapper.host_buffer_nbytes
-                   + self.out.numel() * self.out.element_size() + self.split.host_state_bytes,
-                   pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out))
+        report.add(
+            "host",
+            "optimizer",
+            self.swapper.host_buffer_nbytes
+            + self.out.numel() * self.out.element_size()
+            + self.split.host_state_bytes,
+            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out),
+        )
         if self.disk_grads is not None:
             self.disk_grads.add_to(report)
 

@@ -11,6 +11,7 @@ The leading sub-groups (in pipeline order) may keep their [master | m | v] in ho
 or, with "auto", from what the budget has left beside the pipeline. The engine and the
 planner both call it, so the split the plan shows is the one a run gets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,15 @@ from dataclasses import dataclass
 from ..swap.buffers import pool_footprint as _footprint
 from .disk_grads import DiskGrads
 
-__all__ = ["FULL_SPEED_GROUP", "PIPELINE_BUFFERS", "NvmeSizing", "OptimizerSplit", "host_groups",
-           "nvme_sizing", "optimizer_split"]
+__all__ = [
+    "FULL_SPEED_GROUP",
+    "PIPELINE_BUFFERS",
+    "NvmeSizing",
+    "OptimizerSplit",
+    "host_groups",
+    "nvme_sizing",
+    "optimizer_split",
+]
 
 PIPELINE_BUFFERS = 3  # one being read ahead, one computing, one being written back
 FULL_SPEED_GROUP = 1 << 23
@@ -54,8 +62,7 @@ class NvmeSizing:
 
     def grad_bytes(self, numel: int) -> int:
         """The fp32 gradient shard in host memory, or the buffers of its files."""
-        return DiskGrads.host_bytes(self.group, self.buffers) if self.grads_on_disk \
-            else 4 * numel
+        return DiskGrads.host_bytes(self.group, self.buffers) if self.grads_on_disk else 4 * numel
 
 
 def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) -> NvmeSizing:
@@ -66,8 +73,11 @@ def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) 
     budget beside the pipeline (which may shrink to 1M-param sub-groups for it); otherwise
     gradients go to files and the sub-group shrinks until everything fits."""
     pages = -(-numel // _PAGE_ELEMS)
-    size = min(sub_group_size // _PAGE_ELEMS, FULL_SPEED_GROUP // _PAGE_ELEMS,
-               -(-pages // _PIPELINE_GROUPS))
+    size = min(
+        sub_group_size // _PAGE_ELEMS,
+        FULL_SPEED_GROUP // _PAGE_ELEMS,
+        -(-pages // _PIPELINE_GROUPS),
+    )
     size = max(1, size) * _PAGE_ELEMS
 
     def sizing(n: int, on_disk: bool) -> NvmeSizing:
@@ -130,12 +140,12 @@ def host_groups(numel: int, group: int, fraction: float | str | None, spare: int
         return max(0, min(groups, int(spare) // (12 * group)))
     target = (1.0 - float(fraction)) * numel  # elements in host memory, as asked
     below = min(groups, int(target // group))
-    return min((below, min(groups, below + 1)),
-               key=lambda k: abs(min(k * group, numel) - target))
+    return min((below, min(groups, below + 1)), key=lambda k: abs(min(k * group, numel) - target))
 
 
-def optimizer_split(numel: int, sub_group_size: int, budget: int, dtype_bytes: int,
-                    fraction: float | str | None) -> OptimizerSplit:
+def optimizer_split(
+    numel: int, sub_group_size: int, budget: int, dtype_bytes: int, fraction: float | str | None
+) -> OptimizerSplit:
     """The NVMe sizing of :func:`nvme_sizing` and how many elements stay in host memory:
     the one rule the engine and the planner share."""
     sizing = nvme_sizing(numel, sub_group_size, budget, dtype_bytes)

@@ -12,6 +12,7 @@ The tags travel over gloo on host memory, so checking costs the CUDA stream no s
 process group itself when it has a gloo backend, else a gloo group made for it (default group
 only); a custom NCCL-only group falls back to tags on the device, one host sync per check.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,11 @@ def _channel(comm: Comm, device: torch.device) -> tuple[Comm, torch.device]:
         return Comm(comm.group), torch.device("cpu")
     if comm.group is None or comm.group == dist.group.WORLD:
         return Comm(dist.new_group(backend="gloo")), torch.device("cpu")
-    log.info("stage 3: the forward-order check runs on the %s group itself (a host sync "
-             "per module); a gloo backend on it avoids that", backend)
+    log.info(
+        "stage 3: the forward-order check runs on the %s group itself (a host sync "
+        "per module); a gloo backend on it avoids that",
+        backend,
+    )
     return Comm(comm.group), device
 
 
@@ -49,8 +53,9 @@ class OrderCheck:
     """Compares every rank's next gather point (``check``) or end of forward (``end``);
     ``describe(kind, ident)`` names one for the error. Does nothing with one rank."""
 
-    def __init__(self, comm: Comm, device: torch.device,
-                 describe: Callable[[int, int], str]) -> None:
+    def __init__(
+        self, comm: Comm, device: torch.device, describe: Callable[[int, int], str]
+    ) -> None:
         self.world_size = comm.world_size
         self.describe = describe
         self.checks = 0
@@ -75,7 +80,8 @@ class OrderCheck:
                 "modules in the same order (branches inside a module's forward that use the "
                 "same parameters are fine). Run the skipped modules on every rank (e.g. on an "
                 "empty or zero-weighted input), or use stage 1, which allows per-rank "
-                "control flow")
+                "control flow"
+            )
 
     def end(self) -> None:
         self.check(END, 0)

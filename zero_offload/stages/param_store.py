@@ -13,6 +13,7 @@ written to disk from where it is) and writes them there, so that :meth:`put` cop
 ``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a unit's shard on the
 compute device through :meth:`load` (with CUDA: copied on the host-to-device stream).
 """
+
 from __future__ import annotations
 
 import time
@@ -58,9 +59,18 @@ def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) ->
 
 
 class ParamStore:
-    def __init__(self, cfg: ZeroConfig, numel: int, largest_shard: int, dtype: torch.dtype,
-                 device: torch.device, rank: int, host_memory_limit: int | None,
-                 streams: Streams, host_numel: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ZeroConfig,
+        numel: int,
+        largest_shard: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+        host_memory_limit: int | None,
+        streams: Streams,
+        host_numel: int = 0,
+    ) -> None:
         """``host_numel``: with ``offload_param="nvme"``, the rank-flat prefix kept in host
         memory (whole units, :func:`param_host_numel`)."""
         self.tier = cfg.offload.param
@@ -77,18 +87,26 @@ class ParamStore:
         self._bytes = numel * itemsize
         # NVMe: the leading units' shards in host memory (empty when all are in files)
         self.host_numel = host_numel if self.tier == "nvme" else 0
-        self.host = host_empty(self.host_numel, dtype, crosses_pcie=True) \
-            if self.tier == "nvme" else None
+        self.host = (
+            host_empty(self.host_numel, dtype, crosses_pcie=True) if self.tier == "nvme" else None
+        )
         if self.tier == "nvme":
             self.swapper = Swapper(
-                cfg.offload.nvme_dir, buffer_bytes=largest_shard * itemsize,
-                buffer_count=param_pool_buffers(cfg.prefetch_depth), min_buffers=1,
+                cfg.offload.nvme_dir,
+                buffer_bytes=largest_shard * itemsize,
+                buffer_count=param_pool_buffers(cfg.prefetch_depth),
+                min_buffers=1,
                 host_memory_limit=host_memory_limit,
-                expected_bytes=self._bytes - self.host_numel * itemsize, rank=rank,
-                pin=pins(crosses_pcie=True))
+                expected_bytes=self._bytes - self.host_numel * itemsize,
+                rank=rank,
+                pin=pins(crosses_pcie=True),
+            )
         else:
-            self.resident = host_empty(numel, dtype, crosses_pcie=True) if self.tier == "cpu" \
+            self.resident = (
+                host_empty(numel, dtype, crosses_pcie=True)
+                if self.tier == "cpu"
                 else torch.empty(numel, dtype=dtype, device=device)
+            )
 
     @staticmethod
     def _key(unit: FlatUnit) -> str:
@@ -99,9 +117,9 @@ class ParamStore:
         (None: the unit's shard is in a file)."""
         end = unit.shard_offset + unit.shard_numel
         if self.resident is not None:
-            return self.resident[unit.shard_offset:end]
+            return self.resident[unit.shard_offset : end]
         if end <= self.host_numel and self.host is not None:
-            return self.host[unit.shard_offset:end]
+            return self.host[unit.shard_offset : end]
         return None
 
     @property
@@ -213,14 +231,22 @@ class ParamStore:
 
     def add_to(self, report: MemoryReport) -> None:
         if self.resident is not None:
-            report.add("host" if self.tier == "cpu" else "device", "params", self._bytes,
-                       pinned=pinned_nbytes(self.resident))
+            report.add(
+                "host" if self.tier == "cpu" else "device",
+                "params",
+                self._bytes,
+                pinned=pinned_nbytes(self.resident),
+            )
         else:
             assert self.swapper is not None and self.host is not None
             host_part = self.host.numel() * self.host.element_size()
             report.add("nvme", "params", self._bytes - host_part)
-            report.add("host", "params", self.swapper.host_buffer_nbytes + host_part,
-                       pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.host))
+            report.add(
+                "host",
+                "params",
+                self.swapper.host_buffer_nbytes + host_part,
+                pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.host),
+            )
 
     def close(self) -> None:
         self.give_back()

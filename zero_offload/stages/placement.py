@@ -6,6 +6,7 @@ Stage 3 exists for models that do not fit on one device, so ``initialize`` and
 through :func:`to_device`, which makes that bound checkable (and countable in tests) on any
 machine, the CPU included, where a "move" costs nothing and hides the difference.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ import torch.nn as nn
 __all__ = ["move_model", "select_device", "to_device"]
 
 
-def to_device(tensor: torch.Tensor, device: torch.device,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``tensor`` on ``device`` (in ``dtype``); the input itself when it is already there."""
     return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
@@ -55,5 +57,6 @@ def move_model(model: nn.Module, device: torch.device, stage: int) -> None:
                         "reset_parameters() or init_weights) but cannot know a buffer's "
                         "values: build the model with only its parameters on the meta device "
                         "(accelerate.init_empty_weights() does so by default), or create its "
-                        "buffers on a real device")
+                        "buffers on a real device"
+                    )
                 module._buffers[name] = to_device(b, device)

@@ -14,6 +14,7 @@ Inside a forward this never fires: the gatherer's :class:`~.external.ReleasedAcc
 runs before any subclass and gathers the parameter first. ``close()`` (or the engine's
 collection) gives the parameters back their ``nn.Parameter`` class.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -51,7 +52,8 @@ def _check(value: Any) -> None:
                 "and not in memory. Read it inside `with engine.gathered_parameters():` "
                 "(collective: every rank enters it), take engine.full_state_dict() "
                 "(collective), or call engine.close() first: the model then holds the trained "
-                "values as ordinary tensors")
+                "values as ordinary tensors"
+            )
 
 
 def _same_place(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -66,17 +68,20 @@ def _same_place(func: Any, args: tuple, kwargs: dict) -> bool:
     if kwargs.get("copy"):
         return False
     device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
-    return ((device is None or torch.device(device) == t.device)
-            and (dtype is None or dtype == t.dtype)
-            and memory_format in (None, torch.preserve_format))
+    return (
+        (device is None or torch.device(device) == t.device)
+        and (dtype is None or dtype == t.dtype)
+        and memory_format in (None, torch.preserve_format)
+    )
 
 
 class ShardedParameter(nn.Parameter):
     """An ``nn.Parameter`` of an open stage-3 engine (see the module docstring)."""
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if reads_memory(func) and not _same_place(func, args, kwargs):
             for a in args:

@@ -15,6 +15,7 @@ step count; in the common case (every parameter had a gradient every time) that 
 Parameters named in ``no_decay`` (biases, norm weights) are stepped with weight decay 0, as in
 the no-decay parameter group of Hugging Face Trainer's AdamW: their ranges say so.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -42,24 +43,35 @@ __all__ = ["ShardStepper"]
 log = logging.getLogger(__name__)
 
 
-def _decays(units: list[FlatUnit], slots: list[tuple[FlatUnit, int]],
-            no_decay: tuple[str, ...]) -> list[bool]:
+def _decays(
+    units: list[FlatUnit], slots: list[tuple[FlatUnit, int]], no_decay: tuple[str, ...]
+) -> list[bool]:
     """Per trainable slot: whether weight decay applies (its name is not in ``no_decay``)."""
     names = {n for u in units for n in u.names}
     unknown = [n for n in no_decay if n not in names]
     if unknown:
         close = ", ".join(sorted(names)[:5])
-        raise ConfigError(f"no_decay names {unknown[:3]!r}, which are not parameters of the "
-                          f"model; use names from model.named_parameters() (e.g. {close})")
+        raise ConfigError(
+            f"no_decay names {unknown[:3]!r}, which are not parameters of the "
+            f"model; use names from model.named_parameters() (e.g. {close})"
+        )
     skip = set(no_decay)
     return [u.names[i] not in skip for u, i in slots]
 
 
 class ShardStepper:
-    def __init__(self, units: list[FlatUnit], cfg: ZeroConfig, comm: Comm,
-                 grads: torch.Tensor | None,
-                 device: torch.device, dtype: torch.dtype, updater: Updater,
-                 params: ParamStore | None, streams: Streams) -> None:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        cfg: ZeroConfig,
+        comm: Comm,
+        grads: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        updater: Updater,
+        params: ParamStore | None,
+        streams: Streams,
+    ) -> None:
         self.units = units
         self.cfg = cfg
         self.comm = comm
@@ -76,14 +88,20 @@ class ShardStepper:
         self._starts = [u.shard_offset for u in self._stepped]
         largest = max((u.shard_numel for u in units), default=0)
         # A unit split across NVMe sub-groups is assembled here before it is stored.
-        self._staging = host_empty(largest, dtype, crosses_pcie=True) \
-            if cfg.offload.optimizer == "nvme" else None
+        self._staging = (
+            host_empty(largest, dtype, crosses_pcie=True)
+            if cfg.offload.optimizer == "nvme"
+            else None
+        )
         self._staged_bytes = 0  # new values copied into the staging buffer, ever
         # units whose new values the updater writes in place (their targets), until stored
         self._targeted: dict[int, torch.Tensor] = {}
         p = cfg.precision
-        self.scaler = (LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
-                       if p.dtype == torch.float16 else None)
+        self.scaler = (
+            LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
+            if p.dtype == torch.float16
+            else None
+        )
         self._grad_norm: float | None = None
         self._host_vec: torch.Tensor | None = None  # what the step's exchange sends
         # per trainable parameter (grads.trainable_slots order): its name, this rank's
@@ -162,7 +180,7 @@ class ShardStepper:
         vec = self._host_vec.to(self.device, non_blocking=True)
         stats = self.scaler is not None or self.cfg.optimizer.max_grad_norm is not None
         if stats and (self.stage > 0 or self.comm.rank == 0):  # stage 0: every rank holds
-            vec[n] = self._local_sumsq().to(self.device)   # the whole gradient; rank 0's
+            vec[n] = self._local_sumsq().to(self.device)  # the whole gradient; rank 0's
         if self.stage > 0 or n:
             self.comm.all_reduce(vec)
         if is_fake(vec):  # a rehearsal (zero_offload.rehearsal) has no values to read: every
@@ -171,8 +189,11 @@ class ShardStepper:
             return [1.0] * had + [0.0] * (n - had) + [0.0]
         return vec.tolist()
 
-    def step(self, flags: torch.Tensor | None = None,
-             reduce_late: Callable[[list[bool]], None] | None = None) -> bool:
+    def step(
+        self,
+        flags: torch.Tensor | None = None,
+        reduce_late: Callable[[list[bool]], None] | None = None,
+    ) -> bool:
         """Agree on the gradient flags, check overflow, clip, update, write the params back.
         False: nothing applied (no parameter had a gradient on any rank, or an overflow).
         ``flags``: this rank's :meth:`GradReducer.local_flags` (None: every parameter had a
@@ -193,8 +214,7 @@ class ShardStepper:
                 reduce_late(late)  # rare (reentrant backward): the sums change, read again
                 sumsq = self._exchange(None)[-1]
             if not any(had):
-                log.info("step: no parameter had a gradient since the last update; "
-                         "nothing applied")
+                log.info("step: no parameter had a gradient since the last update; nothing applied")
                 self.optimizer.step()  # no .grad anywhere: a no-op that lr schedulers expect
                 return False
         scale = self.loss_scale
@@ -213,8 +233,9 @@ class ShardStepper:
                 factor *= coef
         copied = self._copied_bytes()
         try:
-            self.updater.update(self.grads, factor, self._sink, self._update_ranges(had),
-                                self._targets)
+            self.updater.update(
+                self.grads, factor, self._sink, self._update_ranges(had), self._targets
+            )
         except BaseException:
             self._targeted.clear()
             if self.params is not None:
@@ -248,7 +269,7 @@ class ShardStepper:
                     continue
                 self._targeted[u.index] = dest
             a, b = max(lo, start), min(hi, end)
-            return a, b, dest[a - start:b - start]
+            return a, b, dest[a - start : b - start]
         return None
 
     @property
@@ -273,16 +294,16 @@ class ShardStepper:
                     self.params.put(u, dest)
                 continue
             if start >= lo and end <= hi:
-                self.write_params(u, values[start - lo:end - lo])
+                self.write_params(u, values[start - lo : end - lo])
                 continue
             assert self._staging is not None, "only NVMe sub-groups cut units"
             a, b = max(lo, start), min(hi, end)
             if a == start:  # a copy issued above may still read the staging buffer
                 self.streams.sync_h2d()
-            self._staging[a - start:b - start].copy_(values[a - lo:b - lo])
+            self._staging[a - start : b - start].copy_(values[a - lo : b - lo])
             self._staged_bytes += (b - a) * self._staging.element_size()
             if b == end:
-                self.write_params(u, self._staging[:u.shard_numel])
+                self.write_params(u, self._staging[: u.shard_numel])
         self.streams.sync_h2d()  # copies issued above read ``values`` (and the staging)
 
     def write_params(self, unit: FlatUnit, shard: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ copy that last read it is done. On a CPU device there are no
 streams: every method does the same work inline and returns no event, so the code above
 this module runs the same logic on both.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,9 @@ class Streams:
     def _current(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)
 
-    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None, *,
-                  own: bool = False) -> tuple[torch.Tensor, Event | None]:
+    def to_device(
+        self, host: torch.Tensor, dtype: torch.dtype | None = None, *, own: bool = False
+    ) -> tuple[torch.Tensor, Event | None]:
         """``host`` (in ``dtype``) on the device, and the event after which it is there.
         ``host`` must stay unchanged until the event fires (page-locked for a true
         asynchronous copy). On a CPU device the result is ``host`` itself unless ``own``:
@@ -94,13 +96,16 @@ class Streams:
         once the copy that read it last is done (grown to the largest request)."""
         if host.dtype == dtype:
             return host
-        if self._convert is None or self._convert.numel() < host.numel() \
-                or self._convert.dtype != dtype:
+        if (
+            self._convert is None
+            or self._convert.numel() < host.numel()
+            or self._convert.dtype != dtype
+        ):
             self._wait_converted()
             unpin(self._convert)
             self._convert = host_empty(host.numel(), dtype, crosses_pcie=True)
         self._wait_converted()
-        return self._convert[:host.numel()].view(host.shape).copy_(host)
+        return self._convert[: host.numel()].view(host.shape).copy_(host)
 
     def _wait_converted(self) -> None:
         if self._converted is not None:

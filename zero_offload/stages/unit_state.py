@@ -7,6 +7,7 @@ reducer (stages 0–3) and the hand-back at ``close`` change a unit's state only
 :class:`UnitStates`, the way FSDP2 keeps a ``TrainingState`` beside sharded/unsharded
 parameter states rather than flags on the parameters.
 """
+
 from __future__ import annotations
 
 import enum
@@ -55,8 +56,10 @@ class UnitStates:
         self.training = TrainingState.IDLE
         self.final = True  # this backward ends an accumulation window
         self._units = units
-        self._of = {id(u): _State(GatherState.FREE if u.sharded_params else GatherState.GATHERED)
-                    for u in units}
+        self._of = {
+            id(u): _State(GatherState.FREE if u.sharded_params else GatherState.GATHERED)
+            for u in units
+        }
 
     # -- the engine's pass ------------------------------------------------------------------
     @property
@@ -92,8 +95,13 @@ class UnitStates:
     def gather_state(self, unit: FlatUnit) -> GatherState:
         return self._of[id(unit)].gather
 
-    def gather(self, unit: FlatUnit, shard: torch.Tensor, wait: bool,
-               after: "torch.cuda.Event | None" = None) -> bool:
+    def gather(
+        self,
+        unit: FlatUnit,
+        shard: torch.Tensor,
+        wait: bool,
+        after: "torch.cuda.Event | None" = None,
+    ) -> bool:
         """Start filling ``unit.full`` from every rank's ``shard`` (``wait``: and wait for
         it); True if work was issued. With CUDA streams the all-gather runs on the gather
         stream once ``after`` (the shard's copy to the device) has fired; :meth:`wait` then

@@ -7,6 +7,7 @@ buffer in the compute dtype (``full``). In stage 3 that buffer's storage is rele
 and refilled by an all-gather, and the views — held by the module and by autograd — stay valid
 because they share the storage object, not its memory.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,8 +19,17 @@ from ..comm import Comm
 from ..partition import FlatLayout, bucketize, build_layout
 from . import placement
 
-__all__ = ["FlatUnit", "UnitPlan", "plan_units", "make_unit", "unit_build_bytes",
-           "owning_modules", "parameter_references", "persistent_buffers", "trainable_numel"]
+__all__ = [
+    "FlatUnit",
+    "UnitPlan",
+    "plan_units",
+    "make_unit",
+    "unit_build_bytes",
+    "owning_modules",
+    "parameter_references",
+    "persistent_buffers",
+    "trainable_numel",
+]
 
 
 @dataclass(eq=False)
@@ -93,8 +103,9 @@ def trainable_numel(units: "list[UnitPlan] | list[FlatUnit]") -> int:
     return sum(u.shard_numel for u in units if not u.frozen)
 
 
-def plan_units(model: nn.Module, *, stage: int, world_size: int,
-               bucket_size: int) -> list[UnitPlan]:
+def plan_units(
+    model: nn.Module, *, stage: int, world_size: int, bucket_size: int
+) -> list[UnitPlan]:
     """Group parameters into units (stage 3: one per module that holds parameters; else
     buckets of ``bucket_size`` elements in reverse registration order, the order in which
     gradients tend to become ready) and lay each out. Frozen parameters
@@ -102,6 +113,7 @@ def plan_units(model: nn.Module, *, stage: int, world_size: int,
     rank-flat order: they have no gradients and no optimizer state. Touches no parameter
     memory, so a model
     on the meta device is planned too."""
+
     def split(group: list) -> list[list]:  # trainable first, frozen apart
         trainable = [x for x in group if x[2].requires_grad]
         frozen = [x for x in group if not x[2].requires_grad]
@@ -109,18 +121,30 @@ def plan_units(model: nn.Module, *, stage: int, world_size: int,
 
     owned = [(module, name, p) for module, own in owning_modules(model) for name, p in own]
     if stage == 3:
-        groups = [part for m, own in owning_modules(model)
-                  for part in split([(m, n, p) for n, p in own])]
+        groups = [
+            part for m, own in owning_modules(model) for part in split([(m, n, p) for n, p in own])
+        ]
     else:
         owned.reverse()
-        groups = [[part[i] for i in b] for part in split(owned)
-                  for b in bucketize([p.numel() for _, _, p in part], bucket_size)]
+        groups = [
+            [part[i] for i in b]
+            for part in split(owned)
+            for b in bucketize([p.numel() for _, _, p in part], bucket_size)
+        ]
     num_shards = 1 if stage == 0 else world_size
     plans = []
     for index, group in enumerate(groups):
         layout = build_layout(((n, p.shape) for _, n, p in group), num_shards)
-        plans.append(UnitPlan(index, [n for _, n, _ in group], [p for _, _, p in group],
-                              [m for m, _, _ in group], layout, 0))
+        plans.append(
+            UnitPlan(
+                index,
+                [n for _, n, _ in group],
+                [p for _, _, p in group],
+                [m for m, _, _ in group],
+                layout,
+                0,
+            )
+        )
     # Rank-flat order: trainable units first, so that the optimizer state and the gradients
     # cover just the prefix [0, trainable_numel(plans)); frozen shards follow.
     offset = 0
@@ -152,7 +176,8 @@ def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
             raise ValueError(
                 f"{type(owner).__name__} holds parameters on the meta device but has no "
                 "reset_parameters() to create them; give it one, or build the model on a real "
-                "device")
+                "device"
+            )
         saved = dict(owner._parameters)
         for name, p in saved.items():
             if p is not None and p.is_meta:
@@ -170,11 +195,19 @@ def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
     return [values[i] for i in range(len(plan.params))]
 
 
-def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
-              device: torch.device, persistence_threshold: int, comm: Comm,
-              refs: dict[int, list[tuple[nn.Module, str]]],
-              values: list[torch.Tensor] | None = None,
-              into: torch.Tensor | None = None) -> tuple[FlatUnit, torch.Tensor]:
+def make_unit(
+    plan: UnitPlan,
+    *,
+    stage: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    persistence_threshold: int,
+    comm: Comm,
+    refs: dict[int, list[tuple[nn.Module, str]]],
+    values: list[torch.Tensor] | None = None,
+    into: torch.Tensor | None = None,
+) -> tuple[FlatUnit, torch.Tensor]:
     """Give a planned unit its memory: broadcast rank 0's starting values (``values``, e.g.
     pretrained weights, or the parameters' own) so every rank starts from the same weights,
     make ``full`` in the compute dtype, and point the model's parameters at their views of
@@ -209,8 +242,17 @@ def make_unit(plan: UnitPlan, *, stage: int, rank: int, dtype: torch.dtype,
         else:
             p.data = view
         params.append(p)
-    unit = FlatUnit(plan.index, params, plan.names, layout, full, plan.shard_offset, sharded,
-                    views=views, frozen=plan.frozen)
+    unit = FlatUnit(
+        plan.index,
+        params,
+        plan.names,
+        layout,
+        full,
+        plan.shard_offset,
+        sharded,
+        views=views,
+        frozen=plan.frozen,
+    )
     lo, hi = layout.shard_range(0 if layout.num_shards == 1 else rank)
     return unit, full[lo:hi] if into is not None else master[lo:hi].clone()
 

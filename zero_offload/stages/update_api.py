@@ -1,6 +1,7 @@
 """What an updater is, apart from where its state lives: the face the engine, the
 checkpoint code and the three updaters (``updaters``, ``nvme_adam``) share, in a module of its
 own so that none of them imports another to get it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,17 @@ from ..ledger import MemoryReport
 if TYPE_CHECKING:
     from .disk_grads import DiskGrads
 
-__all__ = ["Sink", "StateChunk", "StepRange", "StepTimings", "Targets", "Updater",
-           "adam_hyperparameters", "adam_kwargs", "whole_range"]
+__all__ = [
+    "Sink",
+    "StateChunk",
+    "StepRange",
+    "StepTimings",
+    "Targets",
+    "Updater",
+    "adam_hyperparameters",
+    "adam_kwargs",
+    "whole_range",
+]
 
 
 Sink = Callable[[int, int, torch.Tensor], None]
@@ -78,16 +88,28 @@ class Updater(Protocol):
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch-facing optimizer (read-only here: an updater may hold a subclass)."""
-    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
-                   exp_avg_sq: torch.Tensor | None = None) -> None: ...
+
+    def load_state(
+        self,
+        offset: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor | None = None,
+        exp_avg_sq: torch.Tensor | None = None,
+    ) -> None: ...
     def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: "list[StepRange] | None" = None,
-               targets: Targets | None = None) -> None:
+    def update(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: "list[StepRange] | None" = None,
+        targets: Targets | None = None,
+    ) -> None:
         """Step rank-flat ``ranges`` (lo, hi, Adam step count, weight decay or not; None:
         everything at ``steps + 1`` with weight decay), leave the rest as it is, hand every
         value to ``sink`` (or write it into its ``targets`` piece, for updaters that take
         them); ``steps`` becomes ``steps + 1``."""
+
     def master_values(self) -> torch.Tensor: ...
     def add_to(self, report: MemoryReport) -> None: ...
     def close(self) -> None: ...
@@ -98,9 +120,16 @@ def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
     first param group (read at every step: lr schedulers change it)."""
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
-    return dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=group["eps"], weight_decay=group["weight_decay"], adamw=True,
-                num_threads=getattr(optimizer, "num_threads", None))
+    return dict(
+        step=step,
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adamw=True,
+        num_threads=getattr(optimizer, "num_threads", None),
+    )
 
 
 def adam_kwargs(cfg: ZeroConfig) -> dict:

@@ -13,6 +13,7 @@ gradients) and hand the new parameter values to ``sink`` — plus a torch ``opti
 - :class:`~.nvme_adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
   a pipeline over sub-groups (see its module).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,13 +31,28 @@ from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
-from .update_api import (Sink, StateChunk, StepRange, StepTimings, Targets, Updater,
-                         adam_hyperparameters,
-                         whole_range,
-                         adam_kwargs)
+from .update_api import (
+    Sink,
+    StateChunk,
+    StepRange,
+    StepTimings,
+    Targets,
+    Updater,
+    adam_hyperparameters,
+    whole_range,
+    adam_kwargs,
+)
 
-__all__ = ["Updater", "StepTimings", "Sink", "StateChunk", "DeviceAdam", "HostAdam",
-           "make_updater", "params_are_master"]
+__all__ = [
+    "Updater",
+    "StepTimings",
+    "Sink",
+    "StateChunk",
+    "DeviceAdam",
+    "HostAdam",
+    "make_updater",
+    "params_are_master",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +73,9 @@ class _ResidentAdam:
     tier = "device"
     disk_grads: DiskGrads | None = None  # the gradients stay in the engine's shard
 
-    def __init__(self, master: torch.Tensor, optimizer: torch.optim.Optimizer,
-                 param: nn.Parameter) -> None:
+    def __init__(
+        self, master: torch.Tensor, optimizer: torch.optim.Optimizer, param: nn.Parameter
+    ) -> None:
         self.master, self.optimizer, self.param = master, optimizer, param
         self.last_timings = StepTimings()
         self.master_is_params = False  # the fp32 params themselves (their owner counts them)
@@ -77,14 +94,20 @@ class _ResidentAdam:
         state = self.optimizer.state[self.param]
         if "exp_avg" not in state:
             fused = getattr(self.optimizer, "defaults", {}).get("fused")
-            state["step"] = torch.zeros((), dtype=torch.float32,
-                                        device=self.master.device if fused else "cpu")
+            state["step"] = torch.zeros(
+                (), dtype=torch.float32, device=self.master.device if fused else "cpu"
+            )
             state["exp_avg"] = torch.zeros_like(self.master)
             state["exp_avg_sq"] = torch.zeros_like(self.master)
         return state
 
-    def load_state(self, offset: int, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
-                   exp_avg_sq: torch.Tensor | None = None) -> None:
+    def load_state(
+        self,
+        offset: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor | None = None,
+        exp_avg_sq: torch.Tensor | None = None,
+    ) -> None:
         end = offset + master.numel()
         if self.master[offset:end].data_ptr() != master.data_ptr():  # not the params as they are
             self.master[offset:end].copy_(master)
@@ -99,8 +122,13 @@ class _ResidentAdam:
         n = self.master.numel()
         step = max(n, 1) if self.master.device.type == "cpu" else _CHUNK  # CPU: no copies
         for lo, hi in chunks(n, step):
-            yield (lo, hi, self.master[lo:hi].cpu(), state["exp_avg"][lo:hi].cpu(),
-                   state["exp_avg_sq"][lo:hi].cpu())
+            yield (
+                lo,
+                hi,
+                self.master[lo:hi].cpu(),
+                state["exp_avg"][lo:hi].cpu(),
+                state["exp_avg_sq"][lo:hi].cpu(),
+            )
 
     def master_values(self) -> torch.Tensor:
         return self.master
@@ -108,16 +136,23 @@ class _ResidentAdam:
     def resident_tensors(self) -> dict[str, torch.Tensor]:
         """The state tensors held in memory, by role (for tools that attribute memory)."""
         state = self.optimizer.state.get(self.param, {})
-        found = {"master": self.master, "exp_avg": state.get("exp_avg"),
-                 "exp_avg_sq": state.get("exp_avg_sq"), "fp32 grads": self.param.grad}
+        found = {
+            "master": self.master,
+            "exp_avg": state.get("exp_avg"),
+            "exp_avg_sq": state.get("exp_avg_sq"),
+            "fp32 grads": self.param.grad,
+        }
         return {k: v for k, v in found.items() if v is not None}
 
     def add_to(self, report: MemoryReport) -> None:
         state = self.optimizer.state.get(self.param, {})
         master = 0 if self.master_is_params else _nbytes(self.master)
-        report.add(self.tier, "optimizer", master + _nbytes(state.get("exp_avg"))
-                   + _nbytes(state.get("exp_avg_sq")),
-                   pinned=0 if self.master_is_params else pinned_nbytes(self.master))
+        report.add(
+            self.tier,
+            "optimizer",
+            master + _nbytes(state.get("exp_avg")) + _nbytes(state.get("exp_avg_sq")),
+            pinned=0 if self.master_is_params else pinned_nbytes(self.master),
+        )
 
     def close(self) -> None:
         if not self.master_is_params:
@@ -135,16 +170,22 @@ class DeviceAdam(_ResidentAdam):
             optimizer = torch.optim.AdamW([param], **adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
 
-    def replace_optimizer(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-                          ) -> torch.optim.Optimizer:
+    def replace_optimizer(
+        self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
         """Step the master with the optimizer ``make`` builds (a simulation's stand-in for
         torch's fused AdamW); returns it."""
         self.optimizer = make([self.param])
         return self.optimizer
 
-    def update(self, grads: torch.Tensor | None, factor: float | torch.Tensor,
-               sink: Sink, ranges: list[StepRange] | None = None,
-               targets: Targets | None = None) -> None:
+    def update(
+        self,
+        grads: torch.Tensor | None,
+        factor: float | torch.Tensor,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> None:
         """``factor`` may also be a device tensor."""
         start = time.perf_counter()
         assert grads is not None
@@ -170,37 +211,60 @@ class DeviceAdam(_ResidentAdam):
         group = self.optimizer.param_groups[0]
         fused = bool(self.optimizer.defaults.get("fused"))
         for lo, hi, s, decays in ranges:
-            count = torch.tensor(float(s - 1), dtype=torch.float32,  # incremented by adamw
-                                 device=state["step"].device)
+            count = torch.tensor(
+                float(s - 1),
+                dtype=torch.float32,  # incremented by adamw
+                device=state["step"].device,
+            )
             _functional_adamw(
-                [self.master[lo:hi]], [grads32[lo:hi]], [state["exp_avg"][lo:hi]],
-                [state["exp_avg_sq"][lo:hi]], [], [count], foreach=False, fused=fused or None,
-                amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
-                lr=group["lr"], weight_decay=group["weight_decay"] if decays else 0.0,
+                [self.master[lo:hi]],
+                [grads32[lo:hi]],
+                [state["exp_avg"][lo:hi]],
+                [state["exp_avg_sq"][lo:hi]],
+                [],
+                [count],
+                foreach=False,
+                fused=fused or None,
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"] if decays else 0.0,
                 eps=group["eps"],
-                maximize=False)
+                maximize=False,
+            )
 
 
 class HostAdam(_ResidentAdam):
     """fp32 master + AdamW state in host memory, stepped by the CPU Adam kernel. ``tier``
     names it in the ledger: "host" when offloaded, "device" when the CPU is the device."""
 
-    def __init__(self, master: torch.Tensor, cfg: ZeroConfig, dtype: torch.dtype,
-                 tier: str = "host", out: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        master: torch.Tensor,
+        cfg: ZeroConfig,
+        dtype: torch.dtype,
+        tier: str = "host",
+        out: torch.Tensor | None = None,
+    ) -> None:
         param = nn.Parameter(master, requires_grad=False)
         super().__init__(master, CPUAdam([param], adamw=True, **adam_kwargs(cfg)), param)
         self.tier = tier
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
         self.owns_out = out is None and dtype != torch.float32
-        self.out = host_empty(master.numel(), dtype, crosses_pcie=True) \
-            if self.owns_out else out
+        self.out = host_empty(master.numel(), dtype, crosses_pcie=True) if self.owns_out else out
         if dtype == torch.float32:
             self.out = None
 
-    def update(self, grads: torch.Tensor | None, factor: float, sink: Sink,
-               ranges: list[StepRange] | None = None,
-               targets: Targets | None = None) -> None:
+    def update(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> None:
         """One pass of the CPU kernel over the gradients as they are (any float dtype): it
         widens them and multiplies them by ``factor`` in registers, so they are read once
         and never written; host gradients go to the kernel as one range per step range (it
@@ -221,10 +285,15 @@ class HostAdam(_ResidentAdam):
             chunk = max(1, hi - lo) if as_is else _GRAD_CHUNK
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
-                adam_update(self.master[a:b], grads[a:b].to("cpu"), state["exp_avg"][a:b],
-                            state["exp_avg_sq"][a:b],
-                            out=None if self.out is None else self.out[a:b],
-                            grad_scale=factor, **hyper)
+                adam_update(
+                    self.master[a:b],
+                    grads[a:b].to("cpu"),
+                    state["exp_avg"][a:b],
+                    state["exp_avg_sq"][a:b],
+                    out=None if self.out is None else self.out[a:b],
+                    grad_scale=factor,
+                    **hyper,
+                )
             done = hi
         self._copy_out(done, n)
         self.steps = step
@@ -255,9 +324,15 @@ def params_are_master(cfg: ZeroConfig, dtype: torch.dtype) -> bool:
     return cfg.stage == 0 and dtype == torch.float32 and cfg.offload.optimizer == "none"
 
 
-def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch.dtype,
-                 rank: int, param_shards: torch.Tensor | None = None,
-                 host_memory_limit: int | None = None) -> Updater:
+def make_updater(
+    numel: int,
+    cfg: ZeroConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int,
+    param_shards: torch.Tensor | None = None,
+    host_memory_limit: int | None = None,
+) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: the rank-flat compute-dtype params when resident (stage 3's shards;
     stage 0's params with fp32 compute, see :func:`params_are_master`); a CPU updater writes
@@ -267,12 +342,21 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
     where = cfg.offload.optimizer
     if where == "nvme":
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
-    out = param_shards if param_shards is not None and param_shards.device.type == "cpu" \
-        and param_shards.dtype == dtype else None
+    out = (
+        param_shards
+        if param_shards is not None
+        and param_shards.device.type == "cpu"
+        and param_shards.dtype == dtype
+        else None
+    )
     # on the host, the master crosses PCIe only as fp32 compute's new params for the device
     crosses = dtype == torch.float32 and out is None
-    shared = where == "none" and param_shards is not None \
-        and param_shards.dtype == torch.float32 and param_shards.device == device
+    shared = (
+        where == "none"
+        and param_shards is not None
+        and param_shards.dtype == torch.float32
+        and param_shards.device == device
+    )
     if shared:
         assert param_shards is not None
         master = param_shards[:numel]  # the fp32 params: no second copy of them
@@ -282,7 +366,10 @@ def make_updater(numel: int, cfg: ZeroConfig, device: torch.device, dtype: torch
         master = torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
         return HostAdam(master, cfg, dtype, out=out)
-    updater: HostAdam | DeviceAdam = HostAdam(master, cfg, dtype, tier="device", out=out) \
-        if device.type == "cpu" else DeviceAdam(master, cfg)
+    updater: HostAdam | DeviceAdam = (
+        HostAdam(master, cfg, dtype, tier="device", out=out)
+        if device.type == "cpu"
+        else DeviceAdam(master, cfg)
+    )
     updater.master_is_params = shared
     return updater

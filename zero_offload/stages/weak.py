@@ -5,6 +5,7 @@ engine's reducer or gatherer, dropping the engine would free nothing — and tor
 collect a Parameter whose hook refers back to it. So hooks hold their owner weakly and do
 nothing once it is gone (the engine also removes them through their handles).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -20,4 +21,5 @@ def weak_hook(method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
     def hook(*args: Any, **kwargs: Any) -> Any:
         live = ref()
         return None if live is None else live(*bound, *args, **kwargs)
+
     return hook

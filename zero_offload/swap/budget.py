@@ -12,6 +12,7 @@ Default: ``DEFAULT_HOST_FRACTION`` of the node's available memory (``psutil``) w
 starts, divided by the ranks on the node (``LOCAL_WORLD_SIZE``, which ``torchrun`` sets;
 1 without it). An explicit ``host_memory_limit`` is this rank's budget as given.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,8 +22,13 @@ import os
 
 import psutil
 
-__all__ = ["DEFAULT_HOST_FRACTION", "host_memory_budget", "local_ranks", "return_freed_memory",
-           "split_host_budget"]
+__all__ = [
+    "DEFAULT_HOST_FRACTION",
+    "host_memory_budget",
+    "local_ranks",
+    "return_freed_memory",
+    "split_host_budget",
+]
 
 DEFAULT_HOST_FRACTION = 0.5
 """Share of the node's available host memory that its ranks' budgets add up to by default."""
@@ -37,9 +43,13 @@ def local_ranks() -> int:
         return 1
 
 
-def host_memory_budget(limit: int | None = None, *, available: int | None = None,
-                       ranks: int | None = None,
-                       fraction: float = DEFAULT_HOST_FRACTION) -> int:
+def host_memory_budget(
+    limit: int | None = None,
+    *,
+    available: int | None = None,
+    ranks: int | None = None,
+    fraction: float = DEFAULT_HOST_FRACTION,
+) -> int:
     """Bytes of host memory one rank's pools and staging buffers may hold together.
 
     ``limit``: the user's ``host_memory_limit`` (per rank), returned as is. Otherwise
@@ -54,8 +64,13 @@ def host_memory_budget(limit: int | None = None, *, available: int | None = None
     return int(available * fraction) // max(1, ranks)
 
 
-def split_host_budget(budget: int, param_pool_bytes: int, offload_param: str,
-                      offload_optimizer: str, staging_bytes: int = 0) -> tuple[int, int]:
+def split_host_budget(
+    budget: int,
+    param_pool_bytes: int,
+    offload_param: str,
+    offload_optimizer: str,
+    staging_bytes: int = 0,
+) -> tuple[int, int]:
     """(the NVMe parameter pool's share, the optimizer's share, gradients included).
 
     ``staging_bytes``: fixed staging buffers (device-to-host gradient copies) taken first.

@@ -31,8 +31,16 @@ from .budget import host_memory_budget
 from .disk import current_disk
 from .errors import BufferBudgetError
 
-__all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBuffer", "BufferPool", "BufferBudgetError", "pool_count",
-           "pool_footprint", "round_up"]
+__all__ = [
+    "ALIGNMENT",
+    "HUGE_PAGE",
+    "HostBuffer",
+    "BufferPool",
+    "BufferBudgetError",
+    "pool_count",
+    "pool_footprint",
+    "round_up",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +105,8 @@ class HostBuffer:
         if not self.huge_pages and huge_pages:
             self.footprint = _footprint(self.nbytes, False)
         self._tensor: torch.Tensor | None = torch.frombuffer(
-            mm, dtype=torch.uint8, count=self.nbytes, offset=offset)
+            mm, dtype=torch.uint8, count=self.nbytes, offset=offset
+        )
         if not _advise(mm, _MADV_POPULATE_WRITE, offset, self.nbytes):
             self.tensor[::ALIGNMENT].zero_()  # one write per 4 KiB page faults it in
         self.pinned = False
@@ -111,7 +120,11 @@ class HostBuffer:
         err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
         code = int(getattr(err, "value", err))
         if code != 0:
-            logger.warning("cudaHostRegister of %d bytes failed (cudaError %d); buffer stays pageable", self.nbytes, code)
+            logger.warning(
+                "cudaHostRegister of %d bytes failed (cudaError %d); buffer stays pageable",
+                self.nbytes,
+                code,
+            )
         else:
             self.pinned = True
 
@@ -119,8 +132,10 @@ class HostBuffer:
     def tensor(self) -> torch.Tensor:
         """The whole buffer as a flat ``uint8`` tensor; ``RuntimeError`` once closed."""
         if self._tensor is None:
-            raise RuntimeError("HostBuffer is closed; views taken before close() stay valid, new ones "
-                               "need a buffer from an open pool")
+            raise RuntimeError(
+                "HostBuffer is closed; views taken before close() stay valid, new ones "
+                "need a buffer from an open pool"
+            )
         return self._tensor
 
     @property
@@ -138,7 +153,9 @@ class HostBuffer:
             numel *= int(s)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.nbytes:
-            raise ValueError(f"view of {nbytes} bytes does not fit a HostBuffer of {self.nbytes} bytes")
+            raise ValueError(
+                f"view of {nbytes} bytes does not fit a HostBuffer of {self.nbytes} bytes"
+            )
         return self.tensor[:nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
@@ -187,10 +204,17 @@ class BufferPool:
         if count < minimum:
             raise BufferBudgetError(self.host_memory_limit, footprint, minimum)
         if count < needed:
-            logger.info("BufferPool: host_memory_limit=%d holds %d of %d buffers wanted", host_memory_limit, count, needed)
+            logger.info(
+                "BufferPool: host_memory_limit=%d holds %d of %d buffers wanted",
+                host_memory_limit,
+                count,
+                needed,
+            )
         disk = current_disk()  # a rehearsal's simulated disk gives buffers without memory
         make = HostBuffer if disk is None else disk.host_buffer
-        self._buffers = [make(self.buffer_bytes, huge_pages=huge_pages, pin=pin) for _ in range(count)]
+        self._buffers = [
+            make(self.buffer_bytes, huge_pages=huge_pages, pin=pin) for _ in range(count)
+        ]
         self._ids = {id(b) for b in self._buffers}
         self._free: deque[HostBuffer] = deque(self._buffers)
         self._cond = threading.Condition()

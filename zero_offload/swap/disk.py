@@ -6,6 +6,7 @@ host buffers. Outside :func:`use_disk` that is the real disk (``swapper.FileDisk
 the disk given there answers instead: a rehearsal runs the engine's own swap code with file
 sizes tracked and no data written (``zero_offload.rehearsal``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,9 @@ class Disk(Protocol):
         ``view(dtype, shape)``, ``close()`` (as :class:`~.buffers.HostBuffer`)."""
 
 
-_CURRENT: contextvars.ContextVar[Disk | None] = contextvars.ContextVar("zero_offload_disk",
-                                                                        default=None)
+_CURRENT: contextvars.ContextVar[Disk | None] = contextvars.ContextVar(
+    "zero_offload_disk", default=None
+)
 
 
 def current_disk() -> Disk | None:

@@ -39,14 +39,20 @@ class SwapIOError(OSError):
 
     @classmethod
     def from_oserror(
-        cls, exc: OSError, path: str | os.PathLike[str], offset: int | None, nbytes: int | None,
+        cls,
+        exc: OSError,
+        path: str | os.PathLike[str],
+        offset: int | None,
+        nbytes: int | None,
         what: str = "I/O",
     ) -> "SwapIOError":
         """Wrap a kernel error, naming it the way a user would search for it."""
         code = exc.errno
         name = _errno.errorcode.get(code, "E?") if code is not None else "error"
         reason = exc.strerror or str(exc)
-        return cls(path, f"{what} failed: {name}: {reason}", offset=offset, nbytes=nbytes, errno=code)
+        return cls(
+            path, f"{what} failed: {name}: {reason}", offset=offset, nbytes=nbytes, errno=code
+        )
 
     def __str__(self) -> str:
         where = f"{self.path!s}" if self.path is not None else "<no file>"
@@ -57,11 +63,19 @@ class SwapIOError(OSError):
         return f"{where}: {self.cause}"
 
     def __reduce__(self):  # keep keyword arguments through pickling (multiprocessing)
-        return (_rebuild_swap_error, (type(self), self.path, self.cause, self.offset, self.nbytes, self.errno))
+        return (
+            _rebuild_swap_error,
+            (type(self), self.path, self.cause, self.offset, self.nbytes, self.errno),
+        )
 
 
 def _rebuild_swap_error(
-    cls: type, path: str | None, cause: str, offset: int | None, nbytes: int | None, errno: int | None
+    cls: type,
+    path: str | None,
+    cause: str,
+    offset: int | None,
+    nbytes: int | None,
+    errno: int | None,
 ) -> SwapIOError:
     return cls(path, cause, offset=offset, nbytes=nbytes, errno=errno)
 

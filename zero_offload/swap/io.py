@@ -55,7 +55,14 @@ import torch
 
 from .errors import SwapIOError
 
-__all__ = ["IOBackend", "OsBackend", "FileIOEngine", "DEFAULT_BLOCK_SIZE", "DEFAULT_QUEUE_DEPTH", "ALIGNMENT"]
+__all__ = [
+    "IOBackend",
+    "OsBackend",
+    "FileIOEngine",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_QUEUE_DEPTH",
+    "ALIGNMENT",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +152,9 @@ class FileIOEngine:
         backend: IOBackend | None = None,
     ) -> None:
         if block_size <= 0 or block_size % ALIGNMENT:
-            raise ValueError(f"block_size must be a positive multiple of {ALIGNMENT}, got {block_size}")
+            raise ValueError(
+                f"block_size must be a positive multiple of {ALIGNMENT}, got {block_size}"
+            )
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.block_size = int(block_size)
@@ -219,8 +228,12 @@ class FileIOEngine:
 
     @staticmethod
     def _closed_error(op: str, path: str, offset: int, nbytes: int) -> SwapIOError:
-        return SwapIOError(path, f"{op} refused: the FileIOEngine is closed (use a new engine)",
-                           offset=offset, nbytes=nbytes)
+        return SwapIOError(
+            path,
+            f"{op} refused: the FileIOEngine is closed (use a new engine)",
+            offset=offset,
+            nbytes=nbytes,
+        )
 
     def _open(self, path: str, op: str) -> tuple[int, bool]:
         flags = os.O_RDONLY if op == "read" else os.O_WRONLY | os.O_CREAT
@@ -239,7 +252,8 @@ class FileIOEngine:
                 if first:
                     logger.warning(
                         "O_DIRECT refused on the filesystem of %s; using buffered I/O with "
-                        "posix_fadvise(DONTNEED) there (page cache may be used)", path,
+                        "posix_fadvise(DONTNEED) there (page cache may be used)",
+                        path,
                     )
         return self.backend.open(path, flags), True
 
@@ -258,7 +272,9 @@ class FileIOEngine:
             except SwapIOError as exc:
                 error = exc
             except OSError as exc:
-                error = SwapIOError.from_oserror(exc, req.path, req.offset + start, end - start, req.op)
+                error = SwapIOError.from_oserror(
+                    exc, req.path, req.offset + start, end - start, req.op
+                )
             except BaseException as exc:  # noqa: BLE001 - must settle the future whatever happens
                 error = exc
         with req.lock:

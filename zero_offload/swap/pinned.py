@@ -13,6 +13,7 @@ registered with ``cudaHostRegister`` at its size rounded to a 4 KiB page, and un
 unmapped — when the last tensor viewing it is freed (``torch.frombuffer`` holds a reference to
 the mapping object, so the memory lives exactly as long as its views).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,8 +43,12 @@ class _PinnedMapping(mmap.mmap):
         err = torch.cuda.cudart().cudaHostRegister(self.ptr, nbytes, 0)
         code = int(getattr(err, "value", err))
         if code != 0:
-            log.warning("cudaHostRegister of %d bytes failed (cudaError %d); the tensor stays "
-                        "pageable and its copies synchronous", nbytes, code)
+            log.warning(
+                "cudaHostRegister of %d bytes failed (cudaError %d); the tensor stays "
+                "pageable and its copies synchronous",
+                nbytes,
+                code,
+            )
             return False
         self.nbytes = nbytes
         return True

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["OWNER_FILE", "Owner", "new_run_id", "make_rank_dir", "remove_rank_dir", "remove_dead_runs"]
+__all__ = [
+    "OWNER_FILE",
+    "Owner",
+    "new_run_id",
+    "make_rank_dir",
+    "remove_rank_dir",
+    "remove_dead_runs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +123,7 @@ def _disk_bytes(folder: Path) -> int:
 def _claimer_alive(folder: Path) -> bool:
     """Whether the process that claimed this folder for removal still runs."""
     try:
-        pid = int(folder.name[len(CLAIM_PREFIX):].split("-")[0])
+        pid = int(folder.name[len(CLAIM_PREFIX) :].split("-")[0])
     except ValueError:
         return False
     return pid != os.getpid() and psutil.pid_exists(pid)
@@ -162,7 +169,13 @@ def remove_dead_runs(nvme_path: str | os.PathLike[str]) -> int:
         remove_rank_dir(claimed)
         removed.append(f"{rank_dir.relative_to(nvme_path)} ({who})")
     if removed:
-        logger.warning("removed %d swap folder(s) left under nvme_path=%s by runs that ended without "
-                       "cleaning up (killed or crashed): %s; freed %d bytes (%.2f GiB)",
-                       len(removed), os.fspath(nvme_path), ", ".join(removed), freed, freed / 2**30)
+        logger.warning(
+            "removed %d swap folder(s) left under nvme_path=%s by runs that ended without "
+            "cleaning up (killed or crashed): %s; freed %d bytes (%.2f GiB)",
+            len(removed),
+            os.fspath(nvme_path),
+            ", ".join(removed),
+            freed,
+            freed / 2**30,
+        )
     return freed

@@ -48,7 +48,9 @@ class _Cleanup:
     def __init__(self) -> None:
         self.folders: dict[int, tuple[int, Path]] = {}  # token -> (owner pid, rank folder)
         self.tokens = itertools.count()
-        self.replaced: dict[int, signal.Handlers] = {}  # signal -> disposition we replaced (SIG_DFL)
+        self.replaced: dict[
+            int, signal.Handlers
+        ] = {}  # signal -> disposition we replaced (SIG_DFL)
         self.lock = threading.Lock()  # never taken in the handler: it may interrupt a holder
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
@@ -67,8 +69,10 @@ class _Cleanup:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             if not self.replaced:
-                logger.debug("swap folders made off the main thread: no SIGTERM handler (Python "
-                             "installs them from the main thread only); the next run removes them")
+                logger.debug(
+                    "swap folders made off the main thread: no SIGTERM handler (Python "
+                    "installs them from the main thread only); the next run removes them"
+                )
             return
         for sig in SIGNALS:
             if sig not in self.replaced and signal.getsignal(sig) == signal.SIG_DFL:

@@ -77,12 +77,17 @@ class _Entry:
 
 def _direct_ok(t: torch.Tensor) -> bool:
     """Can the engine use this tensor's memory as is (CPU, contiguous, aligned, padded size)?"""
-    return (t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0
-            and (t.numel() * t.element_size()) % ALIGNMENT == 0)
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.data_ptr() % ALIGNMENT == 0
+        and (t.numel() * t.element_size()) % ALIGNMENT == 0
+    )
 
 
-def _cleanup(engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, pid: int,
-             token: int) -> None:
+def _cleanup(
+    engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, pid: int, token: int
+) -> None:
     """Finalizer: stop owned I/O, free owned buffers, remove this rank's files."""
     if os.getpid() != pid:
         return  # a forked child: the folder, threads and buffers are its parent's
@@ -151,20 +156,39 @@ class Swapper:
         try:
             make_rank_dir(self.rank_dir)
         except FileExistsError as exc:
-            raise SwapIOError(self.rank_dir, "swap directory already exists; a run never reuses another run's files (use a new run_id)") from exc
+            raise SwapIOError(
+                self.rank_dir,
+                "swap directory already exists; a run never reuses another run's files (use a new run_id)",
+            ) from exc
         except OSError as exc:
-            raise SwapIOError.from_oserror(exc, self.nvme_path, None, None, "nvme_path: cannot create swap directory") from exc
+            raise SwapIOError.from_oserror(
+                exc, self.nvme_path, None, None, "nvme_path: cannot create swap directory"
+            ) from exc
         owned_engine = engine is None
         owned_pool = pool is None
         try:
             self._check_space(expected_bytes)
             self.engine = engine if engine is not None else self._disk.io_engine()
-            self.pool = pool if pool is not None else BufferPool(
-                buffer_bytes, buffer_count, minimum=min_buffers, host_memory_limit=host_memory_limit,
-                pin=pin)
+            self.pool = (
+                pool
+                if pool is not None
+                else BufferPool(
+                    buffer_bytes,
+                    buffer_count,
+                    minimum=min_buffers,
+                    host_memory_limit=host_memory_limit,
+                    pin=pin,
+                )
+            )
             self._finalizer = weakref.finalize(
-                self, _cleanup, self.engine if owned_engine else None, self.pool if owned_pool else None,
-                self.rank_dir, os.getpid(), signals.watch(self.rank_dir))
+                self,
+                _cleanup,
+                self.engine if owned_engine else None,
+                self.pool if owned_pool else None,
+                self.rank_dir,
+                os.getpid(),
+                signals.watch(self.rank_dir),
+            )
             self._probe_writable()
         except BaseException:
             if hasattr(self, "_finalizer"):
@@ -183,8 +207,9 @@ class Swapper:
 
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
-    def swap_out(self, key: str, tensor: torch.Tensor, copy: bool = False,
-                 owned: HostBuffer | None = None) -> "Future[None]":
+    def swap_out(
+        self, key: str, tensor: torch.Tensor, copy: bool = False, owned: HostBuffer | None = None
+    ) -> "Future[None]":
         """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete.
         ``copy``: stage the bytes in a pool buffer first, so the caller may reuse ``tensor``
         as soon as this returns (else it must not change until the future is done).
@@ -199,15 +224,23 @@ class Swapper:
         padded = round_up(nbytes, ALIGNMENT)
         release_after: HostBuffer | None = None
         if owned is not None:
-            if tensor.data_ptr() != owned.data_ptr or not tensor.is_contiguous() \
-                    or padded > owned.nbytes:
+            if (
+                tensor.data_ptr() != owned.data_ptr
+                or not tensor.is_contiguous()
+                or padded > owned.nbytes
+            ):
                 raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
             self._drop_host(entry)
             release_after = owned
             owned.tensor[nbytes:padded].zero_()
             src = owned.tensor[:padded]
-        elif entry.host is not None and tensor.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr \
-                and tensor.is_contiguous() and entry.host.nbytes >= padded:
+        elif (
+            entry.host is not None
+            and tensor.device.type == "cpu"
+            and tensor.data_ptr() == entry.host.data_ptr
+            and tensor.is_contiguous()
+            and entry.host.nbytes >= padded
+        ):
             src = entry.host.tensor[:padded]  # writing back the buffer we lent out
         else:
             self._drop_host(entry)  # any host copy is stale now
@@ -241,8 +274,12 @@ class Swapper:
         Raises :class:`SwapIOError` now if the key has no valid copy."""
         self._check_open()
         entry = self._valid_entry(key)
-        if out is not None and (out.dtype != entry.dtype or out.numel() * out.element_size() != entry.nbytes):
-            raise ValueError(f"swap_in({key!r}): out is {out.dtype} x {out.numel()}, stored is {entry.dtype} {entry.shape}")
+        if out is not None and (
+            out.dtype != entry.dtype or out.numel() * out.element_size() != entry.nbytes
+        ):
+            raise ValueError(
+                f"swap_in({key!r}): out is {out.dtype} x {out.numel()}, stored is {entry.dtype} {entry.shape}"
+            )
         if entry.host is not None:  # already on host (prefetched or lent out)
             view = entry.host.view(entry.dtype, entry.shape)
             if out is None:
@@ -305,7 +342,10 @@ class Swapper:
         def chain(prev: Future) -> None:  # a read or write-back on that buffer is in flight
             host = entry.host
             if host is None:
-                fut.set_exception(prev.exception() or SwapIOError(entry.file, f"prefetch of {key!r}: buffer released"))
+                fut.set_exception(
+                    prev.exception()
+                    or SwapIOError(entry.file, f"prefetch of {key!r}: buffer released")
+                )
             else:
                 fut.set_result(host.view(entry.dtype, entry.shape))
 
@@ -323,7 +363,10 @@ class Swapper:
         if entry.on_disk:
             self._drop_host(entry)
         elif entry.host is not None:
-            logger.warning("release(%r): the disk copy is not valid (last write failed); keeping its host buffer", key)
+            logger.warning(
+                "release(%r): the disk copy is not valid (last write failed); keeping its host buffer",
+                key,
+            )
 
     def discard(self, key: str) -> None:
         """Forget ``key`` entirely: buffer back to the pool, file deleted."""
@@ -419,8 +462,10 @@ class Swapper:
 
     def _acquire(self, padded: int, key: str) -> HostBuffer:
         if padded > self.pool.buffer_bytes:
-            raise ValueError(f"shard {key!r} needs {padded} bytes but pool buffers hold {self.pool.buffer_bytes}; "
-                             "raise buffer_bytes or pass an aligned CPU tensor")
+            raise ValueError(
+                f"shard {key!r} needs {padded} bytes but pool buffers hold {self.pool.buffer_bytes}; "
+                "raise buffer_bytes or pass an aligned CPU tensor"
+            )
         return self.pool.acquire(self.acquire_timeout)
 
     def _drop_host(self, entry: _Entry) -> None:
