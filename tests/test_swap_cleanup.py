@@ -212,7 +212,9 @@ def test_handlers_installed_from_the_main_thread_only_and_put_back() -> None:
         import tempfile, threading
         path = tempfile.mkdtemp()
         made = []
-        th = threading.Thread(target=lambda: made.append(Swapper(path, 1 << 20, host_memory_limit=1 << 30)))
+        th = threading.Thread(
+            target=lambda: made.append(Swapper(path, 1 << 20, host_memory_limit=1 << 30))
+        )
         th.start(); th.join()
         ready("thread", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
         s = Swapper(path, 1 << 20, host_memory_limit=1 << 30)

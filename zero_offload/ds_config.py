@@ -40,6 +40,8 @@ _MARKERS = {
 
 # Keys accepted without effect, with the reason logged once per translation.
 _SIZED_HERE = "zero_offload sizes its own buffers and I/O from the model and the memory budget"
+_FREED_AFTER_USE = "gathered parameters are freed after their module runs"
+_GATHERS_MASTERS = "full_state_dict() and consolidate_checkpoint always gather the fp32 masters"
 _IGNORED: dict[str, str] = {
     "train_batch_size": "batch sizes belong to your data loader",
     "train_micro_batch_size_per_gpu": "batch sizes belong to your data loader",
@@ -54,11 +56,13 @@ _IGNORED: dict[str, str] = {
     "zero_optimization.allgather_partitions": "updated shards are always all-gathered",
     "zero_optimization.allgather_bucket_size": "parameters are gathered unit by unit",
     "zero_optimization.round_robin_gradients": "shards are contiguous per rank",
-    "zero_optimization.stage3_max_live_parameters": "gathered parameters are freed after their module runs; prefetch is capped by "
-    "stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_max_reuse_distance": "gathered parameters are freed after their module runs",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "full_state_dict() and consolidate_checkpoint always gather the fp32 masters",
+    "zero_optimization.stage3_max_live_parameters": (
+        "gathered parameters are freed after their module runs; prefetch is capped by "
+        "stage3_prefetch_bucket_size"
+    ),
+    "zero_optimization.stage3_max_reuse_distance": _FREED_AFTER_USE,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _GATHERS_MASTERS,
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _GATHERS_MASTERS,
     "zero_optimization.memory_efficient_linear": "zero_offload does not replace nn.Linear",
     "zero_optimization.elastic_checkpoint": "checkpoints load at any world size and stage",
     "zero_optimization.load_from_fp32_weights": "checkpoints always resume from fp32 masters",

@@ -106,7 +106,8 @@ class FlatLayout:
     def _check(self, flat: torch.Tensor) -> None:
         if flat.dim() != 1 or flat.numel() != self.padded_numel:
             raise ValueError(
-                f"flat buffer must be 1-D with {self.padded_numel} elements, got {tuple(flat.shape)}"
+                f"flat buffer must be 1-D with {self.padded_numel} elements, got "
+                f"{tuple(flat.shape)}"
             )
 
 

@@ -202,16 +202,25 @@ def _check_path(directory: Path, size: int) -> str | None:
         return f"--path {directory} is not a directory"
     free = shutil.disk_usage(directory).free
     if free < size + 2**28:
-        return f"--path {directory} has {free / 2**30:.2f} GiB free; the test needs {size / 2**30:.2f} GiB + 256 MiB"
+        return (
+            f"--path {directory} has {free / 2**30:.2f} GiB free; the test needs "
+            f"{size / 2**30:.2f} GiB + 256 MiB"
+        )
     if _fs_type(directory) in MEMORY_FILESYSTEMS:
-        return f"--path {directory} is on {_fs_type(directory)}, which lives in memory; it would not measure a disk"
+        return (
+            f"--path {directory} is on {_fs_type(directory)}, which lives in memory; it would "
+            "not measure a disk"
+        )
     probe = directory / f".zo_bench_probe_{os.getpid()}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
         os.close(fd)
     except OSError as exc:
         if exc.errno == 22:
-            return f"--path {directory}: the filesystem refuses O_DIRECT (tmpfs?); it would measure the page cache, not the disk"
+            return (
+                f"--path {directory}: the filesystem refuses O_DIRECT (tmpfs?); it would "
+                "measure the page cache, not the disk"
+            )
         return f"--path {directory}: cannot create a file there: {exc.strerror}"
     finally:
         probe.unlink(missing_ok=True)
@@ -223,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     size = (args.size // 4096) * 4096
     if size <= 0 or args.rounds < 1 or args.queue_depth < 1 or args.block_size % 4096:
         print(
-            "bench io: need --size >= 4KiB, --rounds >= 1, --queue-depth >= 1, --block-size a multiple of 4KiB",
+            "bench io: need --size >= 4KiB, --rounds >= 1, --queue-depth >= 1, --block-size a "
+            "multiple of 4KiB",
             file=sys.stderr,
         )
         return 2
@@ -288,10 +298,12 @@ def _print_table(report: dict) -> None:
         return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
     print(
-        f"bench io: {report['size'] / 2**30:.2f} GiB file in {report['path']}, O_DIRECT, {report['rounds']} interleaved rounds"
+        f"bench io: {report['size'] / 2**30:.2f} GiB file in {report['path']}, O_DIRECT, "
+        f"{report['rounds']} interleaved rounds"
     )
     print(
-        f"ours:     FileIOEngine block_size={report['block_size'] >> 10} KiB queue_depth={report['queue_depth']}, huge-page buffer"
+        f"ours:     FileIOEngine block_size={report['block_size'] >> 10} KiB "
+        f"queue_depth={report['queue_depth']}, huge-page buffer"
     )
     print(
         f"baseline: {report['baseline']}"
@@ -299,7 +311,8 @@ def _print_table(report: dict) -> None:
     )
     print()
     print(
-        "| op | baseline GB/s (min / median / max) | ours GB/s (min / median / max) | ours / baseline (median) |"
+        "| op | baseline GB/s (min / median / max) | ours GB/s (min / median / max) | ours / "
+        "baseline (median) |"
     )
     print("|---|---|---|---|")
     for op in ("read", "write"):

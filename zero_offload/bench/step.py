@@ -424,7 +424,8 @@ def run(args: argparse.Namespace) -> int:
         args.nvme_path.mkdir(parents=True, exist_ok=True)
         fs = _fs_type(args.nvme_path)
         why = (
-            f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure a disk"
+            f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure "
+            "a disk"
             if fs in MEMORY_FILESYSTEMS
             else None
         ) or _check_path(args.nvme_path, 12 * cfg.num_params + max(args.baseline_size, 0))
@@ -498,7 +499,8 @@ def _short(error: str) -> str:
 def print_tables(report: dict) -> None:
     m = report["model"]
     print(
-        f"bench step: GPT {m['layers']} layers x width {m['width']}, {m['params'] / 1e6:.0f}M params, "
+        f"bench step: GPT {m['layers']} layers x width {m['width']}, {m['params'] / 1e6:.0f}M "
+        "params, "
         f"seq {m['seq']}, batch {report['batch']}, {report['dtype']}, stage {report['stage']}, "
         f"{report['device']}, {report['threads']} threads; median of {report['steps']} steps "
         f"after {report['warmup']} warm-up"
@@ -512,13 +514,13 @@ def print_tables(report: dict) -> None:
     b = report["baseline"]
     if b:
         print(
-            f"raw O_DIRECT on {report['nvme_path']} ({b['size'] / 2**30:.2f} GiB, one thread, 64 MiB requests): "
-            f"read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s"
+            f"raw O_DIRECT on {report['nvme_path']} ({b['size'] / 2**30:.2f} GiB, one thread, 64 "
+            f"MiB requests): read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s"
         )
     print()
     print(
-        "| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s | "
-        "opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |"
+        "| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s "
+        "| opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
@@ -533,7 +535,8 @@ def print_tables(report: dict) -> None:
         gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
         eff = f"{r['io_efficiency']:.2f}" if r["io_efficiency"] else "-"
         print(
-            f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | {d['opt_read_s']:.3f} | "
+            f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | "
+            f"{d['opt_read_s']:.3f} | "
             f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_io_busy_s']:.3f} | "
             f"{d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "
             f"{gbps} | {eff} |"
@@ -546,7 +549,8 @@ def print_tables(report: dict) -> None:
             step = f"{row['total_s']:.3f}" if row["total_s"] else _short(row["error"] or "-")
             ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
             print(
-                f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} | {step} | {ratio} |"
+                f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} "
+                f"| {step} | {ratio} |"
             )
     if report.get("fraction_sweep"):
         print()
@@ -570,9 +574,9 @@ def print_tables(report: dict) -> None:
             )
     print()
     print(
-        "overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any request "
-        "in flight; read and write columns sum each request, submit to completion, so they overlap). "
-        "vs raw disk = max(bytes at raw GB/s, compute) / wall."
+        "overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any "
+        "request in flight; read and write columns sum each request, submit to completion, so they "
+        "overlap). vs raw disk = max(bytes at raw GB/s, compute) / wall."
     )
 
 

@@ -13,7 +13,8 @@ __all__ = ["EngineOptimizer"]
 
 class EngineOptimizer(torch.optim.Optimizer):
     """The optimizer a trainer sees: the engine's ``param_groups`` (its lr schedulers drive
-    them) and ``step`` (reduce, unscale, clip, update). Its state is in the engine's checkpoints, not in ``state_dict()`` (with NVMe it is not in memory at all)."""
+    them) and ``step`` (reduce, unscale, clip, update). Its state is in the engine's
+    checkpoints, not in ``state_dict()`` (with NVMe it is not in memory at all)."""
 
     def __init__(self, engine: Engine) -> None:  # no super().__init__: the engine owns params
         self.engine = engine

@@ -1,4 +1,5 @@
-"""ctypes binding of ``zero_offload/kernels/cpu_adam.c``: the functional Adam update on flat CPU tensors.
+"""ctypes binding of ``zero_offload/kernels/cpu_adam.c``: the functional Adam update on flat
+CPU tensors.
 
 Why a functional API: the engine updates flat fp32 master shards whose m and v may live in
 NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on

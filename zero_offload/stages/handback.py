@@ -6,9 +6,10 @@ is gone would read freed memory, so an engine never ends without handing every p
 tensor of its own:
 
 - ``engine.close()`` (:func:`hand_back_parameters`): each parameter gets a new plain tensor
-  holding the trained values in the compute dtype. Stages 0–2 keep them on the compute device (they were
-  there whole all along); stage 3 gathers its units one at a time into host memory (the model
-  may not fit the device) and moves the buffers there too, so the whole model is on the CPU.
+  holding the trained values in the compute dtype. Stages 0–2 keep them on the compute device
+  (they were there whole all along); stage 3 gathers its units one at a time into host
+  memory (the model may not fit the device) and moves the buffers there too, so the whole
+  model is on the CPU.
 - An engine collected without ``close()`` (:class:`Leftovers`, run by ``weakref.finalize``)
   cannot gather, because that is collective: stage 3's gathered-on-demand parameters become
   ``meta`` tensors of the same shape (a clear error if used, and ``initialize`` makes them

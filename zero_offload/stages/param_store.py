@@ -10,8 +10,9 @@ The optimizer writes new values through :meth:`put` after a step — the only ti
 changes, so a shard is written back only then. A CPU optimizer asks :meth:`target` first for
 the host memory a unit's new values belong in (the resident slice, or a pool buffer that is
 written to disk from where it is) and writes them there, so that :meth:`put` copies nothing;
-``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a unit's shard on the
-compute device through :meth:`load` (with CUDA: copied on the host-to-device stream).
+``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a
+unit's shard on the compute device through :meth:`load` (with CUDA: copied on the
+host-to-device stream).
 """
 
 from __future__ import annotations

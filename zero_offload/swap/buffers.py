@@ -247,7 +247,8 @@ class BufferPool:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free or self._closed, timeout):
                 raise TimeoutError(
-                    f"no host buffer free after {timeout} s (pool of {self.count} x {self.buffer_bytes} bytes); "
+                    f"no host buffer free after {timeout} s (pool of {self.count} x "
+                    f"{self.buffer_bytes} bytes); "
                     "release buffers sooner or raise host_memory_limit"
                 )
             if self._closed:

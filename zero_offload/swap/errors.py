@@ -86,8 +86,8 @@ class SwapSpaceError(SwapIOError):
     def __init__(self, nvme_path: str | Path, needed: int, available: int) -> None:
         cause = (
             f"not enough free space under nvme_path={str(nvme_path)!r}: needed {needed} bytes "
-            f"({needed / 2**30:.2f} GiB), available {available} bytes ({available / 2**30:.2f} GiB); "
-            "free space there or point nvme_path at a larger disk"
+            f"({needed / 2**30:.2f} GiB), available {available} bytes ({available / 2**30:.2f} "
+            "GiB); free space there or point nvme_path at a larger disk"
         )
         super().__init__(nvme_path, cause, nbytes=needed, errno=_errno.ENOSPC)
         self.needed = needed

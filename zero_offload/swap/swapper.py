@@ -158,7 +158,8 @@ class Swapper:
         except FileExistsError as exc:
             raise SwapIOError(
                 self.rank_dir,
-                "swap directory already exists; a run never reuses another run's files (use a new run_id)",
+                "swap directory already exists; a run never reuses another run's files (use a new "
+                "run_id)",
             ) from exc
         except OSError as exc:
             raise SwapIOError.from_oserror(
@@ -278,7 +279,8 @@ class Swapper:
             out.dtype != entry.dtype or out.numel() * out.element_size() != entry.nbytes
         ):
             raise ValueError(
-                f"swap_in({key!r}): out is {out.dtype} x {out.numel()}, stored is {entry.dtype} {entry.shape}"
+                f"swap_in({key!r}): out is {out.dtype} x {out.numel()}, stored is {entry.dtype} "
+                f"{entry.shape}"
             )
         if entry.host is not None:  # already on host (prefetched or lent out)
             view = entry.host.view(entry.dtype, entry.shape)
@@ -364,7 +366,8 @@ class Swapper:
             self._drop_host(entry)
         elif entry.host is not None:
             logger.warning(
-                "release(%r): the disk copy is not valid (last write failed); keeping its host buffer",
+                "release(%r): the disk copy is not valid (last write failed); keeping its host "
+                "buffer",
                 key,
             )
 
@@ -389,7 +392,8 @@ class Swapper:
         return Tier.NVME if entry.on_disk else None
 
     def nbytes_by_tier(self) -> dict[Tier, int]:
-        """Shard bytes held per tier (a key may count in several); pool size is ``host_buffer_nbytes``."""
+        """Shard bytes held per tier (a key may count in several); pool size is
+        ``host_buffer_nbytes``."""
         out = {t: 0 for t in Tier}
         for e in self._entries.values():
             if e.on_device:
@@ -463,7 +467,8 @@ class Swapper:
     def _acquire(self, padded: int, key: str) -> HostBuffer:
         if padded > self.pool.buffer_bytes:
             raise ValueError(
-                f"shard {key!r} needs {padded} bytes but pool buffers hold {self.pool.buffer_bytes}; "
+                f"shard {key!r} needs {padded} bytes but pool buffers hold "
+                f"{self.pool.buffer_bytes}; "
                 "raise buffer_bytes or pass an aligned CPU tensor"
             )
         return self.pool.acquire(self.acquire_timeout)
