@@ -37,7 +37,7 @@ from .stages.gather import gathered_units
 from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import optimizer_split
-from .stages.param_store import param_host_numel, param_pool_buffers
+from .stages.param_store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from .stages.units import UnitPlan, owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
 from .swap.buffers import ALIGNMENT, round_up
@@ -620,10 +620,7 @@ def estimate_memory(
     elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
         # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
         # shards are themselves in host memory.
-        shards_on_host = (
-            stage == 3 and offload_param != "nvme" and (on_cpu or offload_param == "cpu")
-        )
-        if not shards_on_host:
+        if not (stage == 3 and shards_in_host_memory(offload_param, device)):
             tier = "host" if offload_optimizer == "cpu" else "device"
             add("param staging", tier, RESIDENT, BUFFER, b * s_t, f"{b}{T}/N: CPU Adam's output")
     if activation_bytes:

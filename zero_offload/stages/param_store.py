@@ -39,6 +39,13 @@ def param_pool_buffers(prefetch_depth: int) -> int:
     return prefetch_depth + 2
 
 
+def shards_in_host_memory(offload_param: str, device_type: str) -> bool:
+    """Whether stage 3's whole-shard buffer (``ParamStore.resident``) is host memory, where the
+    CPU Adam writes its new values straight in: offloaded to the CPU, or a CPU device. NVMe
+    shards have no such buffer."""
+    return offload_param == "cpu" or (offload_param == "none" and device_type == "cpu")
+
+
 def param_host_numel(shards: list[tuple[int, int]], fraction: float | None) -> int:
     """Rank-flat elements of the leading units whose shards stay in host memory, given each
     unit's (shard_offset, shard_numel) and the share in files (None: all in files): the unit
@@ -105,7 +112,7 @@ class ParamStore:
         else:
             self.resident = (
                 host_empty(numel, dtype, crosses_pcie=True)
-                if self.tier == "cpu"
+                if self.tier == "cpu"  # pinned; a CPU device's buffer is host memory anyway
                 else torch.empty(numel, dtype=dtype, device=device)
             )
 
