@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .buffer_sync import broadcast_buffers
-from .handback import hand_back_parameters
+from .handback import Leftovers, hand_back_parameters
 
 if TYPE_CHECKING:
     from ..comm import Comm
@@ -53,6 +53,7 @@ class EngineLifecycle:
     _module: nn.Module
     _closed: bool
     _finalizer: Callable[[], Any]
+    _leftovers: Leftovers
 
     def _check_open(self) -> None:
         if self._closed:
@@ -108,6 +109,7 @@ class EngineLifecycle:
         try:
             if hand_back and not unwinding:
                 self._hand_back()
+            self._leftovers.dropped_on_purpose = not hand_back and not unwinding
         finally:
             self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
             del self.reducer, self.stepper  # every use after this is behind _check_open

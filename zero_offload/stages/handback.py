@@ -64,6 +64,7 @@ class Leftovers:
     def __init__(self) -> None:
         self.closers: list[Callable[[], None]] = []  # run in order, each one even if one fails
         self.sharded: list[tuple[nn.Parameter, Refs]] = []  # stage 3 gathered-on-demand params
+        self.dropped_on_purpose = False  # close(hand_back=False): no warning, the user chose it
 
     def release(self) -> None:
         """Remove hooks, stop threads, close swap files; give parameters left without memory
@@ -80,7 +81,13 @@ class Leftovers:
                 for module, name in refs:
                     module._parameters[name] = new
                 lost.append(f"{type(refs[0][0]).__name__}.{refs[0][1]}" if refs else "?")
-        if lost:
+        if lost and self.dropped_on_purpose:
+            log.info(
+                "zero_offload: close(hand_back=False): %d stage-3 parameters are on the meta "
+                "device now",
+                len(lost),
+            )
+        elif lost:
             log.warning(
                 "zero_offload: a stage-3 engine ended without close() (or during an "
                 "exception): %d parameters (e.g. %s) lost their values and are on the "
