@@ -152,6 +152,13 @@ def settings(args: argparse.Namespace, plan: zo.planner.Plan) -> dict | None:
         kwargs.pop("prefetch_depth", None)
         if kwargs.get("offload_param", "none") != "none":  # only stage 3 shards params
             kwargs["offload_param"] = "none"
+    # the plan's host/NVMe splits apply only where its tier is NVMe (an override may move it)
+    for tier, fraction in (
+        ("optimizer", "offload_optimizer_fraction"),
+        ("param", "offload_param_fraction"),
+    ):
+        if kwargs.get(f"offload_{tier}") != "nvme":
+            kwargs.pop(fraction, None)
     return kwargs
 
 

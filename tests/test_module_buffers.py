@@ -41,7 +41,9 @@ def _train(rank: int, world: int) -> dict:
                 x, y = _data(step, rank)
                 engine.backward(F.mse_loss(engine(x), y))
                 engine.step()
-            local = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+            # buffers are whole on every rank; stage 3's parameters are not (state_dict() would
+            # refuse them while the engine is open)
+            local = {k: v.clone() for k, v in model.named_buffers() if "running" in k}
             full = engine.full_state_dict()
             exported = {k: v for k, v in full.items() if "running" in k}
             engine.close()  # collective at stage 3: gathers the parameters back

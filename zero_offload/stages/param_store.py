@@ -139,8 +139,9 @@ class ParamStore:
         to be written into in place: its slice in host memory, or an NVMe pool buffer held
         until that put (or :meth:`give_back`). None: the shard lives on an accelerator."""
         view = self.view(unit)
-        if view is not None:
-            return view if view.device.type == "cpu" else None
+        if view is not None:  # device memory of an accelerator takes put()'s stream copy
+            on_accelerator = self.tier == "none" and self.streams.cuda
+            return None if on_accelerator or view.device.type != "cpu" else view
         assert self.swapper is not None
         buf = self._lent.get(unit.index)
         if buf is None:
@@ -169,7 +170,7 @@ class ParamStore:
         if view is not None:
             if view.data_ptr() == shard.data_ptr():
                 pass  # the step wrote it in place (the unit's target, or the fp32 master)
-            elif self.tier == "none" and view.device.type != "cpu":
+            elif self.tier == "none":  # to the device, on the host-to-device stream
                 self.streams.copy_into(view, shard)
             else:
                 self.copied_bytes += view.numel() * view.element_size()
