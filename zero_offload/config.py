@@ -265,6 +265,7 @@ class ZeroConfig:
     device: torch.device | None = None  # None: cuda:LOCAL_RANK when CUDA is there, else cpu
     init_weights: str | None = None  # safetensors file or Hugging Face folder to start from
     broadcast_buffers: bool = True  # rank 0's module buffers to every rank before each forward
+    overlap_step: bool = True  # stage 3, optimizer on NVMe: step sub-groups under the next forward
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -281,6 +282,8 @@ class ZeroConfig:
         _number("param_persistence_threshold", self.param_persistence_threshold, lo=0, integer=True)
         if not isinstance(self.broadcast_buffers, bool):
             raise _bad("broadcast_buffers", self.broadcast_buffers, "expected True or False")
+        if not isinstance(self.overlap_step, bool):
+            raise _bad("overlap_step", self.overlap_step, "expected True or False")
         if self.device is not None:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))

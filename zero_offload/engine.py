@@ -42,7 +42,7 @@ from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, tr
 from .stages.updaters import make_updater, params_are_master
 from .stages.weak import weak_hook
 from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
-from .step_stats import StepClock, summarize
+from .step_stats import StepClock, optimizer_stats, summarize
 from .weights import load_buffers, open_pretrained
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
@@ -226,7 +226,9 @@ class Engine(EngineLifecycle, EngineState):
             self.param_store,
             self.streams,
         )
+        # an update still running under a forward stops first, while its files are open;
         # the pinned staging buffers go last, once nothing copies from them any more
+        self._leftovers.closers.insert(0, self.stepper.abandon)
         self._leftovers.closers += [self.stepper.release_staging, self.streams.close]
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
@@ -277,7 +279,7 @@ class Engine(EngineLifecycle, EngineState):
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
-        self._check_open()
+        self._check_open(settle=False)  # an update running on took its hyperparameters
         return self.stepper.optimizer
 
     @property
@@ -296,7 +298,7 @@ class Engine(EngineLifecycle, EngineState):
         """Run the model's forward on this rank's micro-batch (tensors inside any containers
         go to the device, floating ones in the compute dtype). While training, every rank
         first takes rank 0's buffers (``broadcast_buffers``)."""
-        self._check_open()
+        self._check_open(settle=False)  # an update left running goes on unit by unit
         args = move_inputs(args, self.device, self.dtype)
         kwargs = move_inputs(kwargs, self.device, self.dtype)
         if self.config.broadcast_buffers and self._module.training:
@@ -339,10 +341,11 @@ class Engine(EngineLifecycle, EngineState):
             return False
         with self.clock.phase("step"):
             flags = self.reducer.reduce_accumulated()
-            applied = self.stepper.step(flags, self.reducer.reduce_late)
-            if self.param_store is not None:
-                self.param_store.flush()
-            self.reducer.zero()
+            applied = self.stepper.step(
+                flags, self.reducer.reduce_late, defer=weak_hook(self._end_deferred_update)
+            )
+            if self.stepper.pending is None:
+                self._end_update()
         if applied:
             self.global_steps += 1
         self.last_step = summarize(self, applied)
@@ -356,6 +359,22 @@ class Engine(EngineLifecycle, EngineState):
         if self.gatherer:
             self.gatherer.prefetch_first()
         return applied
+
+    def _end_update(self) -> None:
+        """After the update: every parameter write stored, the gradients dropped."""
+        if self.param_store is not None:
+            self.param_store.flush()
+        self.reducer.zero()
+
+    def _end_deferred_update(self) -> None:
+        """The end of an update that ran under the forward (``overlap_step``)."""
+        self._end_update()
+        self.last_step.update(optimizer_stats(self.stepper.updater.last_timings))
+
+    def finish_step(self) -> None:
+        """Wait until the last step's update, running under the next forward with
+        ``overlap_step``, has ended (every other engine method waits for it first too)."""
+        self._check_open()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from torch.profiler import record_function
 
-__all__ = ["StepClock", "summarize"]
+__all__ = ["StepClock", "optimizer_stats", "summarize"]
 
 
 class StepClock:
@@ -40,25 +40,19 @@ class StepClock:
 
 
 def summarize(engine: Any, applied: bool) -> dict[str, float]:
-    """The flat, loggable stats of the step that just ended (numbers only)."""
+    """The flat, loggable stats of the step that just ended (numbers only). With the update
+    running under the next forward (``overlap_step``) the optimizer's own fields are those of
+    the update before, until :func:`optimizer_stats` of this one replaces them."""
     clock: StepClock = engine.clock
-    t = engine.last_step_timings
     out: dict[str, float] = {
         "forward_s": clock.seconds.get("forward", 0.0),
         "backward_s": clock.seconds.get("backward", 0.0),
         "step_s": clock.seconds.get("step", 0.0),
-        "adam_s": t.compute_s,  # the optimizer's arithmetic (CPU Adam when offloaded)
-        "optimizer_wall_s": t.wall_s,
+        **optimizer_stats(engine.stepper.updater.last_timings),
         "applied": float(applied),
         "loss_scale": float(engine.loss_scale),
         "skipped_steps": float(engine.skipped_steps),
     }
-    if t.bytes_read or t.bytes_written:  # the optimizer state is on NVMe
-        out["nvme_read_s"] = t.read_s
-        out["nvme_write_s"] = t.write_s
-        out["nvme_wait_s"] = max(0.0, t.wall_s - t.compute_s)  # the step not hidden by Adam
-        if t.io_busy_s > 0:
-            out["disk_gbps"] = (t.bytes_read + t.bytes_written) / t.io_busy_s / 1e9
     norm = engine.last_grad_norm
     if norm is not None:
         out["grad_norm"] = float(norm)
@@ -67,4 +61,19 @@ def summarize(engine: Any, applied: bool) -> dict[str, float]:
     for kind, s in engine.comm.stats().items():
         out[f"{kind}_bytes"] = float(s.bytes)
         out[f"{kind}_calls"] = float(s.calls)
+    return out
+
+
+def optimizer_stats(t: Any) -> dict[str, float]:
+    """The optimizer update's fields of :func:`summarize`, from its ``StepTimings``."""
+    out = {
+        "adam_s": t.compute_s,  # the optimizer's arithmetic (CPU Adam when offloaded)
+        "optimizer_wall_s": t.wall_s,
+    }
+    if t.bytes_read or t.bytes_written:  # the optimizer state is on NVMe
+        out["nvme_read_s"] = t.read_s
+        out["nvme_write_s"] = t.write_s
+        out["nvme_wait_s"] = max(0.0, t.wall_s - t.compute_s)  # the step not hidden by Adam
+        if t.io_busy_s > 0:
+            out["disk_gbps"] = (t.bytes_read + t.bytes_written) / t.io_busy_s / 1e9
     return out

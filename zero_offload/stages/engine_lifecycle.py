@@ -55,12 +55,16 @@ class EngineLifecycle:
     _finalizer: Callable[[], Any]
     _leftovers: Leftovers
 
-    def _check_open(self) -> None:
+    def _check_open(self, settle: bool = True) -> None:
+        """Refuse a closed engine; ``settle``: first let an update still running under the
+        forward (``overlap_step``) end, since what follows reads or changes training state."""
         if self._closed:
             raise RuntimeError(
                 "this zero_offload engine is closed: close() handed the trained parameters back "
                 "to the model; call zero_offload.initialize(model, ...) again to train on"
             )
+        if settle:
+            self.stepper.settle()
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
@@ -107,6 +111,10 @@ class EngineLifecycle:
         self._closed = True
         unwinding = sys.exc_info()[0] is not None
         try:
+            if unwinding:  # an update left under the forward is dropped, not finished
+                self.stepper.abandon()
+            else:
+                self.stepper.settle()
             if hand_back and not unwinding:
                 self._hand_back()
             self._leftovers.dropped_on_purpose = not hand_back and not unwinding

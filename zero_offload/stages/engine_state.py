@@ -37,7 +37,7 @@ class EngineState:
 
     if TYPE_CHECKING:  # provided by the engine
 
-        def _check_open(self) -> None: ...
+        def _check_open(self, settle: bool = True) -> None: ...
         def zero_grad(self) -> None: ...
         def frozen_shard(self, unit: FlatUnit) -> torch.Tensor: ...
         @property
@@ -60,6 +60,7 @@ class EngineState:
         self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     ) -> None:
         """Restore one unit's shard: optimizer state (trainable units) and parameters."""
+        self._check_open()
         if not unit.frozen:
             self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
         self.stepper.write_params(unit, master)
@@ -98,6 +99,7 @@ class EngineState:
     @property
     def optimizer_steps(self) -> int:
         """Updates applied to the optimizer state (Adam's bias-correction step)."""
+        self.stepper.settle()
         return self.stepper.updater.steps
 
     @optimizer_steps.setter
@@ -135,6 +137,7 @@ class EngineState:
     @property
     def last_step_timings(self) -> StepTimings:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
+        self.stepper.settle()
         return self.stepper.updater.last_timings
 
     @property

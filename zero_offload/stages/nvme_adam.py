@@ -248,15 +248,45 @@ class NvmeAdam:
         ``ranges``: what to step, with which step count (None: everything). ``targets``:
         where new compute-dtype values go (the kernel writes them there). All or nothing:
         see the module's docstring."""
+        for _ in self.update_in_steps(grads, factor, sink, ranges, targets):
+            pass
+
+    def update_in_steps(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> Iterator[int]:
+        """:meth:`update`, one sub-group per iteration: each yields the rank-flat end of the
+        elements whose new values went to ``sink`` so far, so that the caller can run other
+        work (the next forward) while the disk reads and writes the next sub-groups. The
+        soundness check and the hyperparameters are taken now: an lr scheduler stepped
+        before the iteration ends changes the next update, not this one."""
         self._check_sound("step")
+        step = self.steps + 1
+        hyper = adam_hyperparameters(self.optimizer, step)
+        ranges = whole_range(self.numel, step) if ranges is None else ranges
+        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
+        return self._stepped_groups(grads, factor, sink, hyper, ranges, targets)
+
+    def _stepped_groups(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        hyper: dict,
+        ranges: list[StepRange],
+        targets: Targets | None,
+    ) -> Iterator[int]:
         changed: list[int] = []  # sub-groups whose state changed in memory
         try:
-            self._pipeline(grads, factor, sink, self.steps + 1, changed, ranges, targets)
+            yield from self._pipeline(grads, factor, sink, hyper, changed, ranges, targets)
         except BaseException as exc:
             self._abort(exc, changed)
             raise
         self.steps += 1
-        self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
 
     def ensure_sound(self, what: str) -> None:
         """Raise :class:`IncompleteStepError` when an earlier step left the state partly
@@ -277,7 +307,11 @@ class NvmeAdam:
         the optimizer refuses to run until the state is loaded again."""
         if changed:
             self._stale = set(range(len(self.bounds)))
-            self._stale_cause = f"{type(exc).__name__}: {exc}"
+            self._stale_cause = (
+                "the engine closed while it ran under the forward"
+                if isinstance(exc, GeneratorExit)
+                else f"{type(exc).__name__}: {exc}"
+            )
         with self._busy_lock:
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for i in range(len(self.bounds)):
@@ -295,6 +329,14 @@ class NvmeAdam:
                 "optimizer step failed before any state changed (%s); the state is "
                 "as before the step",
                 exc,
+            )
+            return
+        if isinstance(exc, GeneratorExit):  # no caller to raise to: the engine closes
+            log.warning(
+                "an optimizer update running under the forward was dropped after %d of %d "
+                "sub-groups (the engine closed during an exception)",
+                len(changed),
+                len(self.bounds),
             )
             return
         log.error(
@@ -316,17 +358,15 @@ class NvmeAdam:
         grads: torch.Tensor | None,
         factor: float,
         sink: Sink,
-        step: int,
+        hyper: dict,
         changed: list[int],
-        ranges: list[StepRange] | None,
+        ranges: list[StepRange],
         targets: Targets | None = None,
-    ) -> None:
-        """Read, update and write back every sub-group, stepping ``ranges`` (default: all at
-        Adam step ``step``); each sub-group whose state is about to change is appended to
-        ``changed``. Returns once all are on disk. Host-resident sub-groups come first and
-        are stepped while the first read from disk is in flight."""
-        hyper = adam_hyperparameters(self.optimizer, step)
-        ranges = whole_range(self.numel, step) if ranges is None else ranges
+    ) -> Iterator[int]:
+        """Read, update and write back every sub-group, stepping ``ranges``; each sub-group
+        whose state is about to change is appended to ``changed``, and its end is yielded
+        once its new values went to ``sink``. Ends once all are on disk. Host-resident
+        sub-groups come first and are stepped while the first read from disk is in flight."""
         timings = StepTimings()
         start = time.perf_counter()
         last = len(self.bounds) - 1
@@ -353,6 +393,7 @@ class NvmeAdam:
                     resident, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
                 )
                 self._release(i)
+                yield hi
                 continue
             assert pending is not None and pending[0] is not None
             state = pending[0].result().view(3, hi - lo)
@@ -376,6 +417,7 @@ class NvmeAdam:
             if not lookahead and i < last:
                 self._release(i)
                 pending = self._read(i + 1, timings)
+            yield hi
         if first_disk <= last:
             self._release(last)
         with self._busy_lock:  # completion callbacks may still be running

@@ -7,9 +7,11 @@ With ``offload_param_fraction`` the leading units (in rank-flat order) keep thei
 host memory instead and only the rest are in files (:func:`param_host_numel`, the rule the
 engine and ``estimate_memory`` share).
 The optimizer writes new values through :meth:`put` after a step — the only time a shard
-changes, so a shard is written back only then. A CPU optimizer asks :meth:`target` first for
-the host memory a unit's new values belong in (the resident slice, or a pool buffer that is
-written to disk from where it is) and writes them there, so that :meth:`put` copies nothing;
+changes, so a shard is written back only then. An update that runs on under the next forward
+(``overlap_step``) stores a unit before its shard is read: :attr:`before_read`. A CPU
+optimizer asks :meth:`target` first for the host memory a unit's new values belong in (the
+resident slice, or a pool buffer that is written to disk from where it is) and writes them
+there, so that :meth:`put` copies nothing;
 ``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a
 unit's shard on the compute device through :meth:`load` (with CUDA: copied on the
 host-to-device stream).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -90,6 +93,8 @@ class ParamStore:
         self.dtype = dtype
         self.copied_bytes = 0  # new values copied on the host by put (none when targeted)
         self._lent: dict[int, HostBuffer] = {}  # pool buffers handed out by target()
+        # called before a unit's shard is read (an update still running stores it first)
+        self.before_read: Callable[[FlatUnit], None] | None = None
         self.swapper: Swapper | None = None
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bytes = numel * itemsize
@@ -202,6 +207,8 @@ class ParamStore:
         wait), the read simply is not started ahead."""
         if self.swapper is None or unit.index in self._prefetched or self.view(unit) is not None:
             return
+        if self.before_read is not None:
+            self.before_read(unit)
         if self.swapper.pool.available < 2:
             return
         self.swapper.prefetch(self._key(unit))
@@ -212,6 +219,8 @@ class ParamStore:
         which it is there (None: it is there now). From host memory the copy runs on the
         host-to-device stream; from NVMe the read is waited for, and its host buffer goes
         back to the pool as soon as the shard is copied out of it."""
+        if self.before_read is not None:
+            self.before_read(unit)
         view = self.view(unit)
         if view is not None:
             return self.streams.to_device(view)

@@ -32,11 +32,13 @@ from ..ledger import MemoryReport
 from .grads import trainable_slots
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .loss_scale import LossScaler
+from .overlap import DeferredUpdate
 from .param_store import ParamStore
 from .streams import Streams
 from .units import FlatUnit
 from .update_api import StepRange
 from .updaters import Updater
+from .weak import weak_hook
 
 __all__ = ["ShardStepper"]
 
@@ -111,6 +113,17 @@ class ShardStepper:
         self._ranges = [self._rank_flat_range(u, i) for u, i in slots]
         self._skipped = [0] * len(slots)
         self._decays = _decays(units, slots, cfg.optimizer.no_decay)
+        # an update left running under the next forward (overlap_step), until it ends
+        self.pending: DeferredUpdate | None = None
+        # it can be: stepped sub-group by sub-group, and storing a unit needs no collective
+        self._can_defer = (
+            cfg.overlap_step
+            and params is not None
+            and hasattr(updater, "update_in_steps")
+            and all(u.sharded_params for u in self._stepped)
+        )
+        if params is not None:
+            params.before_read = weak_hook(self.settle_through)
 
     def _rank_flat_range(self, unit: FlatUnit, i: int) -> tuple[int, int]:
         """This rank's rank-flat [lo, hi) of parameter ``i`` of ``unit`` (the padding after
@@ -193,11 +206,14 @@ class ShardStepper:
         self,
         flags: torch.Tensor | None = None,
         reduce_late: Callable[[list[bool]], None] | None = None,
+        defer: Callable[[], None] | None = None,
     ) -> bool:
         """Agree on the gradient flags, check overflow, clip, update, write the params back.
         False: nothing applied (no parameter had a gradient on any rank, or an overflow).
         ``flags``: this rank's :meth:`GradReducer.local_flags` (None: every parameter had a
         gradient); ``reduce_late`` reduces the units whose late pieces some rank holds.
+        ``defer``: where the update can run under the next forward (``overlap_step``), it is
+        left in :attr:`pending` and ``defer`` is called once it ends.
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
@@ -232,17 +248,57 @@ class ShardStepper:
             if coef < 1.0:
                 factor *= coef
         copied = self._copied_bytes()
-        try:
-            self.updater.update(
-                self.grads, factor, self._sink, self._update_ranges(had), self._targets
+        ranges = self._update_ranges(had)
+        if defer is not None and self._can_defer:
+            steps = self.updater.update_in_steps(  # type: ignore[attr-defined]
+                self.grads, factor, self._sink, ranges, self._targets
             )
+            self.pending = DeferredUpdate(
+                steps, lambda: self._update_done(copied, defer), self._update_failed
+            )
+            return True
+        try:
+            self.updater.update(self.grads, factor, self._sink, ranges, self._targets)
         except BaseException:
-            self._targeted.clear()
-            if self.params is not None:
-                self.params.give_back()
+            self._update_failed()
             raise
-        self.updater.last_timings.param_copy_bytes = self._copied_bytes() - copied
+        self._update_done(copied)
         return True
+
+    def _update_done(self, copied: int, then: Callable[[], None] | None = None) -> None:
+        self.updater.last_timings.param_copy_bytes = self._copied_bytes() - copied
+        if then is not None:
+            then()
+
+    def _update_failed(self) -> None:
+        """Give back what a failed update held for the values it did not store."""
+        self._targeted.clear()
+        if self.params is not None:
+            self.params.give_back()
+
+    def settle(self) -> None:
+        """Run an update left under the forward (:attr:`pending`) to its end."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish()
+
+    def settle_through(self, unit: FlatUnit) -> None:
+        """Before a unit's shard is read: step the pending update's sub-groups until the
+        unit's new values are stored (frozen units have none)."""
+        pending = self.pending
+        if pending is None or unit.frozen:
+            return
+        try:
+            pending.run_through(unit.shard_offset + unit.shard_numel)
+        finally:
+            if pending.done:
+                self.pending = None
+
+    def abandon(self) -> None:
+        """Drop an update still pending (closing while an exception propagates)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.abandon()
 
     def _copied_bytes(self) -> int:
         """New parameter values copied on the host so far (staging, parameter store)."""
