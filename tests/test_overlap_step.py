@@ -101,21 +101,23 @@ def test_overlapped_step_is_bit_for_bit_the_sequential_one(tmp_path, param):
 
 def test_the_update_runs_under_the_next_forward_unit_by_unit(tmp_path):
     engine = _engine(tmp_path, True)
-    assert len(engine.stepper.updater.bounds) > 4
+    split = engine.optimizer_split
+    assert (split.host_numel + split.nvme_numel) / split.sizing.group > 4  # several sub-groups
     gen = torch.Generator().manual_seed(1)
     x, y = batch("gpt", 4, gen)
     engine.backward(loss_fn("gpt", engine(x), y))
     engine.step()
-    pending = engine.stepper.pending
-    assert pending is not None and pending.stored < engine.stepper.updater.numel
+    progress = engine.update_progress
+    assert progress is not None and progress[0] < progress[1]  # it runs on after step()
     unit_of = {n: u for u in engine.units for n in u.names}
     seen: list[tuple[int, int]] = []  # (stored, end of the running module's unit)
 
     def before(module, _args):
         names = [f"{module._name}.{p}" for p, _ in module.named_parameters(recurse=False)]
-        if names and names[0] in unit_of and engine.stepper.pending is not None:
+        progress = engine.update_progress
+        if names and names[0] in unit_of and progress is not None:
             unit = unit_of[names[0]]
-            seen.append((engine.stepper.pending.stored, unit.shard_offset + unit.shard_numel))
+            seen.append((progress[0], unit.shard_offset + unit.shard_numel))
 
     for name, module in engine.module.named_modules():
         module._name = name
@@ -126,7 +128,7 @@ def test_the_update_runs_under_the_next_forward_unit_by_unit(tmp_path):
     stored = [s for s, _ in seen]
     assert stored == sorted(stored) and stored[0] < stored[-1]  # it advanced with the forward
     engine.backward(loss)  # waits for the rest
-    assert engine.stepper.pending is None and engine.optimizer_steps == 1
+    assert engine.update_progress is None and engine.optimizer_steps == 1
     engine.close()
 
 
@@ -171,12 +173,12 @@ def test_a_failed_read_under_the_forward_raises_there_and_the_state_is_refused(t
     x, y = batch("gpt", 4, gen)
     engine.backward(loss_fn("gpt", engine(x), y))
     engine.step()  # the first sub-groups are stepped here; the rest under the forward
-    assert engine.stepper.pending is not None
+    assert engine.update_progress is not None
     engine.swappers[0].engine.backend = FaultBackend("read", errno_=errno.EIO)
     with pytest.raises(IncompleteStepError, match="load_checkpoint") as err:
         engine(x)
     assert isinstance(err.value.__cause__, OSError)
-    assert engine.stepper.pending is None
+    assert engine.update_progress is None
     engine.swappers[0].engine.backend = FaultBackend("none")
     with pytest.raises(IncompleteStepError, match="load_checkpoint"):
         engine.step()  # nothing builds on a partly updated state

@@ -348,7 +348,7 @@ class Engine(EngineLifecycle, EngineState):
                 self._end_update()
         if applied:
             self.global_steps += 1
-        self.last_step = summarize(self, applied)
+        self.last_step = summarize(self, applied, self.stepper.updater.last_timings)
         self.clock.reset()
         self._last_comm = self.comm.stats()
         self.comm.reset_stats()

@@ -39,16 +39,16 @@ class StepClock:
         self.seconds.clear()
 
 
-def summarize(engine: Any, applied: bool) -> dict[str, float]:
-    """The flat, loggable stats of the step that just ended (numbers only). With the update
-    running under the next forward (``overlap_step``) the optimizer's own fields are those of
-    the update before, until :func:`optimizer_stats` of this one replaces them."""
+def summarize(engine: Any, applied: bool, timings: Any) -> dict[str, float]:
+    """The flat, loggable stats of the step that just ended (numbers only), with the
+    optimizer's ``timings``. With the update running under the next forward (``overlap_step``)
+    those are the update's before, until :func:`optimizer_stats` of this one replaces them."""
     clock: StepClock = engine.clock
     out: dict[str, float] = {
         "forward_s": clock.seconds.get("forward", 0.0),
         "backward_s": clock.seconds.get("backward", 0.0),
         "step_s": clock.seconds.get("step", 0.0),
-        **optimizer_stats(engine.stepper.updater.last_timings),
+        **optimizer_stats(timings),
         "applied": float(applied),
         "loss_scale": float(engine.loss_scale),
         "skipped_steps": float(engine.skipped_steps),

@@ -11,6 +11,11 @@ With ``--optimizer-fraction 0,0.5,1`` it sweeps the share of the optimizer state
 (``offload_optimizer_fraction``; the rest stays in host memory) and reports step time and the
 disk bytes of the optimizer step per point; ``--rounds`` repeats the sweep with the points
 interleaved (A B C A B C), so that a host's drifting load is spread over every point.
+``--overlap-step both`` runs each configuration with the optimizer update after the step and
+with it under the next forward (``overlap_step``), interleaved, and reports the step-time
+ratio: how much of the optimizer phase the forward hides. With ``overlap_step`` a step's
+update ends in the next forward, so a step's time is forward + backward + ``step()`` in the
+steady state, and its optimizer timings are read once the next backward has waited for them.
 
 Why this shape: every configuration gets a fresh model and engine (no state carried over),
 warm-up steps first (the first step pays for first-touch page faults and the recorded module
@@ -88,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated shares of the optimizer state on NVMe to sweep, "
         "e.g. 0,0.5,1 or auto (needs --offload-optimizer nvme)",
+    )
+    parser.add_argument(
+        "--overlap-step",
+        default="on",
+        choices=["on", "off", "both"],
+        help="overlap_step: the NVMe optimizer update under the next forward (default on); "
+        "both: each run with and without, interleaved",
     )
     parser.add_argument(
         "--rounds",
@@ -184,6 +196,7 @@ class RunResult:
     offload_param: str
     prefetch_depth: int
     optimizer_fraction: float | str | None = None  # offload_optimizer_fraction (None: unset)
+    overlap_step: bool = True
     error: str | None = None
     samples: list[Sample] = field(default_factory=list)
     median: dict[str, float] = field(default_factory=dict)
@@ -195,7 +208,7 @@ class RunResult:
         fraction = "" if self.optimizer_fraction is None else f" fraction={self.optimizer_fraction}"
         return (
             f"stage {self.stage} opt={self.offload_optimizer} param={self.offload_param} "
-            f"depth={self.prefetch_depth}{fraction}"
+            f"depth={self.prefetch_depth}{fraction}" + ("" if self.overlap_step else " no overlap")
         )
 
 
@@ -205,7 +218,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _engine_kwargs(
-    args: argparse.Namespace, opt: str, param: str, depth: int, fraction: float | str | None = None
+    args: argparse.Namespace,
+    opt: str,
+    param: str,
+    depth: int,
+    fraction: float | str | None = None,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         stage=args.stage,
@@ -214,6 +232,7 @@ def _engine_kwargs(
         prefetch_depth=depth,
         dtype=_DTYPES[args.dtype],
         lr=1e-4,
+        overlap_step=overlap,
     )
     if fraction is not None:
         kw["offload_optimizer_fraction"] = fraction
@@ -234,15 +253,19 @@ def run_one(
     depth: int,
     fraction: float | str | None = None,
     res: RunResult | None = None,
+    overlap: bool = True,
 ) -> RunResult:
     """Fresh model + engine, ``--warmup`` then ``--steps`` timed steps; errors are recorded.
     ``res``: an earlier round's result of the same run, to add this round's samples to."""
-    res = res or RunResult(args.stage, opt, param, depth, fraction)
+    res = res or RunResult(args.stage, opt, param, depth, fraction, overlap_step=overlap)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     engine = None
+    timed: tuple[float, float] | None = None  # a timed step whose optimizer timings are due
     try:
-        engine = zo.initialize(GPT(cfg), **_engine_kwargs(args, opt, param, depth, fraction))
+        engine = zo.initialize(
+            GPT(cfg), **_engine_kwargs(args, opt, param, depth, fraction, overlap)
+        )
     except NotImplementedError as exc:
         res.error = f"not implemented yet ({exc})"
         return res
@@ -256,9 +279,12 @@ def run_one(
             _sync(engine.device)
             t0 = time.perf_counter()
             loss = engine(x, y)
-            engine.backward(loss)
+            engine.backward(loss)  # waits for the last step's update, if it ran on
             _sync(engine.device)
             t1 = time.perf_counter()
+            if timed is not None:  # the last step's optimizer timings are final now
+                res.samples.append(_sample(*timed, engine.last_step_timings))
+                timed = None
             engine.step()
             _sync(engine.device)
             t2 = time.perf_counter()
@@ -266,22 +292,9 @@ def run_one(
             if not math.isfinite(value):
                 raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
             if i >= args.warmup:
-                t = engine.last_step_timings
-                res.samples.append(
-                    Sample(
-                        t1 - t0,
-                        t2 - t1,
-                        t2 - t0,
-                        t.read_s,
-                        t.write_s,
-                        t.io_busy_s,
-                        t.compute_s,
-                        t.wall_s,
-                        t.bytes_read,
-                        t.bytes_written,
-                        t.overlap,
-                    )
-                )
+                timed = (t1 - t0, t2 - t1)
+        if timed is not None:
+            res.samples.append(_sample(*timed, engine.last_step_timings))  # waits for it
     finally:
         engine.close(hand_back=False)  # the model is dropped: no gathering it to the host
         del engine
@@ -294,6 +307,24 @@ def run_one(
     if m["bytes_read"] + m["bytes_written"] > 0 and m["opt_wall_s"] > 0:
         res.nvme_gbps = (m["bytes_read"] + m["bytes_written"]) / m["opt_wall_s"] / 1e9
     return res
+
+
+def _sample(fwd_bwd_s: float, step_s: float, t: Any) -> Sample:
+    """A timed step: its forward + backward and ``step()`` seconds, and its optimizer's
+    ``StepTimings``."""
+    return Sample(
+        fwd_bwd_s,
+        step_s,
+        fwd_bwd_s + step_s,
+        t.read_s,
+        t.write_s,
+        t.io_busy_s,
+        t.compute_s,
+        t.wall_s,
+        t.bytes_read,
+        t.bytes_written,
+        t.overlap,
+    )
 
 
 def disk_baseline(directory: Path, size: int) -> dict[str, float]:
@@ -314,18 +345,22 @@ def disk_baseline(directory: Path, size: int) -> dict[str, float]:
         path.unlink(missing_ok=True)
 
 
-def _runs_wanted(args: argparse.Namespace) -> list[tuple[str, str, int, float | str | None]]:
+def _runs_wanted(
+    args: argparse.Namespace,
+) -> list[tuple[str, str, int, float | str | None, bool]]:
     fractions = args.optimizer_fraction or [None]
+    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap_step]
     runs = [
-        (opt, args.offload_param, d, f)
+        (opt, args.offload_param, d, f, o)
         for opt in args.offload_optimizer
         for d in args.prefetch_depth
         for f in (fractions if opt == "nvme" else [None])
+        for o in overlaps
     ]
     if len(args.prefetch_depth) > 1 and args.stage == 3:
         for opt in args.offload_optimizer:
-            if (opt, "none", REFERENCE_DEPTH, None) not in runs:
-                runs.append((opt, "none", REFERENCE_DEPTH, None))
+            if (opt, "none", REFERENCE_DEPTH, None, overlaps[-1]) not in runs:
+                runs.append((opt, "none", REFERENCE_DEPTH, None, overlaps[-1]))
     return runs
 
 
@@ -392,6 +427,33 @@ def _sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str,
     return rows
 
 
+def _overlap_ratios(results: list[RunResult]) -> list[dict[str, Any]]:
+    """Per configuration run with and without ``overlap_step``: both step times and their
+    ratio (below 1: the forward hid part of the optimizer phase)."""
+    rows = []
+    for on in (r for r in results if r.overlap_step and not r.error):
+        off = next(
+            (
+                r
+                for r in results
+                if not r.overlap_step
+                and not r.error
+                and (r.offload_optimizer, r.offload_param, r.prefetch_depth, r.optimizer_fraction)
+                == (
+                    on.offload_optimizer,
+                    on.offload_param,
+                    on.prefetch_depth,
+                    on.optimizer_fraction,
+                )
+            ),
+            None,
+        )
+        if off is not None:
+            t_on, t_off = on.median["total_s"], off.median["total_s"]
+            rows.append({"run": on.label, "off_s": t_off, "on_s": t_on, "ratio": t_on / t_off})
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 on unusable arguments, 1 when every run failed."""
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
@@ -439,10 +501,10 @@ def run(args: argparse.Namespace) -> int:
     wanted = _runs_wanted(args)
     partial: dict[int, RunResult] = {}
     for _ in range(args.rounds):  # interleaved: every run once per round
-        for k, (opt, param, depth, fraction) in enumerate(wanted):
+        for k, (opt, param, depth, fraction, overlap) in enumerate(wanted):
             if k in partial and partial[k].error:
                 continue
-            partial[k] = run_one(args, cfg, opt, param, depth, fraction, partial.get(k))
+            partial[k] = run_one(args, cfg, opt, param, depth, fraction, partial.get(k), overlap)
     results: list[RunResult] = []
     for k in range(len(wanted)):
         res = partial[k]
@@ -483,6 +545,7 @@ def run(args: argparse.Namespace) -> int:
         "sweep": _sweep(results, args) if len(args.prefetch_depth) > 1 else None,
         "rounds": args.rounds,
         "fraction_sweep": _fraction_sweep(results) if args.optimizer_fraction else None,
+        "overlap": _overlap_ratios(results) if args.overlap_step == "both" else None,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -524,8 +587,10 @@ def print_tables(report: dict) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
-        opt = r["offload_optimizer"] + (
-            "" if r.get("optimizer_fraction") is None else f" ({r['optimizer_fraction']})"
+        opt = (
+            r["offload_optimizer"]
+            + ("" if r.get("optimizer_fraction") is None else f" ({r['optimizer_fraction']})")
+            + ("" if r.get("overlap_step", True) else " (no overlap)")
         )
         head = f"| {opt} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
@@ -572,11 +637,19 @@ def print_tables(report: dict) -> None:
                 f"{row['opt_wall_s']:.3f} | {row['disk_bytes'] / 1e9:.3f} | {ratios[0]} | "
                 f"{ratios[1]} |"
             )
+    if report.get("overlap"):
+        print()
+        print("| run | step s, update after step() | step s, under the next forward | ratio |")
+        print("|---|---|---|---|")
+        for row in report["overlap"]:
+            print(f"| {row['run']} | {row['off_s']:.3f} | {row['on_s']:.3f} | {row['ratio']:.2f} |")
     print()
     print(
         "overlap = max(disk busy, compute) / wall of the optimizer phase (disk busy: time with any "
         "request in flight; read and write columns sum each request, submit to completion, so they "
-        "overlap). vs raw disk = max(bytes at raw GB/s, compute) / wall."
+        "overlap). vs raw disk = max(bytes at raw GB/s, compute) / wall. With overlap_step on, "
+        "the optimizer's wall runs from step() into the next forward: compare those two columns "
+        "with --overlap-step off."
     )
 
 

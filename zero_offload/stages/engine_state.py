@@ -141,6 +141,16 @@ class EngineState:
         return self.stepper.updater.last_timings
 
     @property
+    def update_progress(self) -> tuple[int, int] | None:
+        """While the last step's update runs under the forward (``overlap_step``): elements
+        of this rank's shard whose new values are stored, and elements in all; None when no
+        update is running."""
+        pending = self.stepper.pending
+        if pending is None:
+            return None
+        return pending.stored, sum(u.shard_numel for u in self.units if not u.frozen)
+
+    @property
     def optimizer_split(self) -> OptimizerSplit | None:
         """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
         in host memory and in files, its sub-group size; None when it is not on NVMe."""
