@@ -244,6 +244,9 @@ def _rehearse(
                     tracker.end()
                     tracker.begin("step")
                     engine.step()
+                    # the whole update counts as the step: with overlap_step its tail would
+                    # run under the next forward, on the host and the disk (no device bytes)
+                    engine.finish_step()
                     tracker.end()
                 problems += device_problems(engine, "after the last step")
                 engine.close(hand_back=False)  # nothing to hand back: no values
