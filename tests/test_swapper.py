@@ -6,6 +6,8 @@ import errno
 import gc
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,53 @@ def test_owned_buffer_is_written_in_place_and_returned(tmp_path: Path) -> None:
         out = torch.empty(1001, dtype=torch.bfloat16)
         sw.swap_in("p", out).result(T)
         assert torch.equal(out, want)
+
+
+class _GatedWrites(FaultBackend):
+    """Writes wait for ``gate``; reads fail (nothing may be read back from the disk)."""
+
+    def __init__(self) -> None:
+        super().__init__("read", errno_=errno.EIO)
+        self.gate = threading.Event()
+
+    def pwritev(self, fd, buffers, offset):  # noqa: ANN001 - the OsBackend signature
+        assert self.gate.wait(T)
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_kept_buffer_is_read_while_written_and_given_back_after(tmp_path: Path) -> None:
+    """swap_out(owned=, keep=True): the buffer stays as the key's host copy, so a read that
+    follows takes it at once, with no disk read, even while the write is in flight; a
+    release() during the write gives the buffer back when the write is done, not before
+    (the write still reads it), unless a read takes it again first."""
+    with _swapper(tmp_path) as sw:
+        gated = _GatedWrites()
+        sw.engine.backend = gated
+        buf = sw.acquire(1001 * 2, "p")
+        values = buf.view(torch.bfloat16, (1001,))
+        values.copy_(torch.randn(1001))
+        want = values.clone()
+        written = sw.swap_out("p", values, owned=buf, keep=True)
+        got = sw.prefetch("p").result(T)  # the write is held at the gate: read from memory
+        assert not written.done() and torch.equal(got, want)
+        sw.release("p")
+        assert sw.pool.available == sw.pool.count - 1  # still read by the write
+        again = sw.prefetch("p").result(T)  # taken again before the write ends
+        gated.gate.set()
+        written.result(T)
+        assert sw.pool.available == sw.pool.count - 1 and torch.equal(again, want)
+        sw.release("p")
+        assert sw.pool.available == sw.pool.count and sw.where("p") is Tier.NVME
+        buf = sw.acquire(1001 * 2, "p")  # released during the write: back once it is done
+        gated.gate.clear()
+        sw.swap_out("p", buf.view(torch.bfloat16, (1001,)), owned=buf, keep=True)
+        sw.release("p")
+        assert sw.pool.available == sw.pool.count - 1
+        gated.gate.set()
+        deadline = time.monotonic() + T
+        while sw.pool.available < sw.pool.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sw.pool.available == sw.pool.count
 
 
 def test_many_keys_in_flight_with_few_buffers(tmp_path: Path) -> None:

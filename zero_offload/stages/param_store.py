@@ -185,7 +185,10 @@ class ParamStore:
         self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
         buf = self._lent.pop(unit.index, None)
         if buf is not None and shard.data_ptr() == buf.data_ptr:
-            self._writes.append(self.swapper.swap_out(self._key(unit), shard, owned=buf))
+            # the buffer stays as the unit's read ahead: the next gather takes the new values
+            # from it, no disk read (drop_prefetched gives it back when room is needed)
+            self._writes.append(self.swapper.swap_out(self._key(unit), shard, owned=buf, keep=True))
+            self._prefetched[unit.index] = unit
             return
         if buf is not None:  # a target not used after all
             self.swapper.pool.release(buf)

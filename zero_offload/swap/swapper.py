@@ -69,6 +69,9 @@ class _Entry:
     host: HostBuffer | None = None  # pool buffer holding a valid copy (once `pending` is done)
     on_device: bool = False  # last swap_in went into a device tensor
     pending: Future | None = None  # latest operation on this key
+    # a write of ``host`` (swap_out keep=True) is in flight: its bytes are valid already
+    writing_host: bool = False
+    release_when_written: bool = False  # release() came while it was: give ``host`` back then
 
     @property
     def padded(self) -> int:
@@ -209,13 +212,20 @@ class Swapper:
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
     def swap_out(
-        self, key: str, tensor: torch.Tensor, copy: bool = False, owned: HostBuffer | None = None
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        copy: bool = False,
+        owned: HostBuffer | None = None,
+        keep: bool = False,
     ) -> "Future[None]":
         """Write ``tensor``'s bytes to ``key``'s file; done when the disk copy is complete.
         ``copy``: stage the bytes in a pool buffer first, so the caller may reuse ``tensor``
         as soon as this returns (else it must not change until the future is done).
         ``owned``: a buffer from :meth:`acquire` that ``tensor`` starts; it is written from
-        where it is (no copy) and goes back to the pool once written."""
+        where it is (no copy) and goes back to the pool once written — or, with ``keep``,
+        stays as ``key``'s host copy, so that a read that follows takes it without touching
+        the disk (until :meth:`release`)."""
         self._check_open()
         nbytes = tensor.numel() * tensor.element_size()
         entry = self._entries.get(key)
@@ -232,9 +242,13 @@ class Swapper:
             ):
                 raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
             self._drop_host(entry)
-            release_after = owned
             owned.tensor[nbytes:padded].zero_()
             src = owned.tensor[:padded]
+            if keep:
+                with self._lock:
+                    entry.host, entry.writing_host = owned, True
+            else:
+                release_after = owned
         elif (
             entry.host is not None
             and tensor.device.type == "cpu"
@@ -259,14 +273,21 @@ class Swapper:
             exc = io.exception()
             if release_after is not None:
                 self.pool.release(release_after)
+            kept: HostBuffer | None = None
             with self._lock:
                 entry.failed, entry.on_disk = exc, exc is None
+                if entry.writing_host and entry.release_when_written and exc is None:
+                    kept, entry.host = entry.host, None  # released while it was written
+                entry.writing_host = entry.release_when_written = False
+            if kept is not None:
+                self.pool.release(kept)
             if exc is not None:
                 out.set_exception(exc)
             else:
                 out.set_result(None)
 
-        return self._track(entry, lambda: self.engine.write(entry.file, src), settle, release_after)
+        held = owned if keep else release_after  # given back if the write cannot start
+        return self._track(entry, lambda: self.engine.write(entry.file, src), settle, held)
 
     @record_function("zero_offload.swap_in")
     def swap_in(self, key: str, out: torch.Tensor | None = None) -> "Future[torch.Tensor]":
@@ -337,6 +358,12 @@ class Swapper:
         """Start reading ``key`` into a pool buffer (no new read if one holds it); the result
         is the same typed view :meth:`swap_in` with no ``out`` gives."""
         entry = self._entries.get(key)
+        if entry is not None:
+            with self._lock:
+                host = entry.host if entry.writing_host else None
+                entry.release_when_written &= host is None  # held again, until release()
+            if host is not None:  # being written from host memory: valid there already
+                return self._done(host.view(entry.dtype, entry.shape))
         if entry is None or entry.host is None or entry.pending is None or entry.pending.done():
             return self.swap_in(key)
         fut: Future[torch.Tensor] = Future()
@@ -360,8 +387,12 @@ class Swapper:
         entry = self._entries.get(key)
         if entry is None:
             return
-        self._settle(entry)
         entry.on_device = False
+        with self._lock:
+            if entry.writing_host:  # its write still reads the buffer: given back once done
+                entry.release_when_written = True
+                return
+        self._settle(entry)
         if entry.on_disk:
             self._drop_host(entry)
         elif entry.host is not None:
