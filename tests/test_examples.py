@@ -93,6 +93,20 @@ def test_train_gpt_nvme_without_a_path_uses_a_temporary_folder():
     assert "offload optimizer=nvme" in out
 
 
+def test_beyond_memory_shrunk_reports_every_step_and_the_falling_loss(tmp_path):
+    """Its step lines come once each step's update (run under the next forward) is done."""
+    out = _ok(
+        _run(
+            "examples/beyond_memory.py",
+            *("--nvme-path", str(tmp_path), "--layers", "2", "--width", "128", "--heads", "2"),
+            *("--vocab", "512", "--steps", "3", "--host-memory-limit", "0.25"),
+        )
+    )
+    for step in (1, 2, 3):
+        assert out.count(f"step {step}/3 ") == 1, out
+    assert "its update: Adam" in out and "peak RSS" in out and "loss " in out.splitlines()[-1]
+
+
 def test_finetune_13b_shrunk_with_cpu_optimizer():
     out = _ok(
         _run(
