@@ -102,6 +102,28 @@ def test_four_ranks_on_a_node_each_keep_every_pool_within_a_quarter(tmp_path, mo
         assert torch.equal(value, shared.state[name]), name
 
 
+def test_pages_freed_with_released_units_go_back_during_the_pass(tmp_path, monkeypatch):
+    """Stage 3 returns the heap pages freed with released units while forward and backward
+    run (once per RETURN_EVERY_BYTES released), not only at the step: a pass over many
+    units would otherwise grow RSS by what each unit's small blocks leave in the heap."""
+    calls = []
+    monkeypatch.setattr(budget_mod, "RETURN_EVERY_BYTES", 1)
+    monkeypatch.setattr(budget_mod, "return_freed_memory", lambda: calls.append(1))
+    torch.manual_seed(0)
+    engine = zo.initialize(
+        TinyGPT(width=64), stage=3, lr=1e-2, offload_param="nvme", nvme_path=tmp_path
+    )
+    x, y = batch("gpt", 4, torch.Generator().manual_seed(0))
+    calls.clear()
+    loss = loss_fn("gpt", engine(x), y)
+    in_forward = len(calls)
+    engine.backward(loss)
+    in_backward = len(calls) - in_forward
+    units = sum(u.sharded_params for u in engine.units)
+    assert units >= 2 and in_forward >= units and in_backward >= units, (units, calls)
+    engine.close()
+
+
 RUN = textwrap.dedent("""
     import json, sys, torch
     import zero_offload as zo

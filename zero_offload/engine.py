@@ -370,6 +370,7 @@ class Engine(EngineLifecycle, EngineState):
         """The end of an update that ran under the forward (``overlap_step``)."""
         self._end_update()
         self.last_step.update(optimizer_stats(self.stepper.updater.last_timings))
+        return_freed_memory()  # what the update freed, before backward takes fresh blocks
 
     def finish_step(self) -> None:
         """Wait until the last step's update, running under the next forward with

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..config import ZeroConfig
 from ..progress import Progress
+from ..swap.budget import FreedMemory, return_freed_memory
 from ..weights import PretrainedWeights
 from .handback import Leftovers
 from .param_store import ParamStore
@@ -55,6 +56,7 @@ def build_units(
         show=comm.rank == 0,
         logger=log,
     )
+    freed = FreedMemory()
     for plan in plans:
         values = None
         if weights is not None:
@@ -89,8 +91,10 @@ def build_units(
             if unit.sharded_params:  # released (UnitStates starts such units FREE)
                 unit.full.untyped_storage().resize_(0)
         units.append(unit)
+        freed.freed(4 * unit.layout.padded_numel)  # its fp32 build buffers are gone
         progress.update(sum(p.numel() for p in plan.params))
     progress.close()
     if store is not None:
         store.flush()
+    return_freed_memory()
     return units

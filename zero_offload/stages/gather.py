@@ -35,6 +35,7 @@ import torch
 from torch.profiler import record_function
 import torch.nn as nn
 
+from ..swap.budget import FreedMemory
 from .external import ReleasedAccess, declared_external
 from .order import MODULE, UNIT, OrderCheck
 from .param_store import ParamStore
@@ -188,6 +189,7 @@ class ParamGatherer:
         self._access_on = False
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        self._freed = FreedMemory()  # pages freed with released units go back to the system
         # Every module that holds parameters, directly or below: a use found at run time is
         # charged to the innermost running one, and released when it returns.
         hooked = [
@@ -232,6 +234,7 @@ class ParamGatherer:
             self._by_ptr.pop(_storage_key(unit.full), None)
             self.states.free(unit)
             self.gathered_bytes -= unit.full_bytes
+            self._freed.freed(unit.full_bytes)
 
     def release_all(self) -> None:
         for unit in self.units:
