@@ -99,6 +99,39 @@ def test_prefetch_depth_sweep_against_resident(
         assert row["error"] is None and row["total_s"] > 0 and row["ratio_to_resident"] > 0
 
 
+def test_depth_sweep_rows_say_their_overlap_and_compare_with_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """With --overlap-step both each depth runs twice: each row says which, and is divided by
+    the resident run with the same overlap_step."""
+    rc, rep = _bench(
+        capsys,
+        *TINY,
+        "--offload-optimizer",
+        "nvme",
+        "--offload-param",
+        "nvme",
+        "--prefetch-depth",
+        "0",
+        "1",
+        "--overlap-step",
+        "both",
+        "--nvme-path",
+        str(tmp_path),
+    )
+    assert rc == 0
+    resident = {
+        r["overlap_step"]: r["median"]["total_s"]
+        for r in rep["runs"]
+        if r["offload_param"] == "none"
+    }
+    assert set(resident) == {False, True}
+    rows = {(row["prefetch_depth"], row["overlap_step"]): row for row in rep["sweep"]}
+    assert set(rows) == {(d, o) for d in (0, 1) for o in (False, True)}
+    for (_, overlap), row in rows.items():
+        assert row["ratio_to_resident"] == pytest.approx(row["total_s"] / resident[overlap])
+
+
 def test_refuses_missing_or_memory_nvme_path(
     tiny_tmpfs: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -363,10 +363,11 @@ def _runs_wanted(
         for f in (fractions if opt == "nvme" else [None])
         for o in overlaps
     ]
-    if len(args.prefetch_depth) > 1 and args.stage == 3:
+    if len(args.prefetch_depth) > 1 and args.stage == 3:  # the sweep's reference, each way
         for opt in args.offload_optimizer:
-            if (opt, "none", REFERENCE_DEPTH, None, overlaps[-1]) not in runs:
-                runs.append((opt, "none", REFERENCE_DEPTH, None, overlaps[-1]))
+            for o in overlaps:
+                if (opt, "none", REFERENCE_DEPTH, None, o) not in runs:
+                    runs.append((opt, "none", REFERENCE_DEPTH, None, o))
     return runs
 
 

@@ -47,7 +47,8 @@ def fraction_sweep(results: list[RunResult]) -> list[dict[str, Any]]:
 
 
 def depth_sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Step time per depth, and its ratio to the resident stage-3 run with the same optimizer."""
+    """Step time per depth, and its ratio to the resident stage-3 run with the same optimizer
+    and ``overlap_step``."""
     rows = []
     for r in results:
         if r.offload_param != args.offload_param or r.prefetch_depth not in args.prefetch_depth:
@@ -59,6 +60,7 @@ def depth_sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict
                 if x.offload_param == "none"
                 and x.offload_optimizer == r.offload_optimizer
                 and x.prefetch_depth == REFERENCE_DEPTH
+                and x.overlap_step == r.overlap_step
                 and not x.error
             ),
             None,
@@ -70,6 +72,7 @@ def depth_sweep(results: list[RunResult], args: argparse.Namespace) -> list[dict
                 "offload_optimizer": r.offload_optimizer,
                 "offload_param": r.offload_param,
                 "prefetch_depth": r.prefetch_depth,
+                "overlap_step": r.overlap_step,
                 "total_s": total,
                 "ratio_to_resident": ratio,
                 "error": r.error,
@@ -164,8 +167,9 @@ def print_tables(report: dict) -> None:
         for row in report["sweep"]:
             step = f"{row['total_s']:.3f}" if row["total_s"] else _short(row["error"] or "-")
             ratio = f"{row['ratio_to_resident']:.2f}" if row["ratio_to_resident"] else "-"
+            depth = f"{row['prefetch_depth']}" + ("" if row["overlap_step"] else " (no overlap)")
             print(
-                f"| {row['offload_optimizer']} / {row['offload_param']} | {row['prefetch_depth']} "
+                f"| {row['offload_optimizer']} / {row['offload_param']} | {depth} "
                 f"| {step} | {ratio} |"
             )
     if report.get("fraction_sweep"):
