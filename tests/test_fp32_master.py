@@ -67,3 +67,46 @@ def test_fp32_params_are_the_master(stage):
         if stage == 0:
             assert torch.equal(p.detach(), sd[name])
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stage0_autograd_sums_into_the_gradient_buffer(dtype):
+    """Stage 0: each param.grad is its view of the engine's gradient buffer, so backward
+    holds the gradients once (not autograd's tensors beside the buffer, copied at the step),
+    and the report counts them once."""
+    torch.manual_seed(0)
+    engine = zo.initialize(make("gpt"), stage=0, dtype=dtype, lr=LR)
+    x, y = batch("gpt", GLOBAL_BATCH, torch.Generator().manual_seed(0))
+    engine.backward(loss_fn("gpt", engine(x), y))
+    buffer = engine.grads.untyped_storage().data_ptr()
+    grads = [p.grad for p in engine.module.parameters()]
+    assert all(g is not None and g.untyped_storage().data_ptr() == buffer for g in grads)
+    assert engine.grads.abs().sum() > 0  # the values are in the buffer already
+    n = engine.trainable_numel
+    assert engine.memory_report().bytes["device"]["grads"] == n * engine.grads.element_size()
+    engine.close()
+
+
+def test_stage0_gradients_dropped_by_the_caller_are_not_applied():
+    """A param whose .grad the loop sets to None after backward is not stepped (as
+    torch.optim.AdamW skips it), and one whose .grad it replaces steps with the new value."""
+    torch.manual_seed(0)
+    model = make("gpt")
+    initial = copy.deepcopy(model)
+    engine = zo.initialize(model, stage=0, dtype=torch.float32, lr=LR, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(initial.parameters(), lr=LR, weight_decay=WD)
+    x, y = batch("gpt", GLOBAL_BATCH, torch.Generator().manual_seed(0))
+    engine.backward(loss_fn("gpt", engine(x), y))
+    loss_fn("gpt", initial(x), y).backward()
+    names = [n for n, _ in model.named_parameters()]
+    dropped, replaced = names[0], names[1]
+    for m in (model, initial):
+        params = dict(m.named_parameters())
+        params[dropped].grad = None
+        params[replaced].grad = torch.full_like(params[replaced], 0.5)
+    engine.step()
+    ref_opt.step()
+    sd = engine.full_state_dict()
+    for name, p in initial.named_parameters():
+        torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    engine.close()

@@ -85,8 +85,8 @@ def memory_report(engine: "Engine") -> MemoryReport:
                 rep.persistent_param_bytes += u.full_bytes
         elif engine.unit_states.gather_state(u) is not GatherState.FREE:
             rep.add("device", "params", u.full_bytes)
-        for p in u.params:
-            if p.grad is not None:
+        for p in u.params:  # stage 0's are views of the gradient buffer, counted below
+            if p.grad is not None and not _views_of(p.grad, engine.grads):
                 rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
     if engine.grads is not None:
         grads_tier = "device" if engine.config.offload.optimizer == "none" else "host"
@@ -100,3 +100,9 @@ def memory_report(engine: "Engine") -> MemoryReport:
         )
     rep.comm = engine.last_comm
     return rep
+
+
+def _views_of(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    return buffer is not None and tensor.untyped_storage().data_ptr() == (
+        buffer.untyped_storage().data_ptr()
+    )

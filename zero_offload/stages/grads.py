@@ -169,6 +169,7 @@ class GradReducer:
         first: dict[int, int] = {}
         for k, (u, _) in enumerate(self.slots):
             first.setdefault(id(u), k)
+        self._first_slot = first
         self.had_grad = bytearray(len(self.slots))  # per trainable parameter, this window
         self.backwards = 0  # backwards since the gradients were last dropped
         # Canonical reduction order: reverse registration (stage 3's units are in
@@ -182,6 +183,21 @@ class GradReducer:
         self._reduced: set[int] = set()  # ids of units reduced this backward
         self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
         self._hooks = []
+        # Stage 0 with the gradient buffer beside the params, in their dtype: each param.grad
+        # is its view of the buffer, so autograd sums into it in place (no second copy of the
+        # gradients, no flatten at the step); a hook notes which ones backward reached.
+        self._regions: dict[int, torch.Tensor] = {}  # id(unit) -> its part of the buffer
+        self._views: list[torch.Tensor | None] = self._grad_views() if stage == 0 else []
+        self._reached = bytearray(len(self.slots))
+        if any(v is not None for v in self._views):
+            for k, (unit, i) in enumerate(self.slots):
+                if self._views[k] is not None:
+                    self._hooks.append(
+                        unit.params[i].register_post_accumulate_grad_hook(
+                            weak_hook(self._on_reached, k)
+                        )
+                    )
+            self._point_grads()
         if stage >= 2:
             for unit in trainable:
                 for i, p in enumerate(unit.params):
@@ -191,6 +207,42 @@ class GradReducer:
                                 weak_hook(self._on_grad, unit, first[id(unit)] + i)
                             )
                         )
+
+    def _grad_views(self) -> list[torch.Tensor | None]:
+        """Per trainable slot, its param's view of the gradient buffer (None: no view, the
+        buffer is elsewhere or in another dtype, or the param does not train)."""
+        grads = getattr(self.target, "grads", None)
+        if grads is None or getattr(self.target, "on_widen", None) is not None:
+            return [None] * len(self.slots)
+        views: dict[int, list[torch.Tensor]] = {}
+        out: list[torch.Tensor | None] = []
+        for unit, i in self.slots:
+            if id(unit) not in views:
+                region = grads[unit.shard_offset : unit.shard_offset + unit.full.numel()]
+                same = region.dtype == unit.full.dtype and region.device == unit.full.device
+                views[id(unit)] = unit.layout.views(region) if same else []
+                if same:
+                    self._regions[id(unit)] = region
+            mine = views[id(unit)]
+            out.append(mine[i] if mine and unit.params[i].requires_grad else None)
+        return out
+
+    def _point_grads(self) -> None:
+        for (unit, i), view in zip(self.slots, self._views):
+            if view is not None:
+                unit.params[i].grad = view
+
+    def _on_reached(self, k: int, _param: torch.Tensor) -> None:
+        self._reached[k] = 1
+
+    def _is_view(self, k: int, grad: torch.Tensor | None) -> bool:
+        view = self._views[k] if self._views else None
+        return (
+            grad is not None
+            and view is not None
+            and grad.data_ptr() == view.data_ptr()
+            and grad.shape == view.shape
+        )
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -273,7 +325,8 @@ class GradReducer:
         self.states.begin_step()
         if self.stage < 2:
             for k, (unit, i) in enumerate(self.slots):
-                if unit.params[i].grad is not None:
+                grad = unit.params[i].grad
+                if grad is not None and (self._reached[k] or not self._is_view(k, grad)):
                     self.had_grad[k] = 1
             self._reduce_all()
             late: list[bool] = []
@@ -320,13 +373,26 @@ class GradReducer:
     def _reduce_in_place(self, unit: FlatUnit) -> bool:
         """Stage 0: flatten the unit's gradients straight into its zeroed region of the
         gradient buffer and all-reduce them there (False: the target has no such region)."""
-        region = getattr(self.target, "region", None)
-        view = None if region is None else region(unit.shard_offset, unit.full)
-        if view is None:
-            return False
-        unit.layout.flatten_into(view, [p.grad for p in unit.params])
-        for p in unit.params:
-            p.grad = None
+        view = self._regions.get(id(unit))
+        if view is not None:  # autograd summed in place
+            first = self._first_slot[id(unit)]
+            for i, p in enumerate(unit.params):
+                own = self._views[first + i]
+                if own is None or self._is_view(first + i, p.grad):
+                    continue
+                if p.grad is None:  # dropped since backward (zero_grad(set_to_none=True))
+                    own.zero_()
+                else:  # a tensor put there by the caller, or made after a drop
+                    own.copy_(p.grad)
+                p.grad = own
+        else:
+            region = getattr(self.target, "region", None)
+            view = None if region is None else region(unit.shard_offset, unit.full)
+            if view is None:
+                return False
+            unit.layout.flatten_into(view, [p.grad for p in unit.params])
+            for p in unit.params:
+                p.grad = None
         if self.comm.world_size > 1:
             view.div_(self.comm.world_size)
         self.comm.all_reduce(view)
@@ -341,6 +407,8 @@ class GradReducer:
         for unit in self.units:
             for p in unit.params:
                 p.grad = None
+        self._point_grads()
+        self._reached = bytearray(len(self.slots))
         self.had_grad = bytearray(len(self.slots))
         self.backwards = 0
 
