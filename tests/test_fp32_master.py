@@ -84,7 +84,8 @@ def test_stage0_autograd_sums_into_the_gradient_buffer(dtype):
     assert engine.grads.abs().sum() > 0  # the values are in the buffer already
     n = engine.trainable_numel
     assert engine.memory_report().bytes["device"]["grads"] == n * engine.grads.element_size()
-    engine.close()
+    engine.close(hand_back=False)  # the model keeps no view of the closed engine's buffer
+    assert all(p.grad is None for p in engine.module.parameters())
 
 
 def test_stage0_gradients_dropped_by_the_caller_are_not_applied():

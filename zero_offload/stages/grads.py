@@ -371,8 +371,9 @@ class GradReducer:
         self.target.flush()
 
     def _reduce_in_place(self, unit: FlatUnit) -> bool:
-        """Stage 0: flatten the unit's gradients straight into its zeroed region of the
-        gradient buffer and all-reduce them there (False: the target has no such region)."""
+        """Stage 0: have the unit's gradients in its region of the gradient buffer (summed
+        there by autograd through the params' views, or flattened into it when zeroed) and
+        all-reduce them there (False: the target has no such region)."""
         view = self._regions.get(id(unit))
         if view is not None:  # autograd summed in place
             first = self._first_slot[id(unit)]
@@ -417,6 +418,11 @@ class GradReducer:
         return [t for _unit, flat, out, _handle in self._inflight for t in (flat, out)]
 
     def remove_hooks(self) -> None:
+        """Take the reducer's hooks off the params, and stage 0's views of the gradient
+        buffer (through them a closed engine's buffer would stay alive)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for k, (unit, i) in enumerate(self.slots[: len(self._views)]):
+            if self._is_view(k, unit.params[i].grad):
+                unit.params[i].grad = None
