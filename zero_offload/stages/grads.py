@@ -423,6 +423,7 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for k, (unit, i) in enumerate(self.slots[: len(self._views)]):
+        for k in range(len(self._views)):  # none unless stage 0
+            unit, i = self.slots[k]
             if self._is_view(k, unit.params[i].grad):
                 unit.params[i].grad = None
