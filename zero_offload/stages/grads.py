@@ -117,6 +117,16 @@ class ResidentGrads:
         self._lent.add(offset)
         return view
 
+    def alias(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The region at ``offset`` with ``like``'s size, for good: stage 0's params take
+        their views of it as ``.grad``, so autograd sums into the shard in place. None when
+        the shard may be replaced (``on_widen``) or differs from ``like`` in dtype or
+        device."""
+        view = self.grads[offset : offset + like.numel()]
+        if self.on_widen is not None or view.dtype != like.dtype or view.device != like.device:
+            return None
+        return view
+
     def zero_grad(self) -> None:
         self.grads.zero_()
         self._summed = False
@@ -209,19 +219,17 @@ class GradReducer:
                         )
 
     def _grad_views(self) -> list[torch.Tensor | None]:
-        """Per trainable slot, its param's view of the gradient buffer (None: no view, the
-        buffer is elsewhere or in another dtype, or the param does not train)."""
-        grads = getattr(self.target, "grads", None)
-        if grads is None or getattr(self.target, "on_widen", None) is not None:
-            return [None] * len(self.slots)
+        """Per trainable slot, its param's view of the gradient buffer (None: the target
+        lends no region for good, see :meth:`ResidentGrads.alias`, or the param does not
+        train)."""
+        alias = getattr(self.target, "alias", None)
         views: dict[int, list[torch.Tensor]] = {}
         out: list[torch.Tensor | None] = []
         for unit, i in self.slots:
             if id(unit) not in views:
-                region = grads[unit.shard_offset : unit.shard_offset + unit.full.numel()]
-                same = region.dtype == unit.full.dtype and region.device == unit.full.device
-                views[id(unit)] = unit.layout.views(region) if same else []
-                if same:
+                region = None if alias is None else alias(unit.shard_offset, unit.full)
+                views[id(unit)] = [] if region is None else unit.layout.views(region)
+                if region is not None:
                     self._regions[id(unit)] = region
             mine = views[id(unit)]
             out.append(mine[i] if mine and unit.params[i].requires_grad else None)
