@@ -1,0 +1,116 @@
+"""Preemption as schedulers do it: SIGTERM lands somewhere in a step, the loop's own handler
+asks it to stop, the loop finishes the step it is in, saves and exits; a new process resumes
+from the checkpoint and ends where an uninterrupted run ends, bit for bit, and no swap file
+outlives either process."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+T = 180  # seconds for a child to import torch and train on a loaded machine
+
+LOOP = """
+import json, signal, sys, torch
+sys.path.insert(0, "tests")
+import zero_offload as zo
+from models import TinyGPT, batch, loss_fn
+
+mode, ckpt, nvme, until, out = sys.argv[1:6]
+kwargs = json.loads(sys.argv[6])
+kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+stop = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+torch.manual_seed(0)
+engine = zo.initialize(TinyGPT(), nvme_path=nvme, **kwargs)
+if mode == "resume":
+    engine.load_checkpoint(ckpt)
+i = engine.optimizer_steps
+while i < int(until) and not stop:
+    x, y = batch("gpt", 8, torch.Generator().manual_seed(100 + i))
+    engine.backward(loss_fn("gpt", engine(x), y))
+    engine.step()
+    i += 1
+    print("step", i, flush=True)
+if stop:  # preempted: the step that was running has ended; keep it
+    engine.save_checkpoint(ckpt)
+print("ended", engine.optimizer_steps, flush=True)
+torch.save(engine.full_state_dict(), out)
+engine.close()
+"""
+
+CONFIGS = {
+    # stage 0: the params' .grad are views of the gradient buffer
+    "stage0-fp32": dict(stage=0, dtype="float32", lr=1e-2, weight_decay=0.1),
+    # stage 3, everything in files, the update running under the next forward
+    "stage3-nvme-bf16": dict(
+        stage=3,
+        dtype="bfloat16",
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        sub_group_size=3000,
+        overlap_step=True,
+    ),
+}
+
+
+def _start(tmp: Path, mode: str, until: int, out: str, kwargs: dict) -> subprocess.Popen:
+    args = [mode, str(tmp / "ckpt"), str(tmp / "nvme"), str(until), str(tmp / out)]
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(LOOP), *args, json.dumps(kwargs)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _line(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], T)[0]:
+        proc.kill()
+        pytest.fail(f"child silent for {T} s: {proc.communicate()[1][-2000:]}")
+    line = proc.stdout.readline().strip()
+    if not line:
+        pytest.fail(f"child ended early ({proc.wait(T)}): {proc.communicate()[1][-2000:]}")
+    return line
+
+
+def _ended(proc: subprocess.Popen) -> int:
+    """The child's optimizer steps at its end, once it exited cleanly."""
+    out, err = proc.communicate(timeout=T)
+    assert proc.returncode == 0, err[-3000:]
+    return int(out.strip().splitlines()[-1].split()[1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sigterm_mid_run_saves_at_the_step_end_and_resumes_bit_exact(name, tmp_path):
+    kwargs = CONFIGS[name]
+    (tmp_path / "nvme").mkdir()
+    first = _start(tmp_path, "preempted", 10_000, "first.pt", kwargs)
+    assert _line(first) == "step 1"
+    first.send_signal(signal.SIGTERM)  # lands wherever step 2 (or a later one) is
+    saved = _ended(first)
+    assert saved >= 1
+    resumed = _start(tmp_path, "resume", saved + 2, "resumed.pt", kwargs)
+    assert _ended(resumed) == saved + 2
+    straight = _start(tmp_path, "straight", saved + 2, "straight.pt", kwargs)
+    assert _ended(straight) == saved + 2
+    a = torch.load(tmp_path / "straight.pt")
+    b = torch.load(tmp_path / "resumed.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert list((tmp_path / "nvme").iterdir()) == []  # every run's swap folder went with it
