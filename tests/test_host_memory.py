@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.stages.grads import reductions_alive
 from zero_offload.stages.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
@@ -122,6 +124,74 @@ def test_pages_freed_with_released_units_go_back_during_the_pass(tmp_path, monke
     units = sum(u.sharded_params for u in engine.units)
     assert units >= 2 and in_forward >= units and in_backward >= units, (units, calls)
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_backward_reduces_every_unit_through_a_few_reused_buffers(stage):
+    """The flat gradient buffers of finished reductions serve the next units (fresh memory
+    is paid per page faulted in): no more than ``reductions_alive()`` exist at a time, as the
+    memory model counts, and stage 3's units (one size per layer) take no more than that
+    in a whole backward. At world size 1 the reduced shard is the flat buffer itself."""
+    torch.manual_seed(0)
+    engine = zo.initialize(
+        TinyGPT(layers=6, width=64), stage=stage, lr=1e-2, reduce_bucket_size=20_000
+    )
+    flats: list[torch.Tensor] = []
+    alive: list[int] = []
+    reduce_scatter = engine.comm.reduce_scatter
+
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    def spying(output, full, *args, **kwargs):
+        flats.append(full)  # held here, so no fresh buffer can take a freed one's address
+        assert storage(output) == storage(full)  # world size 1: reduced in place
+        alive.append(len({storage(t) for t in [full, *engine.reductions_in_flight()]}))
+        return reduce_scatter(output, full, *args, **kwargs)
+
+    engine.comm.reduce_scatter = spying  # this engine's own communicator, not torch
+    for i in range(2):
+        x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
+        flats.clear()
+        engine.backward(loss_fn("gpt", engine(x), y))
+        fresh = len({storage(f) for f in flats})
+        assert len(flats) >= 6 and max(alive) <= reductions_alive(), (len(flats), alive)
+        assert fresh <= (reductions_alive() if stage == 3 else len(flats) // 2), fresh
+        engine.step()
+        assert engine.reductions_in_flight() == []  # nothing kept past the backward
+    engine.close()
+
+
+def test_a_flat_buffer_is_reused_only_once_the_offloaded_sum_has_read_it():
+    """With the optimizer offloaded, a worker thread adds each reduced piece to the host
+    gradients after the reducer handed it over; a slow worker must not see the piece's
+    buffer refilled with the next unit's gradients."""
+
+    def train(slow: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        engine = zo.initialize(
+            TinyGPT(layers=4, width=64), stage=3, lr=1e-2, offload_optimizer="cpu"
+        )
+        host = engine.reducer.target.target  # behind the queue: the host gradient shard
+        add = host.accumulate_grad
+
+        def late(offset, values, final):
+            time.sleep(0.005)
+            return add(offset, values, final)
+
+        if slow:
+            host.accumulate_grad = late
+        for i in range(2):
+            x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
+            engine.backward(loss_fn("gpt", engine(x), y))
+            engine.step()
+        state = engine.full_state_dict()
+        engine.close()
+        return state
+
+    fast, slow = train(False), train(True)
+    for name in fast:
+        assert torch.equal(fast[name], slow[name]), name
 
 
 RUN = textwrap.dedent("""

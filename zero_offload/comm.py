@@ -96,10 +96,12 @@ class Comm:
     def reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False
     ) -> Handle:
-        """Sum ``full`` over ranks and leave this rank's slice in ``output``."""
+        """Sum ``full`` over ranks and leave this rank's slice in ``output`` (on one rank
+        ``output`` may be ``full`` itself: nothing to do)."""
         self._count("reduce_scatter", full.numel(), full.element_size(), 1.0)
         if self.world_size == 1:
-            output.copy_(full)
+            if output.data_ptr() != full.data_ptr():
+                output.copy_(full)
             return _Done()
         work = _reduce_scatter_fn()(
             output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op

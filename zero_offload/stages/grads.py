@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Protocol
 
 import torch
@@ -60,7 +61,12 @@ class GradTarget(Protocol):
     """Where reduced gradient shards are summed: memory (:class:`ResidentGrads`) or files
     (:class:`~.disk_grads.DiskGrads`)."""
 
-    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None: ...
+    def accumulate_grad(
+        self, offset: int, values: torch.Tensor, final: bool
+    ) -> Future[None] | None:
+        """Add a reduced piece at rank-flat ``offset``. None: ``values`` is not read after
+        this returns; else a future done once it is (the caller reuses it only then)."""
+
     def zero_grad(self) -> None: ...
     def flush(self) -> None:
         """Every piece handed over so far is summed; raise the first failure."""
@@ -192,6 +198,9 @@ class GradReducer:
         self._complete: set[int] = set()  # ids of units complete and not deferred
         self._reduced: set[int] = set()  # ids of units reduced this backward
         self._inflight: deque[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = deque()
+        # flat buffers of reductions done this backward, for the next units (fresh memory
+        # costs a page fault per page on the host); dropped when the backward ends
+        self._spare: list[tuple[torch.Tensor, Future[None] | None]] = []
         self._hooks = []
         # Stage 0 with the gradient buffer beside the params, in their dtype: each param.grad
         # is its view of the buffer, so autograd sums into it in place (no second copy of the
@@ -254,13 +263,35 @@ class GradReducer:
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
-        flat = torch.empty(unit.layout.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
+        flat = self._flat_buffer(unit)
         unit.layout.flatten_into(flat, [p.grad for p in unit.params])
         for p in unit.params:
             p.grad = None
         if self.comm.world_size > 1:
             flat.div_(self.comm.world_size)
         return flat
+
+    def _flat_buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's flat gradient buffer: the front of the smallest spare that holds it, or
+        a fresh one (then the smallest spares go, so that no more than
+        ``reductions_alive()`` flat buffers exist, as the memory model counts)."""
+        n, like = unit.layout.padded_numel, unit.full
+        fits = [
+            k
+            for k, (t, reading) in enumerate(self._spare)
+            if t.numel() >= n
+            and t.dtype == like.dtype
+            and t.device == like.device
+            and (reading is None or reading.done())
+        ]
+        if fits:
+            best = min(fits, key=lambda k: self._spare[k][0].numel())
+            return self._spare.pop(best)[0][:n]
+        self._spare.sort(key=lambda spare: spare[0].numel())
+        alive = reductions_alive(self.max_inflight)
+        while self._spare and len(self._spare) + len(self._inflight) + 1 > alive:
+            self._spare.pop(0)
+        return torch.empty(n, dtype=like.dtype, device=like.device)
 
     # -- stages 2-3 ------------------------------------------------------------------------
     def begin_backward(self, final: bool) -> None:
@@ -290,20 +321,27 @@ class GradReducer:
     @record_function("zero_offload.reduce_scatter")
     def _reduce_unit(self, unit: FlatUnit) -> None:
         flat = self._flat_grads(unit)
-        out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+        out = self._shard_out(unit, flat)
         handle = self.comm.reduce_scatter(out, flat, async_op=True)
         self._reduced.add(id(unit))
         self._inflight.append((unit, flat, out, handle))
         self._drain(self.max_inflight)
 
+    def _shard_out(self, unit: FlatUnit, flat: torch.Tensor) -> torch.Tensor:
+        """Where this rank's reduced shard of ``flat`` goes: ``flat`` itself on one rank."""
+        if self.comm.world_size == 1:
+            return flat
+        return torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+
     def _drain(self, keep: int) -> None:
         while len(self._inflight) > keep:
-            unit, _flat, out, handle = self._inflight.popleft()
+            unit, flat, out, handle = self._inflight.popleft()
             handle.wait()
-            self._accumulate(unit, out)
+            reading = self._accumulate(unit, out)
+            self._spare.append((flat if flat._base is None else flat._base, reading))
 
-    def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
-        self.target.accumulate_grad(unit.shard_offset, reduced, self.states.final)
+    def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> Future[None] | None:
+        return self.target.accumulate_grad(unit.shard_offset, reduced, self.states.final)
 
     def end_backward(self) -> None:
         """Reduce the rest of the canonical order (a unit this rank did not use counts as
@@ -319,6 +357,7 @@ class GradReducer:
                 self._reduce_unit(unit)
             self._next = len(self.order)
             self._drain(0)
+            self._spare.clear()
             self.target.flush()
         self.states.end_pass()
 
@@ -355,6 +394,7 @@ class GradReducer:
         for unit in units:
             self._reduce_unit(unit)
         self._drain(0)
+        self._spare.clear()
         self._deferred.update(id(u) for u in units)
         self.order = [u for u in self.order if id(u) not in self._deferred] + [
             u for u in self.order if id(u) in self._deferred
@@ -373,7 +413,7 @@ class GradReducer:
                 self.comm.all_reduce(flat)
                 self._accumulate(unit, flat)
             else:
-                out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+                out = self._shard_out(unit, flat)
                 self.comm.reduce_scatter(out, flat)
                 self._accumulate(unit, out)
         self.target.flush()
@@ -412,6 +452,7 @@ class GradReducer:
         flight (waited for, so that the ranks' collectives stay paired, then discarded)."""
         while self._inflight:
             self._inflight.popleft()[3].wait()
+        self._spare.clear()
         self.target.zero_grad()
         for unit in self.units:
             for p in unit.params:
@@ -422,8 +463,10 @@ class GradReducer:
         self.backwards = 0
 
     def inflight_buffers(self) -> list[torch.Tensor]:
-        """Flat gradients and reduced shards of the reductions not yet waited for."""
-        return [t for _unit, flat, out, _handle in self._inflight for t in (flat, out)]
+        """Flat gradients and reduced shards of the reductions not yet waited for, and the
+        flat buffers kept for the next ones."""
+        held = [t for _unit, flat, out, _handle in self._inflight for t in (flat, out)]
+        return held + [t for t, _reading in self._spare]
 
     def remove_hooks(self) -> None:
         """Take the reducer's hooks off the params, and stage 0's views of the gradient

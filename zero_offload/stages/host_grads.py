@@ -7,8 +7,9 @@ waits for every kernel queued before it) and once for the fp32 addition on the C
 copy goes into a page-locked staging buffer on the device-to-host stream, and one worker
 thread adds each piece to the target once its copy is done; backward waits only at its end
 (:meth:`HostGradQueue.flush`), for the last pieces. On a CPU device the piece itself goes to
-the worker (it is a fresh tensor nobody else writes). A failure in the target (a full disk
-with gradients on NVMe) is raised by ``flush``, so ``engine.backward`` reports it.
+the worker (the reducer reuses its buffer only once the returned future is done). A failure
+in the target (a full disk with gradients on NVMe) is raised by ``flush``, so
+``engine.backward`` reports it.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class HostGradQueue:
                 self._staging.append(buf)
                 self._free.put(buf)
 
-    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
+    def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> Future[None]:
+        """Queue the piece; the future is done once it is in the target (on a CPU device the
+        worker reads ``values`` itself until then)."""
         while len(self._pending) >= self.depth:  # back-pressure: oldest piece first
             self._pending.popleft().result()
         if not self.streams.cuda:  # a CPU device: the piece is a fresh host tensor
@@ -96,7 +99,9 @@ class HostGradQueue:
             staging = self._free.get()
             piece = staging[: values.numel()]
             copied = self.streams.to_host(values, piece)
-        self._pending.append(self._worker.submit(self._add, offset, piece, final, copied, staging))
+        added = self._worker.submit(self._add, offset, piece, final, copied, staging)
+        self._pending.append(added)
+        return added
 
     def _add(
         self,
