@@ -33,6 +33,7 @@ import torch
 from torch.profiler import record_function
 
 from ..comm import Comm, Handle
+from .grad_views import GradViews
 from .unit_state import UnitStates
 from .units import FlatUnit
 from .weak import weak_hook
@@ -185,7 +186,6 @@ class GradReducer:
         first: dict[int, int] = {}
         for k, (u, _) in enumerate(self.slots):
             first.setdefault(id(u), k)
-        self._first_slot = first
         self.had_grad = bytearray(len(self.slots))  # per trainable parameter, this window
         self.backwards = 0  # backwards since the gradients were last dropped
         # Canonical reduction order: reverse registration (stage 3's units are in
@@ -202,21 +202,8 @@ class GradReducer:
         # costs a page fault per page on the host); dropped when the backward ends
         self._spare: list[tuple[torch.Tensor, Future[None] | None]] = []
         self._hooks = []
-        # Stage 0 with the gradient buffer beside the params, in their dtype: each param.grad
-        # is its view of the buffer, so autograd sums into it in place (no second copy of the
-        # gradients, no flatten at the step); a hook notes which ones backward reached.
-        self._regions: dict[int, torch.Tensor] = {}  # id(unit) -> its part of the buffer
-        self._views: list[torch.Tensor | None] = self._grad_views() if stage == 0 else []
-        self._reached = bytearray(len(self.slots))
-        if any(v is not None for v in self._views):
-            for k, (unit, i) in enumerate(self.slots):
-                if self._views[k] is not None:
-                    self._hooks.append(
-                        unit.params[i].register_post_accumulate_grad_hook(
-                            weak_hook(self._on_reached, k)
-                        )
-                    )
-            self._point_grads()
+        # stage 0: param.grad is its view of the gradient buffer (where the target lends one)
+        self.views = GradViews(self.slots, target) if stage == 0 else None
         if stage >= 2:
             for unit in trainable:
                 for i, p in enumerate(unit.params):
@@ -226,40 +213,6 @@ class GradReducer:
                                 weak_hook(self._on_grad, unit, first[id(unit)] + i)
                             )
                         )
-
-    def _grad_views(self) -> list[torch.Tensor | None]:
-        """Per trainable slot, its param's view of the gradient buffer (None: the target
-        lends no region for good, see :meth:`ResidentGrads.alias`, or the param does not
-        train)."""
-        alias = getattr(self.target, "alias", None)
-        views: dict[int, list[torch.Tensor]] = {}
-        out: list[torch.Tensor | None] = []
-        for unit, i in self.slots:
-            if id(unit) not in views:
-                region = None if alias is None else alias(unit.shard_offset, unit.full)
-                views[id(unit)] = [] if region is None else unit.layout.views(region)
-                if region is not None:
-                    self._regions[id(unit)] = region
-            mine = views[id(unit)]
-            out.append(mine[i] if mine and unit.params[i].requires_grad else None)
-        return out
-
-    def _point_grads(self) -> None:
-        for (unit, i), view in zip(self.slots, self._views):
-            if view is not None:
-                unit.params[i].grad = view
-
-    def _on_reached(self, k: int, _param: torch.Tensor) -> None:
-        self._reached[k] = 1
-
-    def _is_view(self, k: int, grad: torch.Tensor | None) -> bool:
-        view = self._views[k] if self._views else None
-        return (
-            grad is not None
-            and view is not None
-            and grad.data_ptr() == view.data_ptr()
-            and grad.shape == view.shape
-        )
 
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
@@ -372,8 +325,11 @@ class GradReducer:
         self.states.begin_step()
         if self.stage < 2:
             for k, (unit, i) in enumerate(self.slots):
-                grad = unit.params[i].grad
-                if grad is not None and (self._reached[k] or not self._is_view(k, grad)):
+                if (
+                    self.views.had_grad(k)
+                    if self.views is not None
+                    else unit.params[i].grad is not None
+                ):
                     self.had_grad[k] = 1
             self._reduce_all()
             late: list[bool] = []
@@ -422,19 +378,8 @@ class GradReducer:
         """Stage 0: have the unit's gradients in its region of the gradient buffer (summed
         there by autograd through the params' views, or flattened into it when zeroed) and
         all-reduce them there (False: the target has no such region)."""
-        view = self._regions.get(id(unit))
-        if view is not None:  # autograd summed in place
-            first = self._first_slot[id(unit)]
-            for i, p in enumerate(unit.params):
-                own = self._views[first + i]
-                if own is None or self._is_view(first + i, p.grad):
-                    continue
-                if p.grad is None:  # dropped since backward (zero_grad(set_to_none=True))
-                    own.zero_()
-                else:  # a tensor put there by the caller, or made after a drop
-                    own.copy_(p.grad)
-                p.grad = own
-        else:
+        view = None if self.views is None else self.views.region(unit)
+        if view is None:  # not summed in place by autograd: flattened into a zeroed region
             region = getattr(self.target, "region", None)
             view = None if region is None else region(unit.shard_offset, unit.full)
             if view is None:
@@ -457,8 +402,8 @@ class GradReducer:
         for unit in self.units:
             for p in unit.params:
                 p.grad = None
-        self._point_grads()
-        self._reached = bytearray(len(self.slots))
+        if self.views is not None:
+            self.views.point()
         self.had_grad = bytearray(len(self.slots))
         self.backwards = 0
 
@@ -474,7 +419,5 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for k in range(len(self._views)):  # none unless stage 0
-            unit, i = self.slots[k]
-            if self._is_view(k, unit.params[i].grad):
-                unit.params[i].grad = None
+        if self.views is not None:
+            self.views.remove()
