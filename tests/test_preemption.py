@@ -6,17 +6,16 @@ outlives either process."""
 from __future__ import annotations
 
 import json
-import select
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from children import next_line, start_python
+
 T = 180  # seconds for a child to import torch and train on a loaded machine
 
 LOOP = """
@@ -67,24 +66,11 @@ CONFIGS = {
 
 def _start(tmp: Path, mode: str, until: int, out: str, kwargs: dict) -> subprocess.Popen:
     args = [mode, str(tmp / "ckpt"), str(tmp / "nvme"), str(until), str(tmp / out)]
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(LOOP), *args, json.dumps(kwargs)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_python(textwrap.dedent(LOOP), *args, json.dumps(kwargs))
 
 
 def _line(proc: subprocess.Popen) -> str:
-    assert proc.stdout is not None
-    if not select.select([proc.stdout], [], [], T)[0]:
-        proc.kill()
-        pytest.fail(f"child silent for {T} s: {proc.communicate()[1][-2000:]}")
-    line = proc.stdout.readline().strip()
-    if not line:
-        pytest.fail(f"child ended early ({proc.wait(T)}): {proc.communicate()[1][-2000:]}")
-    return line
+    return next_line(proc, T)
 
 
 def _ended(proc: subprocess.Popen) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from children import next_line, start_python
 from zero_offload.swap.runs import OWNER_FILE
 from zero_offload.swap.swapper import Swapper
 
@@ -34,25 +34,11 @@ def ready(*words):
 
 
 def _start(code: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_python(PRELUDE + textwrap.dedent(code))
 
 
 def _line(proc: subprocess.Popen) -> str:
-    """The child's next line of output (it prints when it is ready for the next signal)."""
-    assert proc.stdout is not None
-    if not select.select([proc.stdout], [], [], T)[0]:
-        proc.kill()
-        pytest.fail(f"child not ready after {T} s: {proc.communicate()[1][-2000:]}")
-    line = proc.stdout.readline().strip()
-    if not line:
-        pytest.fail(f"child ended early ({proc.wait(T)}): {proc.communicate()[1][-2000:]}")
-    return line
+    return next_line(proc, T)
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
