@@ -4,6 +4,7 @@ working set over a run, and an ``initialize`` that peaks no higher than training
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 import zero_offload as zo
 from zero_offload.stages.grads import reductions_alive
+from zero_offload.stages.slices import SLICE, add_into, sum_of_squares
 from zero_offload.stages.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
@@ -192,6 +194,63 @@ def test_a_flat_buffer_is_reused_only_once_the_offloaded_sum_has_read_it():
     fast, slow = train(False), train(True)
     for name in fast:
         assert torch.equal(fast[name], slow[name]), name
+
+
+CLIPPED_STEP = textwrap.dedent("""
+    import json, resource, sys, torch
+    import zero_offload as zo
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    engine = zo.initialize(model, stage=int(sys.argv[1]), lr=1e-3, dtype=torch.float32,
+                           max_grad_norm=None if sys.argv[2] == "none" else 1.0,
+                           offload_optimizer="cpu")
+    engine.backward(engine(torch.randn(4, 2048)).square().mean())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    engine.step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps(dict(grads=engine.grads.numel(), faults=faults)))
+    engine.close()
+""")
+
+
+def _step_faults(stage: int, clip: str) -> dict:
+    """Pages ``step()`` faults in, in a fresh process (the same work faults the same pages)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CLIPPED_STEP, str(stage), clip],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_measures_the_gradient_norm_without_a_float64_copy_of_the_shard(stage):
+    """The global norm is summed in fp64 (so that every layout of the gradients agrees far
+    below the clip factor's last bit), but slice by slice: an fp64 copy of a rank's whole
+    gradient shard is twice the shard in fp32 (8 GB at 1B parameters), fresh at every step.
+    Clipping may add to ``step()`` only a small part of that copy's pages."""
+    clipped, plain = _step_faults(stage, "1.0"), _step_faults(stage, "none")
+    copy_pages = clipped["grads"] * 8 // 4096  # 33.5M gradients: 64k pages of fp64
+    assert clipped["faults"] - plain["faults"] < copy_pages // 8, (clipped, plain)
+
+
+def test_sum_of_squares_in_slices_is_the_fp64_sum():
+    t = torch.randn(3 * SLICE + 123, generator=torch.Generator().manual_seed(0)) * 1e3
+    exact = t.double().square().sum().item()
+    assert sum_of_squares(t).item() == pytest.approx(exact, rel=1e-12)
+    assert sum_of_squares(t.bfloat16()).item() == pytest.approx(
+        t.bfloat16().double().square().sum().item(), rel=1e-12
+    )
+    t[SLICE + 5] = float("inf")
+    assert not math.isfinite(sum_of_squares(t).item())
+    t[SLICE + 5] = float("nan")
+    assert not math.isfinite(sum_of_squares(t).item())
+    dst, src = torch.zeros(2 * SLICE + 7), torch.randn(2 * SLICE + 7).bfloat16()
+    add_into(dst, src)
+    assert torch.equal(dst, src.float())
 
 
 RUN = textwrap.dedent("""

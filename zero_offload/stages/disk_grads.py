@@ -11,6 +11,7 @@ read back when its next piece comes, so any arrival order fits a fixed number of
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
 from ..swap.swapper import Swapper
+from .slices import add_into, sum_of_squares
 
 __all__ = ["DiskGrads"]
 
@@ -86,7 +88,7 @@ class DiskGrads:
         values = values.to("cpu")
         for i, a, b in split_range(offset, offset + values.numel(), self.group):
             lo, hi = self.bounds[i]
-            self._buffer(i)[a - lo : b - lo].add_(values[a - offset : b - offset])
+            add_into(self._buffer(i)[a - lo : b - lo], values[a - offset : b - offset])
             self._covered[i] = self._covered.get(i, 0) + b - a
             if self._covered[i] == hi - lo:
                 self._write(i)
@@ -146,11 +148,8 @@ class DiskGrads:
             self.swapper.pool.release(buf)
 
     def _write(self, i: int) -> None:
-        grad = self._buffer(i)
-        self._stats[i] = (
-            float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2,
-            bool(torch.isfinite(grad).all()),
-        )
+        sumsq = float(sum_of_squares(self._buffer(i)))
+        self._stats[i] = (sumsq, math.isfinite(sumsq))
         del self._covered[i]
         self._evict(i)
 

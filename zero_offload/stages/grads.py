@@ -34,6 +34,7 @@ from torch.profiler import record_function
 
 from ..comm import Comm, Handle
 from .grad_views import GradViews
+from .slices import add_into
 from .unit_state import UnitStates
 from .units import FlatUnit
 from .weak import weak_hook
@@ -106,7 +107,7 @@ class ResidentGrads:
             self.grads = self.grads.float()
             self.on_widen(self.grads)
         self._filled.add(offset)
-        self.grads[offset : offset + values.numel()].add_(values.to(self.grads.device))
+        add_into(self.grads[offset : offset + values.numel()], values.to(self.grads.device))
 
     def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
         """The zeroed region at ``offset`` with ``like``'s size, dtype and device, for a

@@ -34,6 +34,7 @@ from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .loss_scale import LossScaler
 from .overlap import DeferredUpdate
 from .param_store import ParamStore
+from .slices import sum_of_squares
 from .streams import Streams
 from .units import FlatUnit
 from .update_api import StepRange
@@ -178,7 +179,8 @@ class ShardStepper:
         if self.updater.disk_grads is not None:
             sumsq, finite = self.updater.disk_grads.stats()
             return torch.tensor(sumsq if finite else math.inf, dtype=torch.float64)
-        return torch.linalg.vector_norm(self.grads, dtype=torch.float64).square()
+        assert self.grads is not None  # not in files: in memory
+        return sum_of_squares(self.grads)
 
     def _exchange(self, flags: torch.Tensor | None) -> list[float]:
         """One all-reduce (sum) and one host read per step: the ranks' gradient flags and,
