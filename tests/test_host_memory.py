@@ -240,9 +240,11 @@ def test_clipping_measures_the_gradient_norm_without_a_float64_copy_of_the_shard
 def test_sum_of_squares_in_slices_is_the_fp64_sum():
     t = torch.randn(3 * SLICE + 123, generator=torch.Generator().manual_seed(0)) * 1e3
     exact = t.double().square().sum().item()
-    assert sum_of_squares(t).item() == pytest.approx(exact, rel=1e-12)
+    # fp64 sums in another order (the kernel's blocking differs by CPU): what matters is
+    # agreement far below fp32's resolution (1.2e-7), where the clip factor is taken
+    assert sum_of_squares(t).item() == pytest.approx(exact, rel=1e-10)
     assert sum_of_squares(t.bfloat16()).item() == pytest.approx(
-        t.bfloat16().double().square().sum().item(), rel=1e-12
+        t.bfloat16().double().square().sum().item(), rel=1e-10
     )
     t[SLICE + 5] = float("inf")
     assert not math.isfinite(sum_of_squares(t).item())
