@@ -139,8 +139,8 @@ def test_keyboard_interrupt_still_works_and_files_go_at_exit(tmp_path: Path) -> 
         s = Swapper({str(tmp_path)!r}, 1 << 20, host_memory_limit=1 << 30)
         s.swap_out("m", torch.full((1 << 18,), 2.0)).result()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        ready(s.rank_dir)
-        try:
+        try:  # the ready line is inside: Ctrl-C may come the moment it is printed
+            ready(s.rank_dir)
             time.sleep({T})
         except KeyboardInterrupt:  # a notebook cell interrupted: the run goes on
             ready("caught", float(s.swap_in("m").result().sum()))
