@@ -60,8 +60,8 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
             out[_key(engine.param_store.resident)] = PARAMS
         if engine.grads is not None:
             out[_key(engine.grads)] = GRADS
-        for role, tensor in engine.optimizer_tensors().items():
-            out[_key(tensor)] = GRADS if role == "fp32 grads" else OPTIMIZER
+        for tensor in engine.optimizer_tensors().values():
+            out[_key(tensor)] = OPTIMIZER
         for buffer in engine.reductions_in_flight():
             out[_key(buffer)] = COMM
         return out

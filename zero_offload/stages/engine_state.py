@@ -109,7 +109,7 @@ class EngineState:
     # -- read-only views for users, benchmarks and tests -------------------------------------
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
-        exp_avg_sq, the fp32 gradient a device step makes); empty with the state on NVMe."""
+        exp_avg_sq); empty with the state on NVMe."""
         resident = getattr(self.stepper.updater, "resident_tensors", None)
         return resident() if resident is not None else {}
 

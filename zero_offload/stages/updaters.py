@@ -140,7 +140,6 @@ class _ResidentAdam:
             "master": self.master,
             "exp_avg": state.get("exp_avg"),
             "exp_avg_sq": state.get("exp_avg_sq"),
-            "fp32 grads": self.param.grad,
         }
         return {k: v for k, v in found.items() if v is not None}
 
@@ -186,53 +185,56 @@ class DeviceAdam(_ResidentAdam):
         ranges: list[StepRange] | None = None,
         targets: Targets | None = None,
     ) -> None:
-        """``factor`` may also be a device tensor."""
+        """``factor`` may also be a device tensor. The gradients are widened to fp32 and
+        scaled a slice at a time: a copy of the whole shard would be 4 bytes a parameter of
+        device memory at every step. torch's AdamW is elementwise, so slices change no bit."""
         start = time.perf_counter()
         assert grads is not None
-        grads32 = grads.float()  # a new fp32 copy, unless the grads are fp32 already
-        if isinstance(factor, torch.Tensor) or factor != 1.0:
-            grads32.mul_(factor)
         step = self.steps + 1
-        if ranges is None or ranges == whole_range(self.master.numel(), step):
-            self.param.grad = grads32
-            self.optimizer.step()
-            self.param.grad = None
-        else:
-            self._step_ranges(grads32, ranges)
-            self.steps = step
+        n = self.master.numel()
+        widen = isinstance(factor, torch.Tensor) or factor != 1.0 or grads.dtype != torch.float32
+        # one slice's fp32 copy, reused (the caller's gradients are never changed)
+        slice32 = torch.empty(min(n, _GRAD_CHUNK) if widen else 0, device=grads.device)
+        for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
+            for a in range(lo, hi, _GRAD_CHUNK):
+                b = min(a + _GRAD_CHUNK, hi)
+                piece = grads[a:b]
+                if widen:
+                    piece = slice32[: b - a].copy_(piece).mul_(factor)
+                self._step_slice(a, b, piece, count, decays)
+        self.steps = step
+        self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master)
 
-    def _step_ranges(self, grads32: torch.Tensor, ranges: list[StepRange]) -> None:
-        """Some parameters had no gradient, missed updates or take no weight decay: torch's
-        functional AdamW on each range with that range's own step count and decay."""
+    def _step_slice(self, lo: int, hi: int, grads32: torch.Tensor, step: int, decays: bool) -> None:
+        """torch's functional AdamW (fused where the optimizer is) on master[lo:hi], with
+        that slice's own step count (parameters that missed updates) and weight decay."""
         state = self._moments()
         group = self.optimizer.param_groups[0]
-        fused = bool(self.optimizer.defaults.get("fused"))
-        for lo, hi, s, decays in ranges:
-            count = torch.tensor(
-                float(s - 1),
-                dtype=torch.float32,  # incremented by adamw
-                device=state["step"].device,
-            )
-            _functional_adamw(
-                [self.master[lo:hi]],
-                [grads32[lo:hi]],
-                [state["exp_avg"][lo:hi]],
-                [state["exp_avg_sq"][lo:hi]],
-                [],
-                [count],
-                foreach=False,
-                fused=fused or None,
-                amsgrad=False,
-                beta1=group["betas"][0],
-                beta2=group["betas"][1],
-                lr=group["lr"],
-                weight_decay=group["weight_decay"] if decays else 0.0,
-                eps=group["eps"],
-                maximize=False,
-            )
+        count = torch.tensor(
+            float(step - 1),
+            dtype=torch.float32,  # incremented by adamw
+            device=state["step"].device,
+        )
+        _functional_adamw(
+            [self.master[lo:hi]],
+            [grads32],
+            [state["exp_avg"][lo:hi]],
+            [state["exp_avg_sq"][lo:hi]],
+            [],
+            [count],
+            foreach=False,
+            fused=bool(self.optimizer.defaults.get("fused")) or None,
+            amsgrad=False,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"] if decays else 0.0,
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
 class HostAdam(_ResidentAdam):
