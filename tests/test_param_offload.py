@@ -16,6 +16,7 @@ import equivalence
 import zero_offload as zo
 from distributed import run_ranks
 from models import TinyGPT, batch, loss_fn
+from zero_offload.swap.swapper import Tier
 
 PARAMS = ("cpu", "nvme")
 OPTIMIZERS = ("none", "cpu", "nvme")
@@ -186,3 +187,36 @@ def test_param_pool_smaller_than_prefetch_depth_degrades_not_deadlocks(tmp_path)
     assert count == 2
     roomy, _ = run()
     assert all(torch.equal(tight[k], roomy[k]) for k in roomy)
+    single, count = run(host_memory_limit=20480)  # gathers hold no buffer a read waits for
+    assert count == 1
+    assert all(torch.equal(single[k], roomy[k]) for k in roomy)
+
+
+def test_cpu_device_gathers_from_the_buffer_the_nvme_read_filled(tmp_path):
+    """On a CPU device the shard read from NVMe is already where the all-gather reads it: it
+    is lent from the pool buffer (a copy of it cost a fresh allocation and its page faults
+    for every unit, twice a step) and the buffer goes back once the all-gather is done."""
+    engine = zo.initialize(
+        TinyGPT(),
+        stage=3,
+        lr=1e-2,
+        offload_param="nvme",
+        offload_optimizer="cpu",
+        nvme_path=tmp_path,
+    )
+    store = engine.param_store
+    unit = next(u for u in engine.units if u.sharded_params)
+    key, free = store._key(unit), store.swapper.pool.available
+    shard, copied, give_back = store.lend(unit)
+    assert copied is None and give_back is not None
+    assert store.swapper.where(key) is Tier.HOST and store.swapper.pool.available == free - 1
+    expected = shard.clone()
+    give_back()
+    assert store.swapper.where(key) is Tier.NVME and store.swapper.pool.available == free
+    own, _ = store.load(unit)  # a tensor of the caller's own, the buffer back at once
+    assert torch.equal(own, expected) and store.swapper.pool.available == free
+    x, y = batch("gpt", 4, torch.Generator().manual_seed(0))
+    engine.backward(loss_fn("gpt", engine(x), y))
+    engine.step()
+    assert store.swapper.pool.available == store.swapper.pool.count - len(store._prefetched)
+    engine.close()

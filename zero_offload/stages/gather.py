@@ -221,8 +221,11 @@ class ParamGatherer:
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
         if self.states.gather_state(unit) is GatherState.FREE:
-            shard, copied = self.store.load(unit)
-            self.states.gather(unit, shard, wait=wait, after=copied)
+            if wait or self.states.comm.world_size == 1:  # done with the shard at once
+                shard, copied, give_back = self.store.lend(unit)
+            else:  # an all-gather ahead keeps no pool buffer that a read may need
+                (shard, copied), give_back = self.store.load(unit), None
+            self.states.gather(unit, shard, wait=wait, after=copied, then=give_back)
             self._by_ptr[_storage_key(unit.full)] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

@@ -218,29 +218,51 @@ class ParamStore:
         self._prefetched[unit.index] = unit
 
     def load(self, unit: FlatUnit) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-        """The unit's shard on the compute device, for its all-gather, and the event after
-        which it is there (None: it is there now). From host memory the copy runs on the
-        host-to-device stream; from NVMe the read is waited for, and its host buffer goes
-        back to the pool as soon as the shard is copied out of it."""
+        """The unit's shard on the compute device, a tensor of the caller's own, and the
+        event after which it is there (None: it is there now)."""
+        shard, copied, give_back = self.lend(unit)
+        if give_back is not None:  # the pool buffer itself: copied out of it
+            try:
+                shard = shard.clone()
+            finally:
+                give_back()
+        return shard, copied
+
+    def lend(
+        self, unit: FlatUnit
+    ) -> tuple[torch.Tensor, "torch.cuda.Event | None", Callable[[], None] | None]:
+        """The unit's shard on the compute device, for its all-gather; the event after
+        which it is there (None: it is there now); and, where the shard is the host buffer
+        an NVMe read filled (a CPU device: no copy of it), the call that gives the buffer
+        back once the all-gather has read it (None: nothing to give back). From host
+        memory the copy runs on the host-to-device stream; from NVMe the read is waited for,
+        and a buffer copied to an accelerator goes back to the pool at once."""
         if self.before_read is not None:
             self.before_read(unit)
         view = self.view(unit)
         if view is not None:
-            return self.streams.to_device(view)
-        assert self.swapper is not None
-        if unit.index not in self._prefetched and self.swapper.pool.available == 0:
+            shard, event = self.streams.to_device(view)
+            return shard, event, None
+        swapper = self.swapper
+        assert swapper is not None
+        if unit.index not in self._prefetched and swapper.pool.available == 0:
             self.drop_prefetched()  # the read that is needed now comes first
         start = time.perf_counter()
-        host = self.swapper.prefetch(self._key(unit)).result()
+        key = self._key(unit)
+        host = swapper.prefetch(key).result()
         self.wait_s += time.perf_counter() - start
         self._prefetched.pop(unit.index, None)
         try:
-            shard, copied = self.streams.to_device(host, own=True)
+            shard, copied = self.streams.to_device(host)
+            if shard is host:  # the device is the host: lent as it is
+                return shard, None, lambda: swapper.release(key)
             if copied is not None:
                 copied.synchronize()  # the copy itself, not the computation queued before it
-        finally:
-            self.swapper.release(self._key(unit))
-        return shard, None
+        except BaseException:
+            swapper.release(key)
+            raise
+        swapper.release(key)
+        return shard, None, None
 
     def drop_prefetched(self) -> None:
         """Give back the buffers of reads ahead that no gather used (a changed module order,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class _State:
     gather: GatherState
     handle: Handle | None = None  # the async all-gather (no CUDA streams)
     ready: "torch.cuda.Event | None" = None  # CUDA: fires when ``full`` is filled
+    then: Callable[[], None] | None = None  # once the all-gather read the shard (no CUDA)
     pending_grads: int = 0  # gradients still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were handed to the reduction
 
@@ -101,13 +103,19 @@ class UnitStates:
         shard: torch.Tensor,
         wait: bool,
         after: "torch.cuda.Event | None" = None,
+        then: Callable[[], None] | None = None,
     ) -> bool:
         """Start filling ``unit.full`` from every rank's ``shard`` (``wait``: and wait for
         it); True if work was issued. With CUDA streams the all-gather runs on the gather
         stream once ``after`` (the shard's copy to the device) has fired; :meth:`wait` then
-        orders the compute stream after it without blocking the host."""
+        orders the compute stream after it without blocking the host. Without them,
+        ``then`` runs once the all-gather is done with ``shard`` (the store's buffer it
+        lent goes back)."""
         state = self._of[id(unit)]
+        assert then is None or not self.streams.cuda, "a device shard is the store's own"
         if state.gather is not GatherState.FREE:
+            if then is not None:
+                then()
             return False
         unit.full.untyped_storage().resize_(unit.full_bytes)  # allocated on the compute stream
         if self.streams.cuda:
@@ -115,7 +123,16 @@ class UnitStates:
                 self.comm.all_gather(unit.full, shard, async_op=True).wait()  # a stream wait
                 state.ready = self.streams.finish_gather(shard, unit.full)
         else:
-            state.handle = self.comm.all_gather(unit.full, shard, async_op=not wait)
+            try:
+                state.handle = self.comm.all_gather(unit.full, shard, async_op=not wait)
+            except BaseException:
+                if then is not None:
+                    then()
+                raise
+            if then is not None and self.comm.world_size == 1:  # copied already
+                then()
+            else:
+                state.then = then
         state.gather = GatherState.PENDING
         if wait:
             self.wait(unit)
@@ -131,8 +148,12 @@ class UnitStates:
             state.ready = None
         else:
             assert state.handle is not None
-            state.handle.wait()
-            state.handle = None
+            handle, then, state.handle, state.then = state.handle, state.then, None, None
+            try:
+                handle.wait()
+            finally:
+                if then is not None:
+                    then()
         state.gather = GatherState.GATHERED
 
     def free(self, unit: FlatUnit) -> bool:
