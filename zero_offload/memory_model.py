@@ -36,7 +36,7 @@ from .partition import padded_numel
 from .stages.gather import gathered_units
 from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
-from .stages.nvme_sizing import optimizer_split
+from .stages.nvme_sizing import OptimizerSplit, optimizer_split
 from .stages.param_store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from .stages.units import UnitPlan, owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
@@ -341,102 +341,290 @@ def estimate_memory(
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
-    psi, psi_t = shape.num_params, shape.trainable_params
     shards = 1 if stage == 0 else num_gpus
-    plans: list[UnitPlan] | None = None
-    if shape.model is not None:  # the engine's own layout: units, each padded
-        plans = plan_units(
-            shape.model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size
+    if shape.model is not None:
+        layout = _model_layout(
+            shape.model,
+            stage=stage,
+            num_gpus=num_gpus,
+            shards=shards,
+            b=b,
+            prefetch_depth=prefetch_depth,
+            largest_layer_params=largest_layer_params,
+            reduce_bucket_size=reduce_bucket_size,
         )
-        padded = [p.layout.padded_numel for p in plans]
-        full, largest = sum(padded), max(padded)
-        # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
-        window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
-        if stage == 3 and largest_layer_params is not None:
-            largest = padded_numel(largest_layer_params, shards)
-            window = gathered_units(prefetch_depth) * largest
-        # gradients are reduced, and stepped, for trainable units only
-        trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
-        largest_t = trained[0] if trained else 0
-        inflight = sum(trained[: reductions_alive()])
-        s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
-        # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
-        s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
     else:
-        full = psi
-        largest = (
-            largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
-            if stage == 3
-            else min(reduce_bucket_size, psi)
+        layout = _count_layout(
+            shape,
+            stage=stage,
+            shards=shards,
+            b=b,
+            prefetch_depth=prefetch_depth,
+            largest_layer_params=largest_layer_params,
+            reduce_bucket_size=reduce_bucket_size,
         )
-        largest_t = min(largest, psi_t)
-        inflight = reductions_alive() * largest_t
-        window = gathered_units(prefetch_depth) * largest
-        s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
-        s_files = b * s
-    # Ψt in the formulas: trainable params (written Ψ when all of them train)
-    T = "Ψ" if psi_t == psi else "Ψt"
-    on_cpu = device == "cpu"
-    terms: list[Term] = []
-
-    def add(name: str, tier: str, phase: str, kind: str, nbytes: int, formula: str) -> None:
-        terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
-
-    # One host budget per rank, split between the pools as the engine splits it.
-    budget = host_memory_budget(
-        host_memory_limit, available=host_available, ranks=gpus_per_node or min(num_gpus, 8)
+    gpus_per_node = gpus_per_node or min(num_gpus, 8)
+    host = _split_host(
+        layout,
+        b=b,
+        shards=shards,
+        prefetch_depth=prefetch_depth,
+        host_memory_limit=host_memory_limit,
+        host_available=host_available,
+        ranks=gpus_per_node,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        on_cpu=device == "cpu",
+        sub_group_size=sub_group_size,
+        offload_optimizer_fraction=offload_optimizer_fraction,
     )
+    build = _Terms(
+        shape=shape,
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        device=device,
+        b=b,
+        shards=shards,
+        layout=layout,
+        host=host,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    build.add_params(prefetch_depth, offload_param_fraction)
+    build.add_grads()
+    build.add_unit_being_made()
+    build.add_optimizer_state()
+    build.add_optimizer_buffers()
+    if activation_bytes:
+        build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
+    return build.estimate(num_gpus, gpus_per_node, _dtype_name(dtype))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Element counts the terms are made of, from the engine's unit layout (a model) or from
+    a parameter count (no padding)."""
+
+    plans: list[UnitPlan] | None  # the engine's units; None for a parameter count
+    full: int  # all the parameters, padded
+    largest: int  # the largest unit (stage 3: module), flattened and gathered whole
+    largest_t: int  # the largest trainable unit: what is reduced and stepped at once
+    window: int  # what stage 3 gathers at a time
+    inflight: int  # gradients being reduced at once (stages 2-3)
+    s: int  # S: this rank's shard
+    s_t: int  # its trainable prefix
+    s_files: int  # bytes of the shard as files on NVMe
+
+
+def _model_layout(
+    model: nn.Module,
+    *,
+    stage: int,
+    num_gpus: int,
+    shards: int,
+    b: int,
+    prefetch_depth: int,
+    largest_layer_params: int | None,
+    reduce_bucket_size: int,
+) -> _Layout:
+    """The engine's own layout (``plan_units``): units, each padded."""
+    plans = plan_units(model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size)
+    padded = [p.layout.padded_numel for p in plans]
+    full, largest = sum(padded), max(padded)
+    # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
+    window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
+    if stage == 3 and largest_layer_params is not None:
+        largest = padded_numel(largest_layer_params, shards)
+        window = gathered_units(prefetch_depth) * largest
+    # gradients are reduced, and stepped, for trainable units only
+    trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
+    largest_t = trained[0] if trained else 0
+    inflight = sum(trained[: reductions_alive()])
+    s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
+    # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
+    s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
+    return _Layout(plans, full, largest, largest_t, window, inflight, s, s_t, s_files)
+
+
+def _count_layout(
+    shape: ModelShape,
+    *,
+    stage: int,
+    shards: int,
+    b: int,
+    prefetch_depth: int,
+    largest_layer_params: int | None,
+    reduce_bucket_size: int,
+) -> _Layout:
+    """A parameter count: no padding, and the largest module assumed when not given."""
+    psi, psi_t = shape.num_params, shape.trainable_params
+    full = psi
+    largest = (
+        largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
+        if stage == 3
+        else min(reduce_bucket_size, psi)
+    )
+    largest_t = min(largest, psi_t)
+    inflight = reductions_alive() * largest_t
+    window = gathered_units(prefetch_depth) * largest
+    s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
+    s_files = b * s
+    return _Layout(None, full, largest, largest_t, window, inflight, s, s_t, s_files)
+
+
+@dataclass(frozen=True)
+class _HostSplit:
+    """The rank's host budget and how the engine splits it between its pools."""
+
+    budget: int  # the whole of it (``swap.budget``)
+    staging: int  # the device-to-host gradient staging buffers, taken first
+    param_budget: int  # the NVMe parameter pool's share
+    split: OptimizerSplit  # the optimizer's state between host memory and files
+
+
+def _split_host(
+    layout: _Layout,
+    *,
+    b: int,
+    shards: int,
+    prefetch_depth: int,
+    host_memory_limit: int | None,
+    host_available: int | None,
+    ranks: int,
+    offload_optimizer: str,
+    offload_param: str,
+    on_cpu: bool,
+    sub_group_size: int,
+    offload_optimizer_fraction: float | str | None,
+) -> _HostSplit:
+    """One host budget per rank, split between the pools as the engine splits it."""
+    budget = host_memory_budget(host_memory_limit, available=host_available, ranks=ranks)
     staging = (
-        staging_bytes(math.ceil(largest_t / shards), b)
+        staging_bytes(math.ceil(layout.largest_t / shards), b)
         if offload_optimizer != "none" and not on_cpu
         else 0
     )
-    param_pool = _pool(b * math.ceil(largest / shards), param_pool_buffers(prefetch_depth), None)
+    param_pool = _pool(
+        b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
+    )
     param_budget, opt_budget = split_host_budget(
         budget, param_pool, offload_param, offload_optimizer, staging
     )
     split = optimizer_split(
-        s_t,
+        layout.s_t,
         sub_group_size,
         opt_budget,
         b,
         offload_optimizer_fraction if offload_optimizer == "nvme" else None,
     )
-    sizing = split.sizing
-    # Parameters.
-    if stage < 3:
-        add("params", "device", RESIDENT, MODEL_STATE, b * full, f"{b}Ψ: a full copy per GPU")
-    else:
-        tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
-        # offload_param_fraction: the leading units' shards stay in host memory
-        fraction = offload_param_fraction if offload_param == "nvme" else None
+    return _HostSplit(budget, staging, param_budget, split)
+
+
+@dataclass
+class _Terms:
+    """The terms of one configuration, added group by group in the order the table shows
+    them; each group reads the choices, layout and host split held here."""
+
+    shape: ModelShape
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    device: str
+    b: int  # bytes per element of the compute dtype
+    shards: int  # ranks the params are sharded across (1 at stage 0)
+    layout: _Layout
+    host: _HostSplit
+    gradient_accumulation_steps: int
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def T(self) -> str:
+        """Ψt in the formulas: trainable params (written Ψ when all of them train)."""
+        return "Ψ" if self.shape.trainable_params == self.shape.num_params else "Ψt"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def grads_on_disk(self) -> bool:
+        """With the optimizer on NVMe and an explicit budget too small for the fp32 shard,
+        the gradients go to files beside the optimizer state."""
+        return self.offload_optimizer == "nvme" and self.host.split.sizing.grads_on_disk
+
+    def add(self, name: str, tier: str, phase: str, kind: str, nbytes: int, formula: str) -> None:
+        self.terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
+
+    def add_params(self, prefetch_depth: int, offload_param_fraction: float | None) -> None:
+        """Stages 0-2: a full copy per GPU. Stage 3: this rank's shards where offload_param
+        puts them, the modules gathered around the running one, and NVMe's swap buffers."""
+        b, lay = self.b, self.layout
+        if self.stage < 3:
+            self.add(
+                "params",
+                "device",
+                RESIDENT,
+                MODEL_STATE,
+                b * lay.full,
+                f"{b}Ψ: a full copy per GPU",
+            )
+            return
+        self._add_param_shards(offload_param_fraction)
+        self.add(
+            "gathered params",
+            "device",
+            FORWARD_BACKWARD,
+            BUFFER,
+            lay.window * b,
+            "the prefetch_depth + 1 largest modules",
+        )
+        if self.offload_param == "nvme":
+            self.add(
+                "param swap buffers",
+                "host",
+                RESIDENT,
+                BUFFER,
+                _pool(
+                    b * math.ceil(lay.largest / self.shards),
+                    param_pool_buffers(prefetch_depth),
+                    self.host.param_budget,
+                ),
+                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it",
+            )
+
+    def _add_param_shards(self, offload_param_fraction: float | None) -> None:
+        """Stage 3's parameter shards; on NVMe, the leading units' shards may stay in host
+        memory (``offload_param_fraction``)."""
+        b, lay = self.b, self.layout
+        tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_param]
+        fraction = offload_param_fraction if self.offload_param == "nvme" else None
         on_host = (
-            param_host_numel([(p.shard_offset, p.shard_numel) for p in plans], fraction)
-            if plans is not None
-            else round((1.0 - fraction) * s)
+            param_host_numel([(p.shard_offset, p.shard_numel) for p in lay.plans], fraction)
+            if lay.plans is not None
+            else round((1.0 - fraction) * lay.s)
             if fraction is not None
             else 0
         )
         if tier == "nvme" and not on_host:  # each unit's shard a file of whole 4 KiB blocks
-            add(
+            self.add(
                 "param shards",
                 tier,
                 RESIDENT,
                 MODEL_STATE,
-                s_files,
+                lay.s_files,
                 f"{b}Ψ/N, a file per unit in 4 KiB blocks",
             )
         else:
-            add(
+            self.add(
                 "param shards",
                 tier,
                 RESIDENT,
                 MODEL_STATE,
-                b * (s - on_host),
+                b * (lay.s - on_host),
                 f"{b}Ψ/N" if not on_host else f"{b} bytes × the units in files",
             )
         if on_host:
-            add(
+            self.add(
                 "param shards (host part)",
                 "host",
                 RESIDENT,
@@ -444,201 +632,228 @@ def estimate_memory(
                 b * on_host,
                 f"{b} bytes × the leading units of Ψ/N, in host memory",
             )
-        add(
-            "gathered params",
-            "device",
-            FORWARD_BACKWARD,
-            BUFFER,
-            window * b,
-            "the prefetch_depth + 1 largest modules",
-        )
-        if offload_param == "nvme":
-            add(
-                "param swap buffers",
-                "host",
-                RESIDENT,
-                BUFFER,
-                _pool(
-                    b * math.ceil(largest / shards),
-                    param_pool_buffers(prefetch_depth),
-                    param_budget,
-                ),
-                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it",
+
+    def add_grads(self) -> None:
+        """Gradients, of the trainable params only: stages 0-1 hold autograd's full ones
+        until reduced, stages 2-3 a shard; then the copies an offloaded optimizer needs."""
+        b, lay, T = self.b, self.layout, self.T
+        g_tier, g_bytes = (
+            ("device", b)
+            if self.offload_optimizer == "none"
+            else ("host", 4 if self.stage >= 2 and self.gradient_accumulation_steps > 1 else b)
+        )  # host_grad_dtype
+        if self.grads_on_disk:
+            g_tier = "nvme"
+        if self.stage < 2:
+            self._add_unsharded_grads(g_tier, g_bytes)
+        else:
+            self.add(
+                "grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * lay.s_t, f"{g_bytes}{T}/N"
             )
-    # Gradients, of the trainable params only. With the optimizer on NVMe and an explicit
-    # budget too small for the fp32 shard, they go to files beside the optimizer state.
-    grads_on_disk = offload_optimizer == "nvme" and sizing.grads_on_disk
-    g_tier, g_bytes = (
-        ("device", b)
-        if offload_optimizer == "none"
-        else ("host", 4 if stage >= 2 and gradient_accumulation_steps > 1 else b)
-    )  # host_grad_dtype
-    if grads_on_disk:
-        g_tier = "nvme"
-    if stage < 2:
-        add(
+            self.add(
+                "grad reductions in flight",
+                "device",
+                FORWARD_BACKWARD,
+                BUFFER,
+                lay.inflight * b,
+                f"the {reductions_alive()} largest {'units' if T == 'Ψ' else 'trainable units'}",
+            )
+        self._add_offload_copies()
+
+    def _add_unsharded_grads(self, g_tier: str, g_bytes: int) -> None:
+        """Stages 0-1: autograd's full gradients, reduced bucket by bucket into a shard."""
+        b, lay, T, stage, shards = self.b, self.layout, self.T, self.stage, self.shards
+        self.add(
             "grads",
             "device",
             REDUCE,
             MODEL_STATE,
-            b * psi_t,
+            b * self.shape.trainable_params,
             f"{b}{T}: autograd's full gradients until the step",
         )
-        add(
+        self.add(
             "reduced grad shard",
             g_tier,
             RESIDENT,
             BUFFER,
-            g_bytes * s_t,
+            g_bytes * lay.s_t,
             f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}",
         )
-        add(
+        self.add(
             "grad bucket",
             "device",
             REDUCE,
             BUFFER,
-            b * (largest_t + (math.ceil(largest_t / shards) if stage else 0)),
+            b * (lay.largest_t + (math.ceil(lay.largest_t / shards) if stage else 0)),
             "one bucket flattened" + (" and its reduced shard" if stage else ""),
         )
-    else:
-        add("grad shard", g_tier, RESIDENT, MODEL_STATE, g_bytes * s_t, f"{g_bytes}{T}/N")
-        add(
-            "grad reductions in flight",
-            "device",
-            FORWARD_BACKWARD,
-            BUFFER,
-            inflight * b,
-            f"the {reductions_alive()} largest {'units' if T == 'Ψ' else 'trainable units'}",
-        )
-    if offload_optimizer != "none" and not on_cpu and largest_t:
-        add(
+
+    def _add_offload_copies(self) -> None:
+        """An offloaded optimizer's copies: gradients to the host, updated params back."""
+        largest_t = self.layout.largest_t
+        if self.offload_optimizer == "none" or self.on_cpu or not largest_t:
+            return
+        self.add(
             "grad staging",
             "host",
             RESIDENT,
             BUFFER,
-            staging,
+            self.host.staging,
             f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
             "device-to-host copies of reduced gradients",
         )
-    if offload_optimizer != "none" and stage < 3 and not on_cpu and largest_t:
-        add(
-            "updated params copied in",
+        if self.stage < 3:
+            self.add(
+                "updated params copied in",
+                "device",
+                STEP,
+                BUFFER,
+                self.b * math.ceil(largest_t / self.shards),
+                "a unit's new shard, on its way to the all-gather",
+            )
+
+    def add_unit_being_made(self) -> None:
+        """initialize() flattens one unit at a time where its values are (the host, for a
+        model built on the meta device or the CPU) and moves it to the device once: its fp32
+        values, the compute-dtype copy and this rank's fp32 shard. Adam's m and v and the
+        gradient shard (counted as resident) are allocated only later, so they make room
+        for it."""
+        b, lay, T = self.b, self.layout, self.T
+        making = unit_build_bytes(lay.largest, math.ceil(lay.largest / self.shards), b)
+        later = (8 + b) * lay.s_t if self.offload_optimizer == "none" else 0
+        self.add(
+            "unit being made",
             "device",
-            STEP,
+            INITIALIZE,
             BUFFER,
-            b * math.ceil(largest_t / shards),
-            "a unit's new shard, on its way to the all-gather",
+            max(0, making - later),
+            f"(4{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
+            + (
+                f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""
+            ),
         )
-    # initialize() flattens one unit at a time where its values are (the host, for a model
-    # built on the meta device or the CPU) and moves it to the device once: its fp32 values,
-    # the compute-dtype copy and this rank's fp32 shard. Adam's m and v and the gradient
-    # shard (counted as resident) are allocated only later, so they make room for it.
-    making = unit_build_bytes(largest, math.ceil(largest / shards), b)
-    later = (8 + b) * s_t if offload_optimizer == "none" else 0
-    add(
-        "unit being made",
-        "device",
-        INITIALIZE,
-        BUFFER,
-        max(0, making - later),
-        f"(4{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
-        + (f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""),
-    )
-    if offload_optimizer == "none" and b != 4 and not on_cpu:
-        add("fp32 grad copy", "device", STEP, BUFFER, 4 * s_t, f"4{T}/N, for torch's fused AdamW")
-    # Optimizer state: fp32 master + Adam m + v, of the trainable params only.
-    o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
-    # fp32 params beside the optimizer are its master (updaters.make_updater)
-    params_master = (
-        offload_optimizer == "none"
-        and b == 4
-        and (
-            stage == 0
-            or stage == 3
-            and (offload_param == "none" or offload_param == "cpu" and on_cpu)
+
+    def add_optimizer_state(self) -> None:
+        """fp32 master + Adam m + v, of the trainable params only (with the optimizer on
+        NVMe, the leading sub-groups' state in host memory), and fused AdamW's fp32 grads."""
+        b, s_t, T, split = self.b, self.layout.s_t, self.T, self.host.split
+        if self.offload_optimizer == "none" and b != 4 and not self.on_cpu:
+            self.add(
+                "fp32 grad copy",
+                "device",
+                STEP,
+                BUFFER,
+                4 * s_t,
+                f"4{T}/N, for torch's fused AdamW",
+            )
+        o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_optimizer]
+        on_nvme = split.nvme_numel if self.offload_optimizer == "nvme" else s_t
+        if self._params_are_master():
+            self.add(
+                "optimizer state",
+                o_tier,
+                RESIDENT,
+                MODEL_STATE,
+                8 * s_t,
+                f"8{T}/N: m, v (the fp32 params are the master)",
+            )
+        else:
+            self.add(
+                "optimizer state",
+                o_tier,
+                RESIDENT,
+                MODEL_STATE,
+                12 * on_nvme,
+                f"12{T}/N: fp32 master, m, v"
+                if on_nvme == s_t
+                else f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
+            )
+        if on_nvme != s_t:
+            self.add(
+                "optimizer state (host part)",
+                "host",
+                RESIDENT,
+                MODEL_STATE,
+                split.host_state_bytes,
+                f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
+                "the leading sub-groups, in host memory",
+            )
+
+    def _params_are_master(self) -> bool:
+        """fp32 params beside the optimizer are its master (updaters.make_updater)."""
+        stage, offload_param = self.stage, self.offload_param
+        return (
+            self.offload_optimizer == "none"
+            and self.b == 4
+            and (
+                stage == 0
+                or stage == 3
+                and (offload_param == "none" or offload_param == "cpu" and self.on_cpu)
+            )
         )
-    )
-    on_nvme = split.nvme_numel if offload_optimizer == "nvme" else s_t
-    if params_master:
-        add(
-            "optimizer state",
-            o_tier,
-            RESIDENT,
-            MODEL_STATE,
-            8 * s_t,
-            f"8{T}/N: m, v (the fp32 params are the master)",
-        )
-    else:
-        add(
-            "optimizer state",
-            o_tier,
-            RESIDENT,
-            MODEL_STATE,
-            12 * on_nvme,
-            f"12{T}/N: fp32 master, m, v"
-            if on_nvme == s_t
-            else f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
-        )
-    if on_nvme != s_t:
-        add(
-            "optimizer state (host part)",
-            "host",
-            RESIDENT,
-            MODEL_STATE,
-            split.host_state_bytes,
-            f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
-            "the leading sub-groups, in host memory",
-        )
-    if offload_optimizer == "nvme":
-        count = sizing.buffers
-        add(
-            "optimizer swap buffers",
-            "host",
-            RESIDENT,
-            BUFFER,
-            sizing.state_bytes(),
-            f"{count} sub-groups × 12 bytes, as the pool rounds them",
-        )
-        if grads_on_disk:
-            add(
-                "grad swap buffers",
+
+    def add_optimizer_buffers(self) -> None:
+        """The NVMe optimizer's swap buffers, or the CPU Adam's compute-dtype output."""
+        b, s_t, sizing = self.b, self.layout.s_t, self.host.split.sizing
+        if self.offload_optimizer == "nvme":
+            count = sizing.buffers
+            self.add(
+                "optimizer swap buffers",
                 "host",
                 RESIDENT,
                 BUFFER,
-                sizing.grad_bytes(s_t),
-                f"{count} sub-groups × 4 bytes, as the pool rounds them",
+                sizing.state_bytes(),
+                f"{count} sub-groups × 12 bytes, as the pool rounds them",
             )
-        if sizing.out_bytes(b):
-            add(
-                "param staging",
-                "host",
-                RESIDENT,
-                BUFFER,
-                sizing.out_bytes(b),
-                f"{b} bytes × one sub-group: CPU Adam's output",
-            )
-    elif b != 4 and (offload_optimizer == "cpu" or on_cpu):
-        # The CPU Adam writes compute-dtype params into a buffer of its own unless stage 3's
-        # shards are themselves in host memory.
-        if not (stage == 3 and shards_in_host_memory(offload_param, device)):
-            tier = "host" if offload_optimizer == "cpu" else "device"
-            add("param staging", tier, RESIDENT, BUFFER, b * s_t, f"{b}{T}/N: CPU Adam's output")
-    if activation_bytes:
-        add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
-    return MemoryEstimate(
-        num_params=psi,
-        trainable_params=psi_t,
-        num_gpus=num_gpus,
-        gpus_per_node=gpus_per_node or min(num_gpus, 8),
-        stage=stage,
-        offload_optimizer=offload_optimizer,
-        offload_param=offload_param,
-        dtype=_dtype_name(dtype),
-        shard_numel=s,
-        trainable_shard_numel=s_t,
-        device=device,
-        terms=tuple(terms),
-        nvme_fraction=split.nvme_fraction if offload_optimizer == "nvme" else None,
-        disk_bytes_per_step=split.disk_bytes_per_step() if offload_optimizer == "nvme" else 0,
-        host_budget=budget,
-    )
+            if self.grads_on_disk:
+                self.add(
+                    "grad swap buffers",
+                    "host",
+                    RESIDENT,
+                    BUFFER,
+                    sizing.grad_bytes(s_t),
+                    f"{count} sub-groups × 4 bytes, as the pool rounds them",
+                )
+            if sizing.out_bytes(b):
+                self.add(
+                    "param staging",
+                    "host",
+                    RESIDENT,
+                    BUFFER,
+                    sizing.out_bytes(b),
+                    f"{b} bytes × one sub-group: CPU Adam's output",
+                )
+        elif b != 4 and (self.offload_optimizer == "cpu" or self.on_cpu):
+            # The CPU Adam writes compute-dtype params into a buffer of its own unless stage
+            # 3's shards are themselves in host memory.
+            if not (self.stage == 3 and shards_in_host_memory(self.offload_param, self.device)):
+                tier = "host" if self.offload_optimizer == "cpu" else "device"
+                self.add(
+                    "param staging",
+                    tier,
+                    RESIDENT,
+                    BUFFER,
+                    b * s_t,
+                    f"{b}{self.T}/N: CPU Adam's output",
+                )
+
+    def estimate(self, num_gpus: int, gpus_per_node: int, dtype: str) -> MemoryEstimate:
+        """The terms added so far, with the configuration they were made for."""
+        nvme = self.offload_optimizer == "nvme"
+        return MemoryEstimate(
+            num_params=self.shape.num_params,
+            trainable_params=self.shape.trainable_params,
+            num_gpus=num_gpus,
+            gpus_per_node=gpus_per_node,
+            stage=self.stage,
+            offload_optimizer=self.offload_optimizer,
+            offload_param=self.offload_param,
+            dtype=dtype,
+            shard_numel=self.layout.s,
+            trainable_shard_numel=self.layout.s_t,
+            device=self.device,
+            terms=tuple(self.terms),
+            nvme_fraction=self.host.split.nvme_fraction if nvme else None,
+            disk_bytes_per_step=self.host.split.disk_bytes_per_step() if nvme else 0,
+            host_budget=self.host.budget,
+        )
