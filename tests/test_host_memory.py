@@ -270,9 +270,9 @@ def test_device_updater_widens_low_precision_gradients_a_slice_at_a_time():
 def test_device_updater_in_slices_matches_one_fused_step():
     """Slicing changes no bit: torch's AdamW is elementwise."""
     from zero_offload.config import build_config
-    from zero_offload.stages.updaters import _GRAD_CHUNK, DeviceAdam
+    from zero_offload.stages.updaters import GRAD_SLICE, DeviceAdam
 
-    n = 2 * _GRAD_CHUNK + 1000
+    n = 2 * GRAD_SLICE + 1000
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(n, generator=gen)
     param = torch.nn.Parameter(start.clone())

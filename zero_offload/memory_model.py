@@ -38,6 +38,7 @@ from .stages.grads import reductions_alive
 from .stages.host_grads import STAGING_BUFFERS, staging_bytes
 from .stages.nvme_sizing import OptimizerSplit, optimizer_split
 from .stages.param_store import param_host_numel, param_pool_buffers, shards_in_host_memory
+from .stages.updaters import GRAD_SLICE
 from .stages.units import UnitPlan, owning_modules, plan_units, trainable_numel, unit_build_bytes
 from .swap.budget import host_memory_budget, split_host_budget
 from .swap.buffers import ALIGNMENT, round_up
@@ -735,16 +736,17 @@ class _Terms:
 
     def add_optimizer_state(self) -> None:
         """fp32 master + Adam m + v, of the trainable params only (with the optimizer on
-        NVMe, the leading sub-groups' state in host memory), and fused AdamW's fp32 grads."""
+        NVMe, the leading sub-groups' state in host memory), and the fp32 gradient slice
+        torch's fused AdamW steps from."""
         b, s_t, T, split = self.b, self.layout.s_t, self.T, self.host.split
         if self.offload_optimizer == "none" and b != 4 and not self.on_cpu:
             self.add(
-                "fp32 grad copy",
+                "fp32 grad slice",
                 "device",
                 STEP,
                 BUFFER,
-                4 * s_t,
-                f"4{T}/N, for torch's fused AdamW",
+                4 * min(s_t, GRAD_SLICE),
+                f"4 bytes × min({T}/N, {GRAD_SLICE}): torch's fused AdamW's fp32 gradients",
             )
         o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_optimizer]
         on_nvme = split.nvme_numel if self.offload_optimizer == "nvme" else s_t

@@ -56,7 +56,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_GRAD_CHUNK = 1 << 22  # elements per kernel call (the gradients may be on a device)
+GRAD_SLICE = 1 << 22  # gradients per kernel call (they may be on a device, and widened)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -194,10 +194,10 @@ class DeviceAdam(_ResidentAdam):
         n = self.master.numel()
         widen = isinstance(factor, torch.Tensor) or factor != 1.0 or grads.dtype != torch.float32
         # one slice's fp32 copy, reused (the caller's gradients are never changed)
-        slice32 = torch.empty(min(n, _GRAD_CHUNK) if widen else 0, device=grads.device)
+        slice32 = torch.empty(min(n, GRAD_SLICE) if widen else 0, device=grads.device)
         for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
-            for a in range(lo, hi, _GRAD_CHUNK):
-                b = min(a + _GRAD_CHUNK, hi)
+            for a in range(lo, hi, GRAD_SLICE):
+                b = min(a + GRAD_SLICE, hi)
                 piece = grads[a:b]
                 if widen:
                     piece = slice32[: b - a].copy_(piece).mul_(factor)
@@ -284,7 +284,7 @@ class HostAdam(_ResidentAdam):
         for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
             self._copy_out(done, lo)
             hyper["step"], hyper["weight_decay"] = count, decay if decays else 0.0
-            chunk = max(1, hi - lo) if as_is else _GRAD_CHUNK
+            chunk = max(1, hi - lo) if as_is else GRAD_SLICE
             for a in range(lo, hi, chunk):
                 b = min(a + chunk, hi)
                 adam_update(
