@@ -194,30 +194,32 @@ class DeviceAdam(_ResidentAdam):
         n = self.master.numel()
         widen = isinstance(factor, torch.Tensor) or factor != 1.0 or grads.dtype != torch.float32
         # one slice's fp32 copy, reused (the caller's gradients are never changed)
-        slice32 = torch.empty(min(n, GRAD_SLICE) if widen else 0, device=grads.device)
-        for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
+        slice32 = torch.empty(
+            min(n, GRAD_SLICE) if widen else 0, dtype=torch.float32, device=grads.device
+        )
+        # the step count adamw increments, set again for each slice on its device (no sync)
+        count = torch.empty((), dtype=torch.float32, device=self._moments()["step"].device)
+        for lo, hi, steps, decays in whole_range(n, step) if ranges is None else ranges:
             for a in range(lo, hi, GRAD_SLICE):
                 b = min(a + GRAD_SLICE, hi)
                 piece = grads[a:b]
                 if widen:
                     piece = slice32[: b - a].copy_(piece).mul_(factor)
-                self._step_slice(a, b, piece, count, decays)
+                self._step_slice(a, b, piece, count.fill_(steps - 1), decays)
         self.steps = step
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master)
 
-    def _step_slice(self, lo: int, hi: int, grads32: torch.Tensor, step: int, decays: bool) -> None:
+    def _step_slice(
+        self, lo: int, hi: int, grads32: torch.Tensor, count: torch.Tensor, decays: bool
+    ) -> None:
         """torch's functional AdamW (fused where the optimizer is) on master[lo:hi], with
-        that slice's own step count (parameters that missed updates) and weight decay."""
+        ``count`` the steps before this one (parameters that missed updates have their own)
+        and the slice's weight decay."""
         state = self._moments()
         group = self.optimizer.param_groups[0]
-        count = torch.tensor(
-            float(step - 1),
-            dtype=torch.float32,  # incremented by adamw
-            device=state["step"].device,
-        )
         _functional_adamw(
             [self.master[lo:hi]],
             [grads32],
