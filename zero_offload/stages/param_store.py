@@ -13,8 +13,9 @@ optimizer asks :meth:`target` first for the host memory a unit's new values belo
 resident slice, or a pool buffer that is written to disk from where it is) and writes them
 there, so that :meth:`put` copies nothing;
 ``copied_bytes`` counts the bytes that :meth:`put` did copy on the host. The gatherer takes a
-unit's shard on the compute device through :meth:`load` (with CUDA: copied on the
-host-to-device stream).
+unit's shard on the compute device through :meth:`lend` (with CUDA: copied on the
+host-to-device stream; on a CPU device, the buffer an NVMe read filled, until the all-gather
+has read it); :meth:`load` gives a copy of the caller's own.
 """
 
 from __future__ import annotations
