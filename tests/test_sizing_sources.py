@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload import memory_model
+from zero_offload import memory_model, memory_terms
 from zero_offload.config import build_config
 from zero_offload.memory_sizes import pool_bytes
 from zero_offload.partition import build_layout, padded_numel
@@ -30,25 +30,29 @@ def _term(e: memory_model.MemoryEstimate, name: str) -> int:
 def test_memory_model_defines_no_count_of_its_own() -> None:
     """Its module-level numbers are planning assumptions only (what to assume without a
     model), and it does no arithmetic on an engine setting: a count derived from
-    ``prefetch_depth`` (buffers, units gathered) belongs to the component that allocates it."""
-    tree = ast.parse(Path(memory_model.__file__).read_text())
-    numbers = {
-        t.id
-        for node in tree.body
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Constant)
-        and type(node.value.value) in (int, float)
-        for t in node.targets
-        if isinstance(t, ast.Name)
-    }
+    ``prefetch_depth`` (buffers, units gathered) belongs to the component that allocates it.
+    ``memory_terms`` (the terms the estimate adds up) is held to the same rules."""
+    numbers: set[str] = set()
+    derived: list[str] = []
+    for module in (memory_model, memory_terms):
+        tree = ast.parse(Path(module.__file__).read_text())
+        numbers |= {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and type(node.value.value) in (int, float)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
+        derived += [
+            ast.unparse(node)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.BinOp)
+            and "prefetch_depth" in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            and not isinstance(node.op, ast.Mult)
+        ]
     assert numbers == {"_DEFAULT_LARGEST_FRACTION"}
-    derived = [
-        ast.unparse(node)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.BinOp)
-        and "prefetch_depth" in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        and not isinstance(node.op, ast.Mult)
-    ]
     assert derived == []
 
 
