@@ -67,3 +67,40 @@ def test_partial_sub_groups_are_written_by_flush(tmp_path: Path) -> None:
         )
     finally:
         grads.close()
+
+
+def test_one_backwards_bf16_sums_are_stored_in_bf16_and_widened_to_sum_more(tmp_path: Path):
+    """A sub-group whose sums are all exact in the compute dtype (one backward's reduced
+    pieces) is stored in it: half the bytes written in backward and read by the step. A
+    second backward in the window reads it back widened and sums in fp32 as before."""
+    gen = torch.Generator().manual_seed(1)
+    numel, group = 5 * 1024 + 300, 1024
+    grads = DiskGrads(tmp_path, numel, group, buffers=2, rank=0, narrow=torch.bfloat16)
+    try:
+        first = torch.randn(numel, generator=gen).bfloat16()
+        for lo, hi in _pieces(numel, gen):
+            grads.accumulate_grad(lo, first[lo:hi], final=True)
+        sumsq, _ = grads.stats()
+        for i in range(6):
+            assert grads.prefetch(i).result().dtype == torch.bfloat16
+            grads.release(i)
+        assert torch.equal(_read_back(grads), first.float())
+        assert sum(grads.stored_bytes(i) for i in range(6)) == 2 * numel
+        assert abs(sumsq - float(first.double().square().sum())) <= 1e-9 * sumsq
+
+        second = torch.randn(numel, generator=gen).bfloat16()
+        for lo, hi in _pieces(numel, gen):
+            grads.accumulate_grad(lo, second[lo:hi], final=True)
+        grads.stats()
+        got = _read_back(grads)
+        assert torch.equal(got, first.float() + second.float())  # summed in fp32
+        assert grads.prefetch(0).result().dtype == torch.float32  # a sum bf16 cannot hold
+        grads.release(0)
+
+        grads.zero_grad()
+        grads.accumulate_grad(0, torch.full((numel,), 0.1), final=True)  # fp32 pieces
+        grads.stats()
+        assert torch.equal(_read_back(grads), torch.full((numel,), 0.1))
+        assert grads.stored_bytes(0) == 4 * group
+    finally:
+        grads.close()

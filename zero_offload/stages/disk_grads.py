@@ -6,6 +6,11 @@ finiteness noted for clipping and overflow checks, so the step needs no extra pa
 files), and the optimizer's step reads it back beside the state (:meth:`DiskGrads.prefetch`).
 With every buffer taken by sub-groups still waiting for pieces, the oldest is written out and
 read back when its next piece comes, so any arrival order fits a fixed number of buffers.
+
+A sub-group whose sums are all exact in the compute dtype (``narrow``) — one backward's
+reduced pieces, the common case — is stored in it: half the bytes written during backward
+and read by the step, and nothing rounded. Summed again in the same window, it is read back
+widened, and the sums are taken in fp32 as before.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..ledger import MemoryReport
 from ..partition import chunks, split_range
@@ -23,7 +29,7 @@ from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
 from ..swap.swapper import Swapper
-from .slices import add_into, sum_of_squares
+from .slices import add_into, narrow_in_place, sum_of_squares, widen_in_place
 
 __all__ = ["DiskGrads"]
 
@@ -47,8 +53,11 @@ class DiskGrads:
         buffers: int,
         rank: int,
         engine: FileIOEngine | None = None,
+        narrow: torch.dtype | None = None,
     ) -> None:
+        """``narrow``: the 2-byte compute dtype sub-groups are stored in when exact in it."""
         self.numel = numel
+        self.narrow = narrow
         self.group = group
         self.bounds = chunks(numel, group)
         self.swapper = Swapper(
@@ -66,6 +75,7 @@ class DiskGrads:
         self._filling: dict[int, HostBuffer] = {}
         self._covered: dict[int, int] = {}
         self._written: set[int] = set()
+        self._narrowed: set[int] = set()  # written, in ``narrow``
         # per sub-group written: (sum of squares, all finite) of its sum so far; each write
         # replaces its entry, so the step sees the norm of the summed gradient however many
         # backwards (and flushes) the window had
@@ -106,6 +116,7 @@ class DiskGrads:
         self._filling.clear()
         self._covered.clear()
         self._written.clear()
+        self._narrowed.clear()
         self._stats.clear()
 
     def stats(self) -> tuple[float, bool]:
@@ -128,7 +139,11 @@ class DiskGrads:
         buf = pool.acquire(timeout=self.swapper.acquire_timeout)
         grad = buf.view(torch.float32, (hi - lo,))
         try:
-            if i in self._written:
+            if i in self._narrowed:
+                assert self.narrow is not None
+                self.swapper.swap_in(self._key(i), grad.view(self.narrow)[: hi - lo]).result()
+                widen_in_place(grad, self.narrow)
+            elif i in self._written:
                 self.swapper.swap_in(self._key(i), grad).result()
             else:
                 grad.zero_()
@@ -142,8 +157,15 @@ class DiskGrads:
         lo, hi = self.bounds[i]
         buf = self._filling.pop(i)
         try:
-            self.swapper.swap_out(self._key(i), buf.view(torch.float32, (hi - lo,))).result()
+            grad = buf.view(torch.float32, (hi - lo,))
+            narrow = None
+            if self.narrow is not None and not is_fake(grad):  # a rehearsal reads no values
+                narrow = narrow_in_place(grad, self.narrow)
+            self._narrowed.discard(i)
+            self.swapper.swap_out(self._key(i), grad if narrow is None else narrow).result()
             self._written.add(i)
+            if narrow is not None:
+                self._narrowed.add(i)
         finally:
             self.swapper.pool.release(buf)
 
@@ -158,12 +180,17 @@ class DiskGrads:
         """Start reading sub-group i's summed gradient into a pool buffer."""
         return self.swapper.prefetch(self._key(i))
 
+    def stored_bytes(self, i: int) -> int:
+        """Bytes of sub-group i's file (2 a gradient when stored in ``narrow``)."""
+        lo, hi = self.bounds[i]
+        return (2 if i in self._narrowed else 4) * (hi - lo)
+
     def release(self, i: int) -> None:
         """Give back the buffer :meth:`prefetch` filled (the file stays)."""
         self.swapper.release(self._key(i))
 
     def add_to(self, report: MemoryReport) -> None:
-        report.add("nvme", "grads", 4 * self.numel)
+        report.add("nvme", "grads", 4 * self.numel)  # room for fp32 sums
         report.add(
             "host", "grads", self.swapper.host_buffer_nbytes, pinned=self.swapper.pool.pinned_nbytes
         )

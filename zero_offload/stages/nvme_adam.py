@@ -111,7 +111,15 @@ class NvmeAdam:
         )
         # the gradient shard in files (None: the engine keeps it in host memory)
         self.disk_grads = (
-            DiskGrads(off.nvme_dir, numel, self.group, count, rank, engine=self.swapper.engine)
+            DiskGrads(
+                off.nvme_dir,
+                numel,
+                self.group,
+                count,
+                rank,
+                engine=self.swapper.engine,
+                narrow=dtype if dtype.itemsize == 2 else None,
+            )
             if on_disk
             else None
         )
@@ -226,7 +234,7 @@ class NvmeAdam:
             timings.bytes_read += 12 * (hi - lo)
             state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
         if self.disk_grads is not None:
-            timings.bytes_read += 4 * (hi - lo)
+            timings.bytes_read += self.disk_grads.stored_bytes(i)
             grad = self._timed(self.disk_grads.prefetch(i), "read_s", timings)
         return state, grad
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["SLICE", "add_into", "sum_of_squares"]
+__all__ = ["SLICE", "add_into", "narrow_in_place", "sum_of_squares", "widen_in_place"]
 
 SLICE = 1 << 20
 """Elements per slice: an fp64 temporary of 8 MiB, below the largest size that glibc's
@@ -39,3 +39,28 @@ def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     for d, s in zip(dst.split(SLICE), src.split(SLICE)):
         d.add_(s)
+
+
+def narrow_in_place(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """When every value of the 1-D fp32 ``t`` is exact in ``dtype`` (2 bytes), rewrite them in
+    ``dtype`` at the start of ``t``'s memory and return that view (half the bytes); else
+    None, and ``t`` is unchanged. Forward, slice by slice: a value's new place never
+    overlaps a value not yet read."""
+    exact = all(torch.equal(s.to(dtype).to(s.dtype), s) for s in t.split(SLICE))
+    if not exact:
+        return None
+    narrow = t.view(dtype)[: t.numel()]
+    for a in range(0, t.numel(), SLICE):
+        values = t[a : a + SLICE].to(dtype)  # read before its bytes are overwritten
+        narrow[a : a + values.numel()].copy_(values)
+    return narrow
+
+
+def widen_in_place(t: torch.Tensor, dtype: torch.dtype) -> None:
+    """The inverse of :func:`narrow_in_place`: ``t`` (1-D fp32) holds ``t.numel()`` values in
+    ``dtype`` at the start of its memory; make them its fp32 values. Backward, slice by
+    slice, for the same reason."""
+    narrow = t.view(dtype)[: t.numel()]
+    for a in reversed(range(0, t.numel(), SLICE)):
+        values = narrow[a : a + SLICE].to(t.dtype)
+        t[a : a + values.numel()].copy_(values)
