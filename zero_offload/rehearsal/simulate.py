@@ -13,7 +13,7 @@ which torch will not build for the meta device: one in-place kernel, no temporar
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, overload
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,51 +92,13 @@ class SimulatedStreams(Streams):
 
 
 class SimulatedFusedAdamW(torch.optim.AdamW):
-    """AdamW through torch's fused kernel (``torch._fused_adamw_``), for the meta device:
-    its state and its memory behaviour are those of ``AdamW(fused=True)`` on CUDA."""
+    """torch's AdamW marked fused, for the simulated device (``AdamW(fused=True)`` checks the
+    device when it is built): the device updater then keeps the step count on the device and
+    steps through torch's functional fused AdamW, its memory behaviour on CUDA."""
 
     def __init__(self, params: Any, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
-        self.defaults["fused"] = True  # the engine keeps the step count on the device then
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:  # as torch's optimizers: the closure recomputes the loss
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"].add_(1)
-                torch._fused_adamw_(
-                    [p],
-                    [p.grad],
-                    [state["exp_avg"]],
-                    [state["exp_avg_sq"]],
-                    [],
-                    [state["step"]],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    amsgrad=False,
-                    maximize=False,
-                )
-        return loss
+        self.defaults["fused"] = True
 
 
 @contextlib.contextmanager
