@@ -47,11 +47,13 @@ class SimulatedStreams(Streams):
         self.on_transfer = on_transfer  # called with every device tensor a host copy makes
 
     def to_device(
-        self, host: torch.Tensor, dtype: torch.dtype | None = None
+        self, host: torch.Tensor, dtype: torch.dtype | None = None, *, own: bool = False
     ) -> tuple[torch.Tensor, Any]:
         dtype = dtype or host.dtype
         if host.device.type != "cpu":
-            return (host.to(dtype=dtype) if host.dtype != dtype else host), None
+            if host.dtype != dtype:
+                return host.to(dtype=dtype), None
+            return (host.clone() if own else host), None
         if host.dtype != dtype:
             host = host.to(dtype)
         out = torch.empty(host.shape, dtype=dtype, device=self.device)

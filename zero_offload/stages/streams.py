@@ -57,16 +57,17 @@ class Streams:
         return torch.cuda.current_stream(self.device)
 
     def to_device(
-        self, host: torch.Tensor, dtype: torch.dtype | None = None
+        self, host: torch.Tensor, dtype: torch.dtype | None = None, *, own: bool = False
     ) -> tuple[torch.Tensor, Event | None]:
         """``host`` (in ``dtype``) on the device, and the event after which it is there.
         ``host`` must stay unchanged until the event fires (page-locked for a true
-        asynchronous copy). On a CPU device the result is ``host`` itself."""
+        asynchronous copy). On a CPU device the result is ``host`` itself unless ``own``:
+        then a copy, so that the caller may reuse ``host`` at once."""
         dtype = dtype or host.dtype
         if not self.cuda or host.device.type != "cpu":  # already where it is needed
             if host.dtype != dtype:
                 return host.to(device=self.device, dtype=dtype), None
-            return host.to(self.device), None
+            return (host.clone() if own else host.to(self.device)), None
         host = self._converted_to(host, dtype)  # on the host: only the compute dtype crosses
         with torch.cuda.stream(self.h2d):
             out = torch.empty(host.shape, dtype=dtype, device=self.device)
