@@ -282,3 +282,21 @@ def test_pool_exhaustion_times_out_and_shard_too_big(tmp_path: Path) -> None:
         sw.prefetch("b").result(T)
         with pytest.raises(ValueError, match="buffer_bytes"):
             sw.swap_out("huge", torch.ones(BUF + 1))  # size not a multiple of 4096: needs staging
+
+
+def test_a_key_written_after_a_discard_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    """File names carry a running number because keys are shortened to a safe prefix; a
+    number taken from the count of keys comes round again after a discard, and keys alike
+    in their first 48 characters would then share one file."""
+    prefix = "layers." + "x" * 60  # longer than the part of a key a file name keeps
+    first, second, third = torch.full((100,), 1.0), torch.full((100,), 2.0), torch.full((100,), 3.0)
+    with _swapper(tmp_path) as sw:
+        sw.swap_out(prefix + ".a", first).result(T)
+        sw.swap_out(prefix + ".b", second).result(T)
+        sw.discard(prefix + ".a")
+        sw.swap_out(prefix + ".c", third).result(T)
+        assert torch.equal(sw.swap_in(prefix + ".b").result(T), second)
+        sw.release(prefix + ".b")
+        assert torch.equal(sw.swap_in(prefix + ".c").result(T), third)
+        sw.release(prefix + ".c")
+        assert len(list(sw.rank_dir.glob("*.swp"))) == 2

@@ -24,6 +24,7 @@ on close, garbage collection, normal exit and SIGTERM, or else at the next run (
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import re
@@ -206,6 +207,9 @@ class Swapper:
             raise
         self.acquire_timeout = acquire_timeout
         self._entries: dict[str, _Entry] = {}
+        # numbers the files: keys are cut to a safe prefix, so the number keeps names apart
+        # (a count of the keys would come round again after a discard)
+        self._file_numbers = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -481,7 +485,7 @@ class Swapper:
     def _new_entry(self, key: str, nbytes: int) -> _Entry:
         self._check_space(round_up(nbytes, ALIGNMENT))
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:48]
-        entry = _Entry(self.rank_dir / f"{len(self._entries):06d}-{safe}.swp")
+        entry = _Entry(self.rank_dir / f"{next(self._file_numbers):06d}-{safe}.swp")
         self._entries[key] = entry
         return entry
 
