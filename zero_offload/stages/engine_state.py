@@ -7,6 +7,7 @@ declared here."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
@@ -139,6 +140,19 @@ class EngineState:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
         self.stepper.settle()
         return self.stepper.updater.last_timings
+
+    @property
+    def sharded_optimizer(self) -> ShardStepper:
+        """Deprecated name of the engine's stepper, for scripts written against it. Read
+        ``last_step_timings``, ``last_grad_norm`` or ``optimizer_steps`` instead. It does
+        not wait for an update running under the forward."""
+        warnings.warn(
+            "engine.sharded_optimizer is deprecated and will be removed; read "
+            "engine.last_step_timings, engine.last_grad_norm or engine.optimizer_steps",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.stepper
 
     @property
     def update_progress(self) -> tuple[int, int] | None:
