@@ -157,6 +157,12 @@ class ParamStore:
             buf = self._lent[unit.index] = self.swapper.acquire(nbytes, self._key(unit))
         return buf.view(self.dtype, (unit.shard_numel,))
 
+    @property
+    def lent_out(self) -> bool:
+        """Every pool buffer is held by :meth:`target` for a put to come: a read now would
+        wait for a buffer that only that put gives back."""
+        return self.swapper is not None and len(self._lent) >= self.swapper.pool.count
+
     def give_back(self) -> None:
         """Return the buffers of targets that were never put (a step that failed)."""
         assert self.swapper is not None or not self._lent

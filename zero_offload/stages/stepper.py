@@ -292,6 +292,18 @@ class ShardStepper:
             return
         try:
             pending.run_through(unit.shard_offset + unit.shard_numel)
+            # a unit written in part holds its target, a pool buffer, until its put; with no
+            # other buffer left the read that follows would wait for it: run on (a sub-group
+            # that ends the unit may start the next, so until none is held)
+            while self.params is not None and self.params.lent_out and not pending.done:
+                ends = [
+                    u.shard_offset + u.shard_numel
+                    for u in self._stepped
+                    if u.index in self._targeted
+                ]
+                if not ends:
+                    break
+                pending.run_through(max(ends))
         finally:
             if pending.done:
                 self.pending = None
