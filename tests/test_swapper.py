@@ -300,3 +300,39 @@ def test_a_key_written_after_a_discard_gets_a_file_of_its_own(tmp_path: Path) ->
         assert torch.equal(sw.swap_in(prefix + ".c").result(T), third)
         sw.release(prefix + ".c")
         assert len(list(sw.rank_dir.glob("*.swp"))) == 2
+
+
+def test_a_key_takes_over_another_keys_file(tmp_path: Path) -> None:
+    """What a new value written beside the old one needs to become the value: no copy."""
+    old, new = torch.full((100,), 1.0), torch.full((100,), 2.0)
+    with _swapper(tmp_path) as sw:
+        sw.swap_out("state", old).result(T)
+        sw.swap_out("state.next", new)  # still being written: take_over waits for it
+        sw.take_over("state", "state.next")
+        assert sw.where("state.next") is None
+        assert torch.equal(sw.swap_in("state").result(T), new)
+        sw.release("state")
+        assert len(list(sw.rank_dir.glob("*.swp"))) == 1  # the old file went
+        with pytest.raises(SwapIOError, match="never written"):
+            sw.take_over("state", "missing")
+        assert torch.equal(sw.swap_in("state").result(T), new)  # unchanged by the refusal
+        sw.release("state")
+        assert sw.pool.available == sw.pool.count
+
+
+def test_a_read_buffer_taken_over_leaves_the_key_its_file(tmp_path: Path) -> None:
+    """The buffer a read filled, changed in place and written under another key: the first
+    key still reads its old value from disk."""
+    with _swapper(tmp_path) as sw:
+        sw.swap_out("state", torch.full((1000,), 1.0)).result(T)
+        view = sw.prefetch("state").result(T)
+        buf = sw.take_buffer("state")
+        view.add_(1.0)
+        sw.swap_out("state.next", view, owned=buf).result(T)
+        assert torch.equal(sw.swap_in("state").result(T), torch.full((1000,), 1.0))
+        sw.release("state")
+        assert torch.equal(sw.swap_in("state.next").result(T), torch.full((1000,), 2.0))
+        sw.release("state.next")
+        assert sw.pool.available == sw.pool.count
+        with pytest.raises(SwapIOError, match="no host copy"):
+            sw.take_buffer("state")

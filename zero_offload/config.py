@@ -266,6 +266,8 @@ class ZeroConfig:
     init_weights: str | None = None  # safetensors file or Hugging Face folder to start from
     broadcast_buffers: bool = True  # rank 0's module buffers to every rank before each forward
     overlap_step: bool = True  # stage 3, optimizer on NVMe: step sub-groups under the next forward
+    # stages 2-3, optimizer on NVMe, no clipping: step sub-groups during the final backward
+    step_during_backward: bool = True
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -284,6 +286,8 @@ class ZeroConfig:
             raise _bad("broadcast_buffers", self.broadcast_buffers, "expected True or False")
         if not isinstance(self.overlap_step, bool):
             raise _bad("overlap_step", self.overlap_step, "expected True or False")
+        if not isinstance(self.step_during_backward, bool):
+            raise _bad("step_during_backward", self.step_during_backward, "expected True or False")
         if self.device is not None:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))

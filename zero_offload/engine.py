@@ -318,13 +318,19 @@ class Engine(EngineLifecycle, EngineState):
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        self.reducer.begin_backward(final=self.is_accumulation_boundary if final is None else final)
+        final = self.is_accumulation_boundary if final is None else final
+        self.reducer.begin_backward(final=final)
+        self.stepper.begin_backward(final)
+        self.reducer.on_landed = self.stepper.landing()
         if self.gatherer:
             self.gatherer.begin_backward()
         try:
             with self.clock.phase("backward"):
                 (loss * scale if scale != 1.0 else loss).backward()
                 self.reducer.end_backward()
+        except BaseException:
+            self.stepper.drop_early()
+            raise
         finally:
             if self.gatherer:
                 self.gatherer.end_backward()
@@ -338,6 +344,7 @@ class Engine(EngineLifecycle, EngineState):
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
+            self.stepper.drop_early()  # a backward passed final=True off the boundary
             return False
         with self.clock.phase("step"):
             flags = self.reducer.reduce_accumulated()
@@ -380,6 +387,7 @@ class Engine(EngineLifecycle, EngineState):
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self._check_open()
+        self.stepper.drop_early()
         self.reducer.zero()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----

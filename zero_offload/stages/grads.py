@@ -182,6 +182,9 @@ class GradReducer:
         self.stage = stage
         self.target = target
         self.on_reduced = on_reduced  # a unit's backward is done on this rank (stage 3: free)
+        # a unit's reduced gradients of a window's final backward are in the target (stepping
+        # during backward); a worker thread may call it
+        self.on_landed: Callable[[FlatUnit], None] | None = None
         self.max_inflight = max_inflight
         self.slots = trainable_slots(units)
         first: dict[int, int] = {}
@@ -292,7 +295,22 @@ class GradReducer:
             unit, flat, out, handle = self._inflight.popleft()
             handle.wait()
             reading = self._accumulate(unit, out)
+            if self.on_landed is not None and self.states.final:
+                self._tell_landed(unit, reading)
             self._spare.append((flat if flat._base is None else flat._base, reading))
+
+    def _tell_landed(self, unit: FlatUnit, reading: Future[None] | None) -> None:
+        on_landed = self.on_landed
+        assert on_landed is not None
+        if reading is None:  # summed in already
+            on_landed(unit)
+            return
+
+        def landed(done: Future[None]) -> None:
+            if done.exception() is None:  # a failed piece fails the backward: never landed
+                on_landed(unit)
+
+        reading.add_done_callback(landed)
 
     def _accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> Future[None] | None:
         return self.target.accumulate_grad(unit.shard_offset, reduced, self.states.final)

@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
@@ -44,6 +45,7 @@ from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
+from .early_update import EarlyUpdate, next_key, out_key
 from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
 from .update_api import (
     Sink,
@@ -131,12 +133,16 @@ class NvmeAdam:
         self.out = host_empty(
             self.group if dtype != torch.float32 else 0, dtype, crosses_pcie=dtype != torch.float32
         )
+        # bytes a parameter of the new values an early pass stores (fp32: the master)
+        self.out_itemsize = torch.empty(0, dtype=dtype).element_size()
         self.steps = 0
         self.last_timings = StepTimings()
         # sub-groups whose files a failed step left undefined (dropped); empty when sound
         self._stale: set[int] = set()
         self._stale_cause = ""
         self._loading: tuple[int, HostBuffer] | None = None
+        # sub-groups of the running update stepped during backward (:mod:`.early_update`)
+        self._replay: set[int] = set()
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
@@ -152,7 +158,7 @@ class NvmeAdam:
         )
 
     @staticmethod
-    def _key(i: int) -> str:
+    def state_key(i: int) -> str:
         return f"adam.{i}"
 
     def _host(self, i: int) -> torch.Tensor | None:
@@ -197,7 +203,7 @@ class NvmeAdam:
                     state[row, a - lo : b - lo].copy_(src[a - offset : b - offset])
             if b == hi:
                 try:
-                    self.swapper.swap_out(self._key(i), state.reshape(-1)).result()
+                    self.swapper.swap_out(self.state_key(i), state.reshape(-1)).result()
                 finally:
                     self.swapper.pool.release(buf)
                     self._loading = None
@@ -230,17 +236,23 @@ class NvmeAdam:
         gradients (None when they are in host memory)."""
         lo, hi = self.bounds[i]
         state = grad = None
+        if i in self._replay:  # stepped during backward: only its new values are read
+            timings.bytes_read += self.out_itemsize * (hi - lo)
+            return self._timed(self.swapper.prefetch(out_key(i)), "read_s", timings), None
         if i >= self.host_groups:
             timings.bytes_read += 12 * (hi - lo)
-            state = self._timed(self.swapper.prefetch(self._key(i)), "read_s", timings)
+            state = self._timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
         if self.disk_grads is not None:
             timings.bytes_read += self.disk_grads.stored_bytes(i)
             grad = self._timed(self.disk_grads.prefetch(i), "read_s", timings)
         return state, grad
 
     def _release(self, i: int) -> None:
+        if i in self._replay:
+            self.swapper.release(out_key(i))  # read once; overwritten by the next pass
+            return
         if i >= self.host_groups:
-            self.swapper.release(self._key(i))
+            self.swapper.release(self.state_key(i))
         if self.disk_grads is not None:
             self.disk_grads.release(i)
 
@@ -251,12 +263,14 @@ class NvmeAdam:
         sink: Sink,
         ranges: list[StepRange] | None = None,
         targets: Targets | None = None,
+        early: EarlyUpdate | None = None,
     ) -> None:
         """``grads``: the host fp32 shard, or None when the gradients are in files.
         ``ranges``: what to step, with which step count (None: everything). ``targets``:
-        where new compute-dtype values go (the kernel writes them there). All or nothing:
+        where new compute-dtype values go (the kernel writes them there). ``early``: the
+        pass of :meth:`start_early` in this window, adopted or dropped here. All or nothing:
         see the module's docstring."""
-        for _ in self.update_in_steps(grads, factor, sink, ranges, targets):
+        for _ in self.update_in_steps(grads, factor, sink, ranges, targets, early):
             pass
 
     def update_in_steps(
@@ -266,18 +280,46 @@ class NvmeAdam:
         sink: Sink,
         ranges: list[StepRange] | None = None,
         targets: Targets | None = None,
+        early: EarlyUpdate | None = None,
     ) -> Iterator[int]:
         """:meth:`update`, one sub-group per iteration: each yields the rank-flat end of the
         elements whose new values went to ``sink`` so far, so that the caller can run other
         work (the next forward) while the disk reads and writes the next sub-groups. The
         soundness check and the hyperparameters are taken now: an lr scheduler stepped
         before the iteration ends changes the next update, not this one."""
+        if early is not None and self._stale:
+            early.drop()
         self._check_sound("step")
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
+        done = [] if early is None else early.check(hyper, ranges, factor)
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
-        return self._stepped_groups(grads, factor, sink, hyper, ranges, targets)
+        return self._stepped_groups(grads, factor, sink, hyper, ranges, targets, done)
+
+    def start_early(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        ranges: list[StepRange] | None,
+        unit_starts: list[int],
+    ) -> EarlyUpdate | None:
+        """Start stepping the sub-groups in files during the final backward, as their
+        gradients land in ``grads`` (:mod:`.early_update`); None where it cannot run: the
+        gradients are in files, or no sub-group is, or the state is unsound."""
+        if grads is None or self.disk_grads is not None or self._stale or is_fake(grads):
+            return None  # (a rehearsal's fake gradients have no values to step)
+        if self.host_groups >= len(self.bounds):
+            return None
+        step = self.steps + 1
+        return EarlyUpdate(
+            self,
+            grads,
+            factor,
+            adam_hyperparameters(self.optimizer, step),
+            whole_range(self.numel, step) if ranges is None else ranges,
+            unit_starts,
+        )
 
     def _stepped_groups(
         self,
@@ -287,14 +329,22 @@ class NvmeAdam:
         hyper: dict,
         ranges: list[StepRange],
         targets: Targets | None,
+        early_done: list[int],
     ) -> Iterator[int]:
         changed: list[int] = []  # sub-groups whose state changed in memory
         try:
+            for i in early_done:  # their new state takes over the files
+                changed.append(i)
+                self.swapper.take_over(self.state_key(i), next_key(i))
+            self._replay = set(early_done)
             yield from self._pipeline(grads, factor, sink, hyper, changed, ranges, targets)
         except BaseException as exc:
             self._abort(exc, changed)
             raise
+        finally:
+            self._replay = set()
         self.steps += 1
+        self.last_timings.early_groups = len(early_done)
 
     def ensure_sound(self, what: str) -> None:
         """Raise :class:`IncompleteStepError` when an earlier step left the state partly
@@ -324,10 +374,12 @@ class NvmeAdam:
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for i in range(len(self.bounds)):
             try:
+                if i in self._replay:
+                    self.swapper.discard(out_key(i))
                 if i >= self.host_groups and changed:
-                    self.swapper.discard(self._key(i))  # frees the disk too (ENOSPC)
+                    self.swapper.discard(self.state_key(i))  # frees the disk too (ENOSPC)
                 elif i >= self.host_groups:
-                    self.swapper.release(self._key(i))
+                    self.swapper.release(self.state_key(i))
                 if self.disk_grads is not None:
                     self.disk_grads.release(i)
             except OSError as err:  # the disk may be gone; the state is marked already
@@ -397,13 +449,26 @@ class NvmeAdam:
                     assert grads is not None  # not in files: the host shard was passed
                     grad = grads[lo:hi]
                 changed.append(i)
-                self._step_group(
+                self.step_group(
                     resident, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
                 )
                 self._release(i)
                 yield hi
                 continue
             assert pending is not None and pending[0] is not None
+            if i in self._replay:  # stepped during backward: hand on its new values
+                values = pending[0].result()
+                if lookahead and i < last:
+                    pending = self._read(i + 1, timings)
+                self._replay_group(values, lo, hi, sink, timings, targets)
+                if i > first_disk:
+                    self._release(i - 1)
+                if not lookahead and i < last:
+                    self._release(i)
+                    pending = self._read(i + 1, timings)
+                yield hi
+                continue
+            assert pending[0] is not None  # in files: its state is read
             state = pending[0].result().view(3, hi - lo)
             if pending[1] is not None:  # read from the gradient files
                 grad = pending[1].result()
@@ -413,11 +478,11 @@ class NvmeAdam:
             if lookahead and i < last:
                 pending = self._read(i + 1, timings)
             changed.append(i)  # from here on, sub-group i (and its gradients) change
-            self._step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
+            self.step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
             timings.bytes_written += 12 * (hi - lo)
             writes.append(
                 self._timed(
-                    self.swapper.swap_out(self._key(i), state.reshape(-1)), "write_s", timings
+                    self.swapper.swap_out(self.state_key(i), state.reshape(-1)), "write_s", timings
                 )
             )
             if i > first_disk:
@@ -435,7 +500,7 @@ class NvmeAdam:
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
 
-    def _step_group(
+    def step_group(
         self,
         state: torch.Tensor,
         grad: torch.Tensor,
@@ -477,6 +542,25 @@ class NvmeAdam:
             timings.compute_s += time.perf_counter() - t0
             sink(p, q, state[0, p - lo : q - lo] if out is None else out)
 
+    def _replay_group(
+        self,
+        values: torch.Tensor,
+        lo: int,
+        hi: int,
+        sink: Sink,
+        timings: StepTimings,
+        targets: Targets | None,
+    ) -> None:
+        """Sub-group [lo, hi)'s new values, computed during backward, to their ``targets``
+        and the ``sink`` as :meth:`step_group` hands them on."""
+        t0 = time.perf_counter()
+        for p, q, out in self._outputs(lo, hi, targets):
+            piece = values[p - lo : q - lo]
+            if out is not None:
+                out.copy_(piece)
+            sink(p, q, piece if out is None else out)
+        timings.compute_s += time.perf_counter() - t0
+
     def _outputs(
         self, lo: int, hi: int, targets: Targets | None
     ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
@@ -508,11 +592,11 @@ class NvmeAdam:
             if resident is not None:
                 yield lo, hi, resident[0], resident[1], resident[2]
                 continue
-            state = self.swapper.swap_in(self._key(i)).result().view(3, hi - lo)
+            state = self.swapper.swap_in(self.state_key(i)).result().view(3, hi - lo)
             try:
                 yield lo, hi, state[0], state[1], state[2]
             finally:
-                self.swapper.release(self._key(i))
+                self.swapper.release(self.state_key(i))
 
     def master_values(self) -> torch.Tensor:
         """A host copy of the fp32 master, read sub-group by sub-group from the files."""

@@ -36,6 +36,7 @@ from .overlap import DeferredUpdate
 from .param_store import ParamStore
 from .slices import sum_of_squares
 from .streams import Streams
+from .early_update import EarlyUpdate
 from .units import FlatUnit
 from .update_api import StepRange
 from .updaters import Updater
@@ -123,6 +124,19 @@ class ShardStepper:
             and hasattr(updater, "update_in_steps")
             and all(u.sharded_params for u in self._stepped)
         )
+        # the final backward's pass over sub-groups whose gradients are complete, until the
+        # step adopts or drops it (``.early_update``): NVMe state, gradients in host memory,
+        # reduced during backward (stages 2-3), and a factor known before the norm (1.0)
+        self.early: EarlyUpdate | None = None
+        self._can_step_early = (
+            cfg.step_during_backward
+            and self.stage >= 2
+            and grads is not None
+            and hasattr(updater, "start_early")
+            and cfg.optimizer.max_grad_norm is None
+            and self.scaler is None
+        )
+        self._position = {u.index: k for k, u in enumerate(self._stepped)}
         if params is not None:
             params.before_read = weak_hook(self.settle_through)
 
@@ -158,6 +172,41 @@ class ShardStepper:
             else:
                 ranges.append((lo, hi, s, decays))
         return ranges
+
+    # -- stepping during backward ---------------------------------------------------------
+    def begin_backward(self, final: bool) -> None:
+        """A backward starts: a pass of an earlier one is dropped; the final one of a window
+        starts a new pass where it can run."""
+        self.drop_early()
+        if final and self._can_step_early:
+            self.early = self.updater.start_early(  # type: ignore[attr-defined]
+                # every parameter with a gradient, each at its own step count: what the
+                # step computes when that is so (it compares)
+                self.grads,
+                1.0,
+                self._update_ranges([True] * len(self._ranges)),
+                self._starts,
+            )
+
+    def landing(self) -> Callable[[FlatUnit], None] | None:
+        """What the reducer calls once a unit's reduced gradients are in the host shard (a
+        worker thread may): bound to this backward's pass, so that a late call from an
+        earlier backward cannot reach it. None: no pass runs."""
+        early, position = self.early, self._position
+        if early is None:
+            return None
+
+        def landed(unit: FlatUnit) -> None:
+            if not unit.frozen:
+                early.landed(position[unit.index])
+
+        return landed
+
+    def drop_early(self) -> None:
+        """Stop the pass and drop what it wrote (its gradients went, or were never final)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.drop()
 
     def missed_updates(self) -> dict[str, int]:
         """Parameter name -> updates it was not stepped in (no gradient); nonzero ones only.
@@ -219,15 +268,31 @@ class ShardStepper:
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
+        early, self.early = self.early, None
+        try:
+            return self._step(flags, reduce_late, defer, early)
+        finally:
+            if early is not None and not early.handed_over:
+                early.drop()
+
+    def _step(
+        self,
+        flags: torch.Tensor | None,
+        reduce_late: Callable[[list[bool]], None] | None,
+        defer: Callable[[], None] | None,
+        early: EarlyUpdate | None,
+    ) -> bool:
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
         values = self._exchange(flags)
         sumsq = values[-1]
         had: list[bool] | None = None
+        arrived_late = False  # a pass during backward read sums that changed since: dropped
         if flags is not None:
             p = len(self._names)
             had = [v > 0 for v in values[:p]]
             late = [v > 0 for v in values[p:-1]]
-            if any(late):
+            arrived_late = any(late)
+            if arrived_late:
                 assert reduce_late is not None
                 reduce_late(late)  # rare (reentrant backward): the sums change, read again
                 sumsq = self._exchange(None)[-1]
@@ -251,16 +316,21 @@ class ShardStepper:
                 factor *= coef
         copied = self._copied_bytes()
         ranges = self._update_ranges(had)
+        # the pass of this window's backward: adopted or dropped by the updater
+        extra = {} if early is None or arrived_late else {"early": early}
+        if extra:
+            assert early is not None
+            early.handed_over = True
         if defer is not None and self._can_defer:
             steps = self.updater.update_in_steps(  # type: ignore[attr-defined]
-                self.grads, factor, self._sink, ranges, self._targets
+                self.grads, factor, self._sink, ranges, self._targets, **extra
             )
             self.pending = DeferredUpdate(
                 steps, lambda: self._update_done(copied, defer), self._update_failed
             )
             return True
         try:
-            self.updater.update(self.grads, factor, self._sink, ranges, self._targets)
+            self.updater.update(self.grads, factor, self._sink, ranges, self._targets, **extra)
         except BaseException:
             self._update_failed()
             raise
@@ -309,7 +379,9 @@ class ShardStepper:
                 self.pending = None
 
     def abandon(self) -> None:
-        """Drop an update still pending (closing while an exception propagates)."""
+        """Drop an update still pending (closing while an exception propagates), and the
+        pass of a backward that no step adopted."""
+        self.drop_early()
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.abandon()

@@ -54,6 +54,8 @@ class StepTimings:
     wall_s: float = 0.0
     bytes_read: int = 0
     bytes_written: int = 0
+    early_groups: int = 0
+    """NVMe sub-groups stepped during the final backward and adopted by this step."""
     param_copy_bytes: int = 0
     """Bytes of new compute-dtype parameter values copied on the host after the update
     computed them (0: written in place where they are stored)."""

@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import weakref
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +212,7 @@ class Swapper:
         self._file_numbers = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._remover: ThreadPoolExecutor | None = None  # deletes files of replaced copies
 
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
@@ -415,6 +416,51 @@ class Swapper:
         self._drop_host(entry)
         self._disk.remove(entry.file)
 
+    def take_buffer(self, key: str) -> HostBuffer:
+        """``key``'s host copy (what :meth:`prefetch` gave), as the caller's own buffer: the
+        key keeps its disk copy only. Hand the buffer to :meth:`swap_out` as ``owned`` (or
+        back with ``pool.release``): the caller may change it in place without the key's
+        next read seeing the change."""
+        entry = self._valid_entry(key)
+        with self._lock:
+            buf = None if entry.writing_host or not entry.on_disk else entry.host
+            if buf is not None:
+                entry.host = None
+        if buf is None:
+            raise SwapIOError(entry.file, f"take_buffer({key!r}): no host copy beside the file")
+        return buf
+
+    def take_over(self, key: str, source: str) -> None:
+        """Make ``source``'s stored copy ``key``'s, in constant time: ``key``'s own copy goes
+        (buffer back to the pool, file deleted) and ``source`` is forgotten. Waits for
+        ``source``'s write; raises :class:`SwapIOError` if it has no valid copy (``key`` is
+        then unchanged)."""
+        self._check_open()
+        entry = self._valid_entry(source)
+        old = self._entries.pop(key, None)
+        del self._entries[source]
+        self._entries[key] = entry
+        if old is not None:
+            self._settle(old)
+            self._drop_host(old)
+            self._remove_soon(old.file)
+
+    def _remove_soon(self, path: Path) -> None:
+        """Delete a file no key names any more on a thread of its own: unlinking a large
+        file takes the file system ~10 ms, which the caller need not wait for. Files are
+        numbered by a running counter, so no new key can meet the file before it goes."""
+        if self._disk is not _FILES:  # a rehearsal's simulated disk: nothing to wait for
+            self._disk.remove(path)
+            return
+        if self._remover is None:
+            self._remover = ThreadPoolExecutor(1, thread_name_prefix="zo-swap-remove")
+
+        def removed(done: Future) -> None:
+            if done.exception() is not None:  # the run's folder goes at close anyway
+                logger.warning("could not delete swap file %s: %s", path, done.exception())
+
+        self._remover.submit(self._disk.remove, path).add_done_callback(removed)
+
     def where(self, key: str) -> Tier | None:
         """Fastest tier holding a valid copy of ``key`` (None if none)."""
         entry = self._entries.get(key)
@@ -449,6 +495,8 @@ class Swapper:
         if self._closed:
             return
         self._closed = True
+        if self._remover is not None:
+            self._remover.shutdown(wait=True)
         wait([e.pending for e in self._entries.values() if e.pending is not None])
         for e in self._entries.values():
             self._drop_host(e)

@@ -1,0 +1,228 @@
+"""Stepping NVMe sub-groups during the final backward (``max_grad_norm=None``): the results
+are those of the step that runs after backward, bit for bit, in the loops users write — and
+nothing a forward, an evaluation or a checkpoint reads changes before ``step()``.
+
+The reference is the same engine with ``step_during_backward=False``. How many sub-groups
+the pass finishes before ``step()`` depends on timing; the tests that need it to finish
+every ready one make ``step()`` wait for it first."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+
+import zero_offload as zo
+from distributed import run_ranks
+from models import TinyGPT, batch, loss_fn
+from swap_faults import FaultBackend
+from zero_offload.stages.early_update import EarlyUpdate
+
+STEPS = 3
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """``step()`` adopts every sub-group ready by then: the pass is waited for first."""
+    check = EarlyUpdate.check
+
+    def waited(self, *args):
+        self.wait_idle()
+        return check(self, *args)
+
+    monkeypatch.setattr(EarlyUpdate, "check", waited)
+
+
+def _engine(tmp_path, early: bool, dtype=torch.bfloat16, **kw) -> zo.Engine:
+    torch.manual_seed(0)
+    return zo.initialize(
+        TinyGPT(layers=3, width=32),
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        nvme_path=str(tmp_path),
+        dtype=dtype,
+        lr=1e-2,
+        sub_group_size=1024,  # several sub-groups, some straddling units
+        step_during_backward=early,
+        **kw,
+    )
+
+
+def _state(engine: zo.Engine) -> dict[str, torch.Tensor]:
+    out = {f"param.{k}": v.clone() for k, v in engine.full_state_dict().items()}
+    for index, tensors in engine.optimizer.state_dict()["state"].items():
+        for k, v in tensors.items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt.{index}.{k}"] = v.clone()
+    return out
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple[list, list]:
+    """A few steps of a loop with something between backward and step (``what``); the
+    losses, and how many sub-groups each step adopted from the pass (None: no update)."""
+    gen = torch.Generator().manual_seed(1)
+    losses, early = [], []
+    for step in range(STEPS):
+        x, y = batch("gpt", 4 * world, gen)
+        x, y = x[rank::world], y[rank::world]
+        loss = loss_fn("gpt", engine(x), y)
+        engine.backward(loss)
+        if what == "lr" and step == 1:  # changed after backward: this step uses it
+            engine.optimizer.param_groups[0]["lr"] = 3e-3
+        if what == "eval" and step == 1:  # the parameters are the old ones until step()
+            with torch.no_grad():
+                losses.append(float(loss_fn("gpt", engine(x), y)))
+        if what == "zero" and step == 1:  # a bad batch dropped: nothing is applied
+            engine.zero_grad()
+        applied = engine.step()
+        losses.append(float(loss.detach()))
+        early.append(engine.last_step_timings.early_groups if applied else None)
+    return losses, early
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, dtype):
+    ref = _engine(tmp_path / "ref", early=False, dtype=dtype)
+    ref_losses, ref_early = _train(ref, "plain")
+    engine = _engine(tmp_path / "early", early=True, dtype=dtype)
+    losses, early = _train(engine, "plain")
+    assert ref_early == [0] * STEPS
+    assert all(n > 0 for n in early), early  # every disk sub-group, waited for
+    assert losses == ref_losses
+    _assert_equal(_state(engine), _state(ref))
+    engine.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("what", ["lr", "eval", "zero"])
+def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
+    """An lr changed after backward is this step's lr (the pass is dropped); an evaluation
+    there sees the parameters before the step; ``zero_grad()`` there drops the pass."""
+    ref = _engine(tmp_path / "ref", early=False)
+    ref_losses, _ = _train(ref, what)
+    engine = _engine(tmp_path / "early", early=True)
+    losses, early = _train(engine, what)
+    assert losses == ref_losses
+    _assert_equal(_state(engine), _state(ref))
+    assert early[0] > 0 and early[2] > 0
+    assert early[1] == {"lr": 0, "eval": early[0], "zero": None}[what]  # dropped, or not
+    engine.close()
+    ref.close()
+
+
+def test_a_parameter_without_gradient_drops_the_pass(tmp_path, waits):
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            return self.c(torch.tanh(self.b(h)) if use_b else h)
+
+    def run(early: bool, path) -> tuple[dict, list]:
+        torch.manual_seed(0)
+        engine = zo.initialize(
+            Branchy(),
+            stage=3,
+            offload_optimizer="nvme",
+            nvme_path=str(path),
+            dtype=torch.float32,
+            lr=1e-2,
+            sub_group_size=1024,
+            step_during_backward=early,
+        )
+        adopted = []
+        for i, use_b in enumerate([True, False, True]):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x, use_b).square().mean())
+            engine.step()
+            adopted.append(engine.last_step_timings.early_groups)
+        state = _state(engine)
+        engine.close()
+        return state, adopted
+
+    ref, _ = run(False, tmp_path / "ref")
+    state, adopted = run(True, tmp_path / "early")
+    _assert_equal(state, ref)
+    assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
+
+
+def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
+    """The disk fails the pass's first write (a full disk, say): the step drops the pass
+    and steps every sub-group itself."""
+    ref = _engine(tmp_path / "ref", early=False)
+    _train(ref, "plain")
+    engine = _engine(tmp_path / "early", early=True)
+    gen = torch.Generator().manual_seed(1)
+    adopted = []
+    for step in range(STEPS):
+        x, y = batch("gpt", 4, gen)
+        loss = loss_fn("gpt", engine(x), y)
+        if step == 1:
+            engine.swappers[0].engine.backend = FaultBackend("write", errno_=errno.ENOSPC, times=1)
+        engine.backward(loss)
+        engine.step()
+        adopted.append(engine.last_step_timings.early_groups)
+    assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
+    _assert_equal(_state(engine), _state(ref))
+    engine.close()
+    ref.close()
+
+
+def test_dropped_passes_leave_no_files_and_no_thread(tmp_path, waits):
+    engine = _engine(tmp_path, early=True)
+    gen = torch.Generator().manual_seed(1)
+    x, y = batch("gpt", 4, gen)
+    engine.backward(loss_fn("gpt", engine(x), y))
+    engine.zero_grad()
+    engine.backward(loss_fn("gpt", engine(x), y))  # a pass that no step() ends
+    (swapper,) = [s for s in engine.swappers if any(s.rank_dir.glob("*adam*"))]
+    engine.close()
+    assert not any(t.name == "zo-early-update" for t in threading.enumerate())
+    assert not swapper.rank_dir.exists()
+
+
+def test_the_step_adopts_only_what_the_pass_finished(tmp_path):
+    """Without waiting, ``step()`` takes whatever the pass finished by then — any number
+    of sub-groups — and steps the rest itself: equal either way."""
+    ref = _engine(tmp_path / "ref", early=False)
+    ref_losses, _ = _train(ref, "plain")
+    engine = _engine(tmp_path / "early", early=True)
+    losses, _ = _train(engine, "plain")
+    assert losses == ref_losses
+    _assert_equal(_state(engine), _state(ref))
+
+
+def _waiting_check(self, *args):
+    self.wait_idle()
+    return _check(self, *args)
+
+
+_check = EarlyUpdate.check
+
+
+def _two_ranks(rank: int, world: int, path: str, early: bool) -> tuple[dict, list]:
+    EarlyUpdate.check = _waiting_check  # this process only: every ready sub-group adopted
+    engine = _engine(f"{path}/{rank}", early=early)
+    _, adopted = _train(engine, "plain", rank, world)
+    state = _state(engine)
+    engine.close()
+    return state, adopted
+
+
+def test_two_ranks_step_during_backward_like_after_it(tmp_path):
+    ref = run_ranks(2, _two_ranks, str(tmp_path / "ref"), False)
+    early = run_ranks(2, _two_ranks, str(tmp_path / "early"), True)
+    for (a, _), (b, adopted) in zip(ref, early):
+        _assert_equal(a, b)
+        assert all(n > 0 for n in adopted), adopted
