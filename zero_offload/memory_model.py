@@ -303,6 +303,7 @@ def estimate_memory(
     offload_optimizer_fraction: float | str | None = None,
     offload_param_fraction: float | None = None,
     gradient_accumulation_steps: int = 1,
+    step_during_backward: bool = True,
 ) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
@@ -323,6 +324,8 @@ def estimate_memory(
     ``offload_param_fraction``: stage 3 with the params on NVMe, the share of the parameter
     shards in files (whole units; the leading ones stay in host memory).
     ``gradient_accumulation_steps``: above 1, stages 2-3 sum offloaded gradients in fp32.
+    ``step_during_backward``: as the engine's keyword; pass False with ``max_grad_norm`` set,
+    where the engine steps nothing during backward (nor does it with float16).
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -382,12 +385,14 @@ def estimate_memory(
         layout=layout,
         host=host,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        step_during_backward=step_during_backward and _dtype_name(dtype) != "float16",
     )
     build.add_params(prefetch_depth, offload_param_fraction)
     build.add_grads()
     build.add_unit_being_made()
     build.add_optimizer_state()
     build.add_optimizer_buffers()
+    build.add_early_update()
     if activation_bytes:
         build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
     return _estimate(build, num_gpus, gpus_per_node, _dtype_name(dtype))
@@ -410,7 +415,9 @@ def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str)
         device=build.device,
         terms=tuple(build.terms),
         nvme_fraction=build.host.split.nvme_fraction if nvme else None,
-        disk_bytes_per_step=build.host.split.disk_bytes_per_step() if nvme else 0,
+        disk_bytes_per_step=(
+            build.host.split.disk_bytes_per_step() + build.early_disk_bytes() if nvme else 0
+        ),
         host_budget=build.host.budget,
     )
 

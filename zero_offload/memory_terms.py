@@ -102,6 +102,7 @@ class TermBuilder:
     layout: Layout
     host: HostSplit
     gradient_accumulation_steps: int
+    step_during_backward: bool = False  # the engine's keyword, where no clipping turns it off
     terms: list[Term] = field(default_factory=list)
 
     @property
@@ -346,6 +347,46 @@ class TermBuilder:
                 f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
                 "the leading sub-groups, in host memory",
             )
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """The engine steps sub-groups in files during the final backward
+        (``stages.early_update``): stages 2-3, the gradients in host memory."""
+        return (
+            self.step_during_backward
+            and self.stage >= 2
+            and self.offload_optimizer == "nvme"
+            and not self.grads_on_disk
+        )
+
+    def early_disk_bytes(self) -> int:
+        """Disk traffic a step adds by stepping in backward: each sub-group's new values
+        written, and read back at ``step()``."""
+        return 2 * self.b * self.host.split.nvme_numel if self.steps_in_backward else 0
+
+    def add_early_update(self) -> None:
+        """Stepping sub-groups in files during the final backward: their new state is
+        written beside the old until ``step()`` adopts it, their new values to files of
+        their own."""
+        if not self.steps_in_backward:
+            return
+        on_nvme, T = self.host.split.nvme_numel, self.T
+        self.add(
+            "optimizer state stepped in backward",
+            "nvme",
+            FORWARD_BACKWARD,
+            BUFFER,  # a second copy for a while, not more model state
+            12 * on_nvme,
+            f"12 bytes × the sub-groups in files of {T}/N: beside the old until step()",
+        )
+        self.add(
+            "values stepped in backward",
+            "nvme",
+            FORWARD_BACKWARD,
+            BUFFER,
+            self.b * on_nvme,
+            f"{self.b} bytes × the sub-groups in files of {T}/N: the new params, until read",
+        )
 
     def _params_are_master(self) -> bool:
         """fp32 params beside the optimizer are its master (updaters.make_updater)."""

@@ -249,7 +249,7 @@ class NvmeAdam:
 
     def _release(self, i: int) -> None:
         if i in self._replay:
-            self.swapper.release(out_key(i))  # read once; overwritten by the next pass
+            self.swapper.discard(out_key(i), at_once=False)  # read once
             return
         if i >= self.host_groups:
             self.swapper.release(self.state_key(i))

@@ -407,14 +407,19 @@ class Swapper:
                 key,
             )
 
-    def discard(self, key: str) -> None:
-        """Forget ``key`` entirely: buffer back to the pool, file deleted."""
+    def discard(self, key: str, *, at_once: bool = True) -> None:
+        """Forget ``key`` entirely: buffer back to the pool, file deleted — now, or with
+        ``at_once=False`` on a thread of its own (:meth:`_remove_soon`), where the caller
+        needs no room on the disk from it."""
         entry = self._entries.pop(key, None)
         if entry is None:
             return
         self._settle(entry)
         self._drop_host(entry)
-        self._disk.remove(entry.file)
+        if at_once:
+            self._disk.remove(entry.file)
+        else:
+            self._remove_soon(entry.file)
 
     def take_buffer(self, key: str) -> HostBuffer:
         """``key``'s host copy (what :meth:`prefetch` gave), as the caller's own buffer: the
@@ -437,13 +442,9 @@ class Swapper:
         then unchanged)."""
         self._check_open()
         entry = self._valid_entry(source)
-        old = self._entries.pop(key, None)
+        self.discard(key, at_once=False)
         del self._entries[source]
         self._entries[key] = entry
-        if old is not None:
-            self._settle(old)
-            self._drop_host(old)
-            self._remove_soon(old.file)
 
     def _remove_soon(self, path: Path) -> None:
         """Delete a file no key names any more on a thread of its own: unlinking a large
