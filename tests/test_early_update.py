@@ -35,13 +35,13 @@ def waits(monkeypatch):
     monkeypatch.setattr(EarlyUpdate, "check", waited)
 
 
-def _engine(tmp_path, early: bool, dtype=torch.bfloat16, **kw) -> zo.Engine:
+def _engine(tmp_path, early: bool, dtype=torch.bfloat16, stage: int = 3, **kw) -> zo.Engine:
     torch.manual_seed(0)
     return zo.initialize(
         TinyGPT(layers=3, width=32),
-        stage=3,
+        stage=stage,
         offload_optimizer="nvme",
-        offload_param="nvme",
+        offload_param="nvme" if stage == 3 else "none",
         nvme_path=str(tmp_path),
         dtype=dtype,
         lr=1e-2,
@@ -89,11 +89,13 @@ def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple
     return losses, early
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, dtype):
-    ref = _engine(tmp_path / "ref", early=False, dtype=dtype)
+@pytest.mark.parametrize(
+    "stage,dtype", [(3, torch.bfloat16), (3, torch.float32), (2, torch.bfloat16)]
+)
+def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stage, dtype):
+    ref = _engine(tmp_path / "ref", early=False, dtype=dtype, stage=stage)
     ref_losses, ref_early = _train(ref, "plain")
-    engine = _engine(tmp_path / "early", early=True, dtype=dtype)
+    engine = _engine(tmp_path / "early", early=True, dtype=dtype, stage=stage)
     losses, early = _train(engine, "plain")
     assert ref_early == [0] * STEPS
     assert all(n > 0 for n in early), early  # every disk sub-group, waited for
