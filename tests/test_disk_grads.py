@@ -4,11 +4,15 @@ clips by."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import pytest
 import torch
 
+from swap_faults import FaultBackend
 from zero_offload.stages.disk_grads import DiskGrads
+from zero_offload.swap.errors import SwapIOError
 
 
 def _pieces(numel: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -102,5 +106,31 @@ def test_one_backwards_bf16_sums_are_stored_in_bf16_and_widened_to_sum_more(tmp_
         grads.stats()
         assert torch.equal(_read_back(grads), torch.full((numel,), 0.1))
         assert grads.stored_bytes(0) == 4 * group
+    finally:
+        grads.close()
+
+
+def test_a_failed_write_leaves_the_window_refused_until_zero_grad(tmp_path: Path) -> None:
+    """A sub-group's sum whose write failed is gone; summing on would restart it from
+    zeros and step with that. Everything refuses until ``zero_grad()`` starts over."""
+    grads = DiskGrads(tmp_path, 4096, 1024, buffers=2, rank=0)
+    try:
+        grads.accumulate_grad(0, torch.full((1024,), 1.0), final=False)  # written out
+        grads.swapper.engine.backend = FaultBackend("write", errno_=errno.EIO, times=1)
+        with pytest.raises(SwapIOError, match="Input/output error"):
+            grads.accumulate_grad(1024, torch.full((2048,), 2.0), final=False)
+        grads.swapper.engine.backend = FaultBackend("none")
+        for go_on in (
+            lambda: grads.accumulate_grad(1024, torch.full((1024,), 3.0), final=False),
+            grads.flush,
+            grads.stats,
+            lambda: grads.prefetch(0),
+        ):
+            with pytest.raises(SwapIOError, match="zero_grad"):
+                go_on()
+        grads.zero_grad()
+        grads.accumulate_grad(0, torch.full((4096,), 5.0), final=True)
+        assert grads.stats() == (4096 * 25.0, True)
+        assert _read_back(grads).eq(5.0).all()
     finally:
         grads.close()

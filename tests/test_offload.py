@@ -177,7 +177,12 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
     after that, training continues exactly like an engine that never failed."""
     torch.manual_seed(0)
     engine = zo.initialize(
-        MLP(), stage=2, offload_optimizer="nvme", nvme_path=tmp_path / "nvme", sub_group_size=1024
+        MLP(),
+        stage=2,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path / "nvme",
+        sub_group_size=1024,
+        step_during_backward=False,  # the fault counts I/O calls: all of them the step's
     )
     _run(engine, steps=1)
     engine.save_checkpoint(tmp_path / "ck")
@@ -212,6 +217,69 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
     want = _run(ref, steps=2, seed=5)
     assert all(torch.equal(want[k], got[k]) for k in want)
     engine.close()
+
+
+def test_a_failed_write_back_fails_the_step_at_once_with_its_cause(tmp_path):
+    """The first sub-group's write-back fails: the step stops there with the disk's error,
+    rather than running the pipeline short of the buffer that write keeps until the pool
+    has none left (a wait of ``acquire_timeout``, then a misleading timeout)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(96, 96) for _ in range(3)]
+    engine = zo.initialize(
+        torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1], torch.nn.Tanh(), layers[2]),
+        stage=2,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        sub_group_size=4096,
+        dtype=torch.float32,
+        step_during_backward=False,  # the fault counts I/O calls: all of them the step's
+    )
+    split = engine.optimizer_split
+    assert split is not None and split.nvme_numel >= 4 * split.sizing.group
+    assert split.sizing.buffers >= 3  # the pipeline reads ahead
+    swapper = engine.swappers[0]
+    swapper.acquire_timeout = 20.0
+    x = torch.randn(8, 96)
+    engine.backward(engine(x).square().mean())
+    swapper.engine.backend = FaultBackend("write", errno_=errno.EIO, times=1)
+    with pytest.raises(zo.IncompleteStepError) as err:
+        engine.step()
+    assert isinstance(err.value.__cause__, SwapIOError)
+    assert "Input/output error" in str(err.value.__cause__)
+    engine.close(hand_back=False)
+
+
+def test_ctrl_c_during_a_step_reaches_the_caller_as_itself(tmp_path, monkeypatch):
+    """Ctrl-C after a sub-group was updated: the loop's ``except KeyboardInterrupt`` sees it
+    (not a RuntimeError that ``except Exception`` would swallow), and the partly updated
+    state is refused until loaded again."""
+    from zero_offload.stages.nvme_adam import NvmeAdam
+
+    step_group, calls = NvmeAdam.step_group, [0]
+
+    def interrupted(self, *args, **kwargs):  # SIGINT's handler, firing in sub-group 2
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return step_group(self, *args, **kwargs)
+
+    torch.manual_seed(0)
+    engine = zo.initialize(
+        MLP(),
+        stage=2,
+        offload_optimizer="nvme",
+        nvme_path=tmp_path,
+        sub_group_size=1024,
+        step_during_backward=False,  # every sub-group stepped by step()
+    )
+    x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    monkeypatch.setattr(NvmeAdam, "step_group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    with pytest.raises(zo.IncompleteStepError, match="KeyboardInterrupt"):
+        engine.full_state_dict()
+    engine.close(hand_back=False)
 
 
 def test_missing_swap_file_is_a_clear_error(tmp_path):

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..ledger import MemoryReport
 from ..partition import chunks, split_range
 from ..swap.buffers import HostBuffer, pool_footprint
+from ..swap.errors import SwapIOError
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
 from ..swap.swapper import Swapper
@@ -80,6 +81,9 @@ class DiskGrads:
         # replaces its entry, so the step sees the norm of the summed gradient however many
         # backwards (and flushes) the window had
         self._stats: dict[int, tuple[float, bool]] = {}
+        # a write or read of a gradient file that failed this window: the sums are
+        # incomplete, and nothing may read or add to them until zero_grad()
+        self._failed: BaseException | None = None
 
     @staticmethod
     def _key(i: int) -> str:
@@ -95,19 +99,40 @@ class DiskGrads:
         """Add a reduced gradient piece for rank-flat [offset, offset + n); a sub-group is
         written out (its norm and finiteness noted) once every element of it came in this
         backward. ``final`` is not needed: a backward is not always followed by a step."""
+        self._check_whole()
         values = values.to("cpu")
-        for i, a, b in split_range(offset, offset + values.numel(), self.group):
-            lo, hi = self.bounds[i]
-            add_into(self._buffer(i)[a - lo : b - lo], values[a - offset : b - offset])
-            self._covered[i] = self._covered.get(i, 0) + b - a
-            if self._covered[i] == hi - lo:
-                self._write(i)
+        try:
+            for i, a, b in split_range(offset, offset + values.numel(), self.group):
+                lo, hi = self.bounds[i]
+                add_into(self._buffer(i)[a - lo : b - lo], values[a - offset : b - offset])
+                self._covered[i] = self._covered.get(i, 0) + b - a
+                if self._covered[i] == hi - lo:
+                    self._write(i)
+        except BaseException as err:
+            self._failed = err
+            raise
 
     def flush(self) -> None:
         """Write out the sub-groups that got only some pieces since their last write (late
         pieces reduced at the step; after a whole backward every sub-group is complete)."""
-        for i in list(self._covered):
-            self._write(i)
+        self._check_whole()
+        try:
+            for i in list(self._covered):
+                self._write(i)
+        except BaseException as err:
+            self._failed = err
+            raise
+
+    def _check_whole(self) -> None:
+        """Refuse to go on from sums a failed write or read left incomplete (a sub-group
+        whose sum was lost would restart from zeros)."""
+        if self._failed is not None:
+            raise SwapIOError(
+                None,
+                f"this window's gradients are incomplete: a gradient file failed earlier "
+                f"({self._failed}); call engine.zero_grad() and run the window's backward "
+                "passes again",
+            ) from self._failed
 
     def zero_grad(self) -> None:
         """Start a new accumulation window (the files are overwritten, not read)."""
@@ -118,6 +143,7 @@ class DiskGrads:
         self._written.clear()
         self._narrowed.clear()
         self._stats.clear()
+        self._failed = None
 
     def stats(self) -> tuple[float, bool]:
         """(sum of squares, all finite) of the summed gradients."""
@@ -178,6 +204,7 @@ class DiskGrads:
     # -- the step -------------------------------------------------------------------------
     def prefetch(self, i: int) -> "Future[torch.Tensor]":
         """Start reading sub-group i's summed gradient into a pool buffer."""
+        self._check_whole()
         return self.swapper.prefetch(self._key(i))
 
     def stored_bytes(self, i: int) -> int:

@@ -141,8 +141,10 @@ class NvmeAdam:
         self._stale: set[int] = set()
         self._stale_cause = ""
         self._loading: tuple[int, HostBuffer] | None = None
-        # sub-groups of the running update stepped during backward (:mod:`.early_update`)
+        # sub-groups of the running update stepped during backward (:mod:`.early_update`),
+        # and the pass of this window's backward while it runs
         self._replay: set[int] = set()
+        self.early: EarlyUpdate | None = None
         self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
         self._in_flight = 0
         self._busy_since = 0.0
@@ -178,6 +180,7 @@ class NvmeAdam:
     ) -> None:
         """Store state given in increasing, gap-free ``offset`` order (moments default to
         zeros); each sub-group is written as [master | m | v] once it is complete."""
+        self._drop_early()
         values = (master, exp_avg, exp_avg_sq)
         for i, a, b in split_range(offset, offset + master.numel(), self.group):
             lo, hi = self.bounds[i]
@@ -312,7 +315,7 @@ class NvmeAdam:
         if self.host_groups >= len(self.bounds):
             return None
         step = self.steps + 1
-        return EarlyUpdate(
+        self.early = EarlyUpdate(
             self,
             grads,
             factor,
@@ -320,6 +323,13 @@ class NvmeAdam:
             whole_range(self.numel, step) if ranges is None else ranges,
             unit_starts,
         )
+        return self.early
+
+    def _drop_early(self) -> None:
+        """Reading or loading the state while a pass of :meth:`start_early` runs: the pass
+        goes (it steps the buffers it reads in place; a load replaces its inputs)."""
+        if self.early is not None:
+            self.early.drop()
 
     def _stepped_groups(
         self,
@@ -399,6 +409,15 @@ class NvmeAdam:
                 len(self.bounds),
             )
             return
+        if not isinstance(exc, Exception):  # Ctrl-C, an exit: it goes on as it is
+            log.warning(
+                "optimizer step interrupted (%s) after updating %d of %d NVMe sub-groups; "
+                "the partly updated state must be loaded again",
+                type(exc).__name__,
+                len(changed),
+                len(self.bounds),
+            )
+            return
         log.error(
             "optimizer step failed after updating %d of %d sub-groups (%s); the state "
             "must be loaded again",
@@ -438,7 +457,16 @@ class NvmeAdam:
         )
         first_disk = self.host_groups  # reading it overlaps the host sub-groups' compute
         pending = self._read(first_disk, timings) if first_disk <= last else None
-        writes: list[Future] = []
+        writes: dict[int, Future] = {}  # sub-group -> its write-back
+
+        def release(j: int) -> None:
+            """Give sub-group j's buffers back once its write-back is done; a failed one
+            fails the step now, before the pipeline runs short of buffers it keeps."""
+            write = writes.get(j)
+            if write is not None:
+                write.result()
+            self._release(j)
+
         for i, (lo, hi) in enumerate(self.bounds):
             resident = self._host(i)
             if resident is not None:
@@ -462,9 +490,9 @@ class NvmeAdam:
                     pending = self._read(i + 1, timings)
                 self._replay_group(values, lo, hi, sink, timings, targets)
                 if i > first_disk:
-                    self._release(i - 1)
+                    release(i - 1)
                 if not lookahead and i < last:
-                    self._release(i)
+                    release(i)
                     pending = self._read(i + 1, timings)
                 yield hi
                 continue
@@ -480,22 +508,20 @@ class NvmeAdam:
             changed.append(i)  # from here on, sub-group i (and its gradients) change
             self.step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
             timings.bytes_written += 12 * (hi - lo)
-            writes.append(
-                self._timed(
-                    self.swapper.swap_out(self.state_key(i), state.reshape(-1)), "write_s", timings
-                )
+            writes[i] = self._timed(
+                self.swapper.swap_out(self.state_key(i), state.reshape(-1)), "write_s", timings
             )
             if i > first_disk:
-                self._release(i - 1)
+                release(i - 1)
             if not lookahead and i < last:
-                self._release(i)
+                release(i)
                 pending = self._read(i + 1, timings)
             yield hi
         if first_disk <= last:
-            self._release(last)
+            release(last)
         with self._busy_lock:  # completion callbacks may still be running
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
-        for write in writes:
+        for write in writes.values():
             write.result()  # a failed write-back fails the step
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
@@ -587,6 +613,7 @@ class NvmeAdam:
     def iter_state(self) -> Iterator[StateChunk]:
         """Each sub-group read from its file (a pool buffer: used before the next is read)."""
         self._check_sound("read the optimizer state")
+        self._drop_early()
         for i, (lo, hi) in enumerate(self.bounds):
             resident = self._host(i)
             if resident is not None:

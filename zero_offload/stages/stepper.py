@@ -114,6 +114,7 @@ class ShardStepper:
         self._names = [u.names[i] for u, i in slots]
         self._ranges = [self._rank_flat_range(u, i) for u, i in slots]
         self._skipped = [0] * len(slots)
+        self._counts_before: tuple[list[int], dict | None] = (list(self._skipped), None)
         self._decays = _decays(units, slots, cfg.optimizer.no_decay)
         # an update left running under the next forward (overlap_step), until it ends
         self.pending: DeferredUpdate | None = None
@@ -283,6 +284,11 @@ class ShardStepper:
         early: EarlyUpdate | None,
     ) -> bool:
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
+        # what a failed update puts back, so that a retry counts this step once
+        self._counts_before = (
+            list(self._skipped),
+            None if self.scaler is None else self.scaler.state_dict(),
+        )
         values = self._exchange(flags)
         sumsq = values[-1]
         had: list[bool] | None = None
@@ -343,7 +349,13 @@ class ShardStepper:
             then()
 
     def _update_failed(self) -> None:
-        """Give back what a failed update held for the values it did not store."""
+        """Give back what a failed update held for the values it did not store, and put
+        back the counts the step moved (missed updates, the loss scaler): the state is as
+        before, or unusable until loaded again (which sets them)."""
+        skipped, scaler = self._counts_before
+        self._skipped = skipped
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
         self._targeted.clear()
         if self.params is not None:
             self.params.give_back()
