@@ -70,7 +70,7 @@ def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple
     """A few steps of a loop with something between backward and step (``what``); the
     losses, and how many sub-groups each step adopted from the pass (None: no update)."""
     gen = torch.Generator().manual_seed(1)
-    losses, early = [], []
+    losses, early, states = [], [], []
     for step in range(STEPS):
         x, y = batch("gpt", 4 * world, gen)
         x, y = x[rank::world], y[rank::world]
@@ -83,6 +83,8 @@ def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple
                 losses.append(float(loss_fn("gpt", engine(x), y)))
         if what == "zero" and step == 1:  # a bad batch dropped: nothing is applied
             engine.zero_grad()
+        if what == "state" and step == 1:  # the state as before the step: the pass goes
+            states.append(engine.optimizer.state_dict())
         applied = engine.step()
         losses.append(float(loss.detach()))
         early.append(engine.last_step_timings.early_groups if applied else None)
@@ -105,10 +107,11 @@ def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stag
     ref.close()
 
 
-@pytest.mark.parametrize("what", ["lr", "eval", "zero"])
+@pytest.mark.parametrize("what", ["lr", "eval", "zero", "state"])
 def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
     """An lr changed after backward is this step's lr (the pass is dropped); an evaluation
-    there sees the parameters before the step; ``zero_grad()`` there drops the pass."""
+    there sees the parameters before the step; ``zero_grad()`` there drops the pass, and so
+    does reading the optimizer state (it is the state before the step)."""
     ref = _engine(tmp_path / "ref", early=False)
     ref_losses, _ = _train(ref, what)
     engine = _engine(tmp_path / "early", early=True)
@@ -116,7 +119,7 @@ def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
     assert losses == ref_losses
     _assert_equal(_state(engine), _state(ref))
     assert early[0] > 0 and early[2] > 0
-    assert early[1] == {"lr": 0, "eval": early[0], "zero": None}[what]  # dropped, or not
+    assert early[1] == {"lr": 0, "eval": early[0], "zero": None, "state": 0}[what]
     engine.close()
     ref.close()
 

@@ -76,4 +76,5 @@ def optimizer_stats(t: Any) -> dict[str, float]:
         out["nvme_wait_s"] = max(0.0, t.wall_s - t.compute_s)  # the step not hidden by Adam
         if t.io_busy_s > 0:
             out["disk_gbps"] = (t.bytes_read + t.bytes_written) / t.io_busy_s / 1e9
+        out["early_groups"] = t.early_groups  # sub-groups stepped during the backward
     return out

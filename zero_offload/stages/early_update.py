@@ -67,6 +67,9 @@ class EarlyUpdate:
         self.grads = grads
         self.factor = factor
         self.hyper = hyper
+        # one thread of Adam beside the backward's: the kernel's results do not depend on
+        # how many threads split it, and the cores are the backward's
+        self._one_thread = dict(hyper, num_threads=1)
         self.ranges = ranges
         self.steps = adam.steps  # the step count it builds on
         self.timings = StepTimings()
@@ -144,8 +147,8 @@ class EarlyUpdate:
 
                     def write_out(
                         p: int, q: int, values: torch.Tensor, i: int = i, written: list = written
-                    ) -> None:
-                        written.append(swapper.swap_out(out_key(i), values, copy=True))
+                    ) -> None:  # from where they are: the next sub-group waits for it
+                        written.append(swapper.swap_out(out_key(i), values))
 
                     adam.step_group(
                         state,
@@ -154,7 +157,7 @@ class EarlyUpdate:
                         hi,
                         self.factor,
                         self.ranges,
-                        self.hyper,
+                        self._one_thread,
                         write_out,
                         self.timings,
                         None,
@@ -185,6 +188,8 @@ class EarlyUpdate:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+        if self.adam.early is self:
+            self.adam.early = None
 
     # -- the step's side --------------------------------------------------------------------
     def check(self, hyper: dict, ranges: list[StepRange], factor: float) -> list[int]:
