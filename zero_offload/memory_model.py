@@ -415,9 +415,7 @@ def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str)
         device=build.device,
         terms=tuple(build.terms),
         nvme_fraction=build.host.split.nvme_fraction if nvme else None,
-        disk_bytes_per_step=(
-            build.host.split.disk_bytes_per_step() + build.early_disk_bytes() if nvme else 0
-        ),
+        disk_bytes_per_step=build.host.split.disk_bytes_per_step() if nvme else 0,
         host_budget=build.host.budget,
     )
 

@@ -359,11 +359,6 @@ class TermBuilder:
             and not self.grads_on_disk
         )
 
-    def early_disk_bytes(self) -> int:
-        """Disk traffic a step adds by stepping in backward: each sub-group's new values
-        written, and read back at ``step()``."""
-        return 2 * self.b * self.host.split.nvme_numel if self.steps_in_backward else 0
-
     def add_early_update(self) -> None:
         """Stepping sub-groups in files during the final backward: their new state is
         written beside the old until ``step()`` adopts it, their new values to files of
@@ -385,7 +380,7 @@ class TermBuilder:
             FORWARD_BACKWARD,
             BUFFER,
             self.b * on_nvme,
-            f"{self.b} bytes × the sub-groups in files of {T}/N: the new params, until read",
+            f"{self.b} bytes × the sub-groups in files of {T}/N: new params, written, read once",
         )
 
     def _params_are_master(self) -> bool:

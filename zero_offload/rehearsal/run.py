@@ -279,6 +279,9 @@ def _rehearse(
         sub_group_size=config.offload.sub_group_size,
         host_memory_limit=config.offload.host_memory_limit,
         host_available=host_memory,
+        # a rehearsal's fake gradients have no values to step during backward: its disk is
+        # compared with the estimate of a run without that pass (estimate_memory counts it)
+        step_during_backward=False,
     )
     estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
     return Rehearsal(
