@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..comm import Comm, Handle
+from ..swap.buffers import advise_huge_pages
 from .streams import Streams
 from .units import FlatUnit
 
@@ -118,6 +119,8 @@ class UnitStates:
                 then()
             return False
         unit.full.untyped_storage().resize_(unit.full_bytes)  # allocated on the compute stream
+        if not self.streams.cuda:
+            advise_huge_pages(unit.full)  # fresh host memory each pass, not yet written
         if self.streams.cuda:
             with self.streams.on_gather(after):
                 self.comm.all_gather(unit.full, shard, async_op=True).wait()  # a stream wait

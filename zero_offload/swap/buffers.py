@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
+import functools
 import logging
 import mmap
 import threading
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -32,6 +35,7 @@ from .disk import current_disk
 from .errors import BufferBudgetError
 
 __all__ = [
+    "advise_huge_pages",
     "ALIGNMENT",
     "HUGE_PAGE",
     "HostBuffer",
@@ -81,6 +85,34 @@ def _advise(mm: mmap.mmap, advice: int, offset: int, length: int) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):  # not a libc with madvise
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask the kernel to back the whole 2 MiB pages inside a fresh host tensor with huge
+    pages, before anything writes it; True if it took the advice.
+
+    For memory the allocator hands out anew every pass (a gathered stage-3 unit): 4 KiB pages
+    fault in at 1.5-2.6 GB/s on the hosts measured, 2 MiB ones at 5-16 GB/s. The advice
+    stays with the addresses: glibc unmaps a block from 32 MiB when it is freed; a smaller
+    one goes back to the heap, whose freed pages :func:`~.budget.return_freed_memory`
+    returns."""
+    nbytes = tensor.untyped_storage().nbytes()
+    madvise = _libc_madvise() if nbytes >= 2 * HUGE_PAGE else None
+    if madvise is None or tensor.device.type != "cpu":
+        return False
+    start = round_up(tensor.untyped_storage().data_ptr(), HUGE_PAGE)
+    end = (tensor.untyped_storage().data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return end > start and madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
 
 
 class HostBuffer:
