@@ -76,6 +76,10 @@ def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple
         x, y = x[rank::world], y[rank::world]
         loss = loss_fn("gpt", engine(x), y)
         engine.backward(loss)
+        if what == "twice" and step == 1:  # two backwards before one step: their sum
+            engine.backward(loss_fn("gpt", engine(x.flip(0)), y.flip(0)))
+        if what == "scaled" and step == 1:  # clipped by hand: the step reads the new sums
+            engine.grads.mul_(0.5)
         if what == "lr" and step == 1:  # changed after backward: this step uses it
             engine.optimizer.param_groups[0]["lr"] = 3e-3
         if what == "eval" and step == 1:  # the parameters are the old ones until step()
@@ -107,11 +111,13 @@ def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stag
     ref.close()
 
 
-@pytest.mark.parametrize("what", ["lr", "eval", "zero", "state"])
+@pytest.mark.parametrize("what", ["lr", "eval", "zero", "state", "twice", "scaled"])
 def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
     """An lr changed after backward is this step's lr (the pass is dropped); an evaluation
     there sees the parameters before the step; ``zero_grad()`` there drops the pass, and so
-    does reading the optimizer state (it is the state before the step)."""
+    does reading the optimizer state (it is the state before the step). A second backward
+    (which widens a bf16 gradient shard to fp32 for the sum) and gradients changed in place
+    are what the step reads."""
     ref = _engine(tmp_path / "ref", early=False)
     ref_losses, _ = _train(ref, what)
     engine = _engine(tmp_path / "early", early=True)
@@ -119,7 +125,8 @@ def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
     assert losses == ref_losses
     _assert_equal(_state(engine), _state(ref))
     assert early[0] > 0 and early[2] > 0
-    assert early[1] == {"lr": 0, "eval": early[0], "zero": None, "state": 0}[what]
+    dropped = {"lr": 0, "eval": early[0], "zero": None, "state": 0, "twice": 0, "scaled": 0}
+    assert early[1] == dropped[what]
     engine.close()
     ref.close()
 
@@ -231,3 +238,91 @@ def test_two_ranks_step_during_backward_like_after_it(tmp_path):
     for (a, _), (b, adopted) in zip(ref, early):
         _assert_equal(a, b)
         assert all(n > 0 for n in adopted), adopted
+
+
+def test_a_failed_read_in_the_step_keeps_the_state_as_before(tmp_path, monkeypatch):
+    """A read fails in the step that adopts the pass: as without the pass, nothing changed
+    (the new state of the sub-groups stepped in backward takes over only as the step hands
+    their values on), and a retry of the window trains on as the reference does."""
+    passes: list[EarlyUpdate] = []
+    start = EarlyUpdate.__init__
+
+    def started(self, *args):
+        start(self, *args)
+        passes.append(self)
+
+    monkeypatch.setattr(EarlyUpdate, "__init__", started)
+    ref = _engine(tmp_path / "ref", early=False, dtype=torch.float32, stage=2)
+    engine = _engine(tmp_path / "early", early=True, dtype=torch.float32, stage=2)
+    for e in (ref, engine):
+        gen = torch.Generator().manual_seed(1)
+        x, y = batch("gpt", 4, gen)
+        e.backward(loss_fn("gpt", e(x), y))
+        e.step()
+        x, y = batch("gpt", 4, gen)
+        e.backward(loss_fn("gpt", e(x), y))
+        for running in passes:
+            running.wait_idle()  # its reads are done: the step's first read fails
+        (swapper,) = [s for s in e.swappers if any(s.rank_dir.glob("*adam*"))]
+        swapper.engine.backend = FaultBackend("read", errno_=errno.EIO, times=1)
+        with pytest.raises(zo.SwapIOError, match="read failed: EIO"):
+            e.step()
+        swapper.engine.backend = FaultBackend("none")
+        e.zero_grad()
+        e.backward(loss_fn("gpt", e(x), y))
+        e.step()
+    assert len(passes) == 3 and passes[0].done  # the failed step had one to adopt
+    _assert_equal(_state(engine), _state(ref))
+    engine.close()
+    ref.close()
+
+
+class _SharedInTwoSegments(torch.nn.Module):
+    """A layer used in two reentrant checkpointed segments: its gradient arrives in two
+    pieces, the second after its unit was reduced (a late piece)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.shared = torch.nn.Linear(16, 48), torch.nn.Linear(48, 48)
+        self.a, self.b, self.out = (
+            torch.nn.Linear(48, 48),
+            torch.nn.Linear(48, 48),
+            torch.nn.Linear(48, 8),
+        )
+
+    def segment(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(torch.tanh(layer(h))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in (self.a, self.b):
+            h = torch.utils.checkpoint.checkpoint(self.segment, layer, h, use_reentrant=True)
+        return self.out(h)
+
+
+def test_a_late_gradient_piece_stops_the_pass_before_the_step_runs(tmp_path, waits):
+    """With a late piece the step reduces it and steps every sub-group itself; the pass
+    must be gone by then (two drivers of one swapper wait on each other for its buffers)."""
+    states = []
+    for early in (False, True):
+        torch.manual_seed(0)
+        engine = zo.initialize(
+            _SharedInTwoSegments(),
+            stage=2,
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path / str(early)),
+            lr=1e-2,
+            sub_group_size=512,
+            gradient_accumulation_steps=2,
+            step_during_backward=early,
+        )
+        for swapper in engine.swappers:
+            swapper.acquire_timeout = 10  # a wait for a buffer is a hang here
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2 * STEPS):
+            x = torch.randn(4, 16, generator=gen, requires_grad=True)
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        states.append(_state(engine))
+        engine.close()
+    _assert_equal(*states)

@@ -72,6 +72,7 @@ class EarlyUpdate:
         self._one_thread = dict(hyper, num_threads=1)
         self.ranges = ranges
         self.steps = adam.steps  # the step count it builds on
+        self._version = grads._version  # of the sums it read: any later change drops it
         self.timings = StepTimings()
         self._starts = unit_starts
         self._landed = [False] * len(unit_starts)
@@ -94,9 +95,11 @@ class EarlyUpdate:
         thread may call this)."""
         with self._cond:
             if self._landed[k]:  # reduced twice in one backward: a late piece
-                self._late = True
+                self._late = self._stop = True  # the step reduces it and steps every sub-group
+                self._cond.notify_all()
                 return
             self._landed[k] = True
+            self._version = self.grads._version  # the sums as they landed
             j = len(self._landed)
             while j > 0 and self._landed[j - 1]:
                 j -= 1
@@ -192,12 +195,14 @@ class EarlyUpdate:
             self.adam.early = None
 
     # -- the step's side --------------------------------------------------------------------
-    def check(self, hyper: dict, ranges: list[StepRange], factor: float) -> list[int]:
+    def check(
+        self, grads: torch.Tensor | None, hyper: dict, ranges: list[StepRange], factor: float
+    ) -> list[int]:
         """Stop the pass. If it computed what the step computes, the sub-groups it finished
         (in rank-flat order), whose ``.next`` files then take over their state (the caller
         does that: it is where the state changes); otherwise it is dropped: none."""
         self._finish()
-        why = self._mismatch(hyper, ranges, factor)
+        why = self._mismatch(grads, hyper, ranges, factor)
         if why:
             if self.done:
                 log.info("dropping %d sub-groups stepped during backward: %s", len(self.done), why)
@@ -205,11 +210,17 @@ class EarlyUpdate:
             return []
         return sorted(self.done)
 
-    def _mismatch(self, hyper: dict, ranges: list[StepRange], factor: float) -> str:
+    def _mismatch(
+        self, grads: torch.Tensor | None, hyper: dict, ranges: list[StepRange], factor: float
+    ) -> str:
         if self.error is not None:
             return f"it failed ({type(self.error).__name__}: {self.error})"
         if self._late:
             return "gradients arrived after their unit was reduced"
+        if grads is not self.grads:
+            return "the gradient shard was replaced (a second backward summed into fp32)"
+        if grads._version != self._version:
+            return "the gradients changed after they were reduced"
         if self.adam.steps != self.steps:
             return "the step count changed"
         if hyper != self.hyper:

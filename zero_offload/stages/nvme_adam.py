@@ -296,7 +296,7 @@ class NvmeAdam:
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
-        done = [] if early is None else early.check(hyper, ranges, factor)
+        done = [] if early is None else early.check(grads, hyper, ranges, factor)
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
         return self._stepped_groups(grads, factor, sink, hyper, ranges, targets, done)
 
@@ -343,10 +343,7 @@ class NvmeAdam:
     ) -> Iterator[int]:
         changed: list[int] = []  # sub-groups whose state changed in memory
         try:
-            for i in early_done:  # their new state takes over the files
-                changed.append(i)
-                self.swapper.take_over(self.state_key(i), next_key(i))
-            self._replay = set(early_done)
+            self._replay = set(early_done)  # their new state takes over as they are replayed
             yield from self._pipeline(grads, factor, sink, hyper, changed, ranges, targets)
         except BaseException as exc:
             self._abort(exc, changed)
@@ -384,8 +381,9 @@ class NvmeAdam:
             self._busy_lock.wait_for(lambda: self._in_flight == 0)
         for i in range(len(self.bounds)):
             try:
-                if i in self._replay:
+                if i in self._replay:  # the new state too, where it did not take over
                     self.swapper.discard(out_key(i))
+                    self.swapper.discard(next_key(i))
                 if i >= self.host_groups and changed:
                     self.swapper.discard(self.state_key(i))  # frees the disk too (ENOSPC)
                 elif i >= self.host_groups:
@@ -488,6 +486,8 @@ class NvmeAdam:
                 values = pending[0].result()
                 if lookahead and i < last:
                     pending = self._read(i + 1, timings)
+                changed.append(i)  # from here on, its new state is the state
+                self.swapper.take_over(self.state_key(i), next_key(i))
                 self._replay_group(values, lo, hi, sink, timings, targets)
                 if i > first_disk:
                     release(i - 1)

@@ -300,6 +300,8 @@ class ShardStepper:
             arrived_late = any(late)
             if arrived_late:
                 assert reduce_late is not None
+                if early is not None:  # it read sums that change now, and must not drive
+                    early.drop()  # the swapper beside the update
                 reduce_late(late)  # rare (reentrant backward): the sums change, read again
                 sumsq = self._exchange(None)[-1]
             if not any(had):
