@@ -486,8 +486,8 @@ class NvmeAdam:
                 values = pending[0].result()
                 if lookahead and i < last:
                     pending = self._read(i + 1, timings)
+                self.swapper.take_over(self.state_key(i), next_key(i))  # raises: unchanged
                 changed.append(i)  # from here on, its new state is the state
-                self.swapper.take_over(self.state_key(i), next_key(i))
                 self._replay_group(values, lo, hi, sink, timings, targets)
                 if i > first_disk:
                     release(i - 1)

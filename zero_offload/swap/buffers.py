@@ -107,12 +107,13 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     one goes back to the heap, whose freed pages :func:`~.budget.return_freed_memory`
     returns."""
     nbytes = tensor.untyped_storage().nbytes()
-    madvise = _libc_madvise() if nbytes >= 2 * HUGE_PAGE else None
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    madvise = _libc_madvise() if nbytes >= 2 * HUGE_PAGE and advice is not None else None
     if madvise is None or tensor.device.type != "cpu":
         return False
     start = round_up(tensor.untyped_storage().data_ptr(), HUGE_PAGE)
     end = (tensor.untyped_storage().data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
-    return end > start and madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
+    return end > start and madvise(start, end - start, advice) == 0
 
 
 class HostBuffer:
