@@ -87,6 +87,22 @@ def train(
     return engine, initial
 
 
+def training_state(engine: zo.Engine) -> dict[str, torch.Tensor]:
+    """A copy of everything training changes: full parameters and optimizer state."""
+    out = {f"param.{k}": v.clone() for k, v in engine.full_state_dict().items()}
+    for index, tensors in engine.optimizer.state_dict()["state"].items():
+        for k, v in tensors.items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt.{index}.{k}"] = v.clone()
+    return out
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def compare(engine_sd: dict, ref_sd: dict) -> tuple[float, float]:
     diffs = [(engine_sd[k] - ref_sd[k]).abs().flatten() for k in ref_sd]
     d = torch.cat(diffs)

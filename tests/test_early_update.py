@@ -16,6 +16,7 @@ import torch
 
 import zero_offload as zo
 from distributed import run_ranks
+from equivalence import assert_bit_equal, training_state
 from models import TinyGPT, batch, loss_fn
 from swap_faults import FaultBackend
 from zero_offload.stages.early_update import EarlyUpdate
@@ -49,21 +50,6 @@ def _engine(tmp_path, early: bool, dtype=torch.bfloat16, stage: int = 3, **kw) -
         step_during_backward=early,
         **kw,
     )
-
-
-def _state(engine: zo.Engine) -> dict[str, torch.Tensor]:
-    out = {f"param.{k}": v.clone() for k, v in engine.full_state_dict().items()}
-    for index, tensors in engine.optimizer.state_dict()["state"].items():
-        for k, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                out[f"opt.{index}.{k}"] = v.clone()
-    return out
-
-
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple[list, list]:
@@ -106,7 +92,7 @@ def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stag
     assert ref_early == [0] * STEPS
     assert all(n > 0 for n in early), early  # every disk sub-group, waited for
     assert losses == ref_losses
-    _assert_equal(_state(engine), _state(ref))
+    assert_bit_equal(training_state(engine), training_state(ref))
     engine.close()
     ref.close()
 
@@ -123,7 +109,7 @@ def test_what_happens_between_backward_and_step_is_seen(tmp_path, waits, what):
     engine = _engine(tmp_path / "early", early=True)
     losses, early = _train(engine, what)
     assert losses == ref_losses
-    _assert_equal(_state(engine), _state(ref))
+    assert_bit_equal(training_state(engine), training_state(ref))
     assert early[0] > 0 and early[2] > 0
     dropped = {"lr": 0, "eval": early[0], "zero": None, "state": 0, "twice": 0, "scaled": 0}
     assert early[1] == dropped[what]
@@ -159,13 +145,13 @@ def test_a_parameter_without_gradient_drops_the_pass(tmp_path, waits):
             engine.backward(engine(x, use_b).square().mean())
             engine.step()
             adopted.append(engine.last_step_timings.early_groups)
-        state = _state(engine)
+        state = training_state(engine)
         engine.close()
         return state, adopted
 
     ref, _ = run(False, tmp_path / "ref")
     state, adopted = run(True, tmp_path / "early")
-    _assert_equal(state, ref)
+    assert_bit_equal(state, ref)
     assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
 
 
@@ -186,7 +172,7 @@ def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
         engine.step()
         adopted.append(engine.last_step_timings.early_groups)
     assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
-    _assert_equal(_state(engine), _state(ref))
+    assert_bit_equal(training_state(engine), training_state(ref))
     engine.close()
     ref.close()
 
@@ -212,7 +198,7 @@ def test_the_step_adopts_only_what_the_pass_finished(tmp_path):
     engine = _engine(tmp_path / "early", early=True)
     losses, _ = _train(engine, "plain")
     assert losses == ref_losses
-    _assert_equal(_state(engine), _state(ref))
+    assert_bit_equal(training_state(engine), training_state(ref))
 
 
 def _waiting_check(self, *args):
@@ -227,7 +213,7 @@ def _two_ranks(rank: int, world: int, path: str, early: bool) -> tuple[dict, lis
     EarlyUpdate.check = _waiting_check  # this process only: every ready sub-group adopted
     engine = _engine(f"{path}/{rank}", early=early)
     _, adopted = _train(engine, "plain", rank, world)
-    state = _state(engine)
+    state = training_state(engine)
     engine.close()
     return state, adopted
 
@@ -236,7 +222,7 @@ def test_two_ranks_step_during_backward_like_after_it(tmp_path):
     ref = run_ranks(2, _two_ranks, str(tmp_path / "ref"), False)
     early = run_ranks(2, _two_ranks, str(tmp_path / "early"), True)
     for (a, _), (b, adopted) in zip(ref, early):
-        _assert_equal(a, b)
+        assert_bit_equal(a, b)
         assert all(n > 0 for n in adopted), adopted
 
 
@@ -272,7 +258,7 @@ def test_a_failed_read_in_the_step_keeps_the_state_as_before(tmp_path, monkeypat
         e.backward(loss_fn("gpt", e(x), y))
         e.step()
     assert len(passes) == 3 and passes[0].done  # the failed step had one to adopt
-    _assert_equal(_state(engine), _state(ref))
+    assert_bit_equal(training_state(engine), training_state(ref))
     engine.close()
     ref.close()
 
@@ -323,6 +309,6 @@ def test_a_late_gradient_piece_stops_the_pass_before_the_step_runs(tmp_path, wai
             x = torch.randn(4, 16, generator=gen, requires_grad=True)
             engine.backward(engine(x).square().mean())
             engine.step()
-        states.append(_state(engine))
+        states.append(training_state(engine))
         engine.close()
-    _assert_equal(*states)
+    assert_bit_equal(*states)

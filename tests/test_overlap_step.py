@@ -14,6 +14,7 @@ import torch
 
 import zero_offload as zo
 from distributed import run_ranks
+from equivalence import assert_bit_equal, training_state
 from models import batch, loss_fn, make
 from swap_faults import FaultBackend
 from zero_offload.stages.nvme_adam import IncompleteStepError
@@ -65,22 +66,6 @@ def _user_loop(engine, rank: int = 0, world: int = 1) -> list[float]:
     return losses
 
 
-def _state(engine) -> dict[str, torch.Tensor]:
-    out = {f"param.{k}": v.clone() for k, v in engine.full_state_dict().items()}
-    state = engine.optimizer.state_dict()["state"]
-    for index, tensors in state.items():
-        for k, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                out[f"opt.{index}.{k}"] = v.clone()
-    return out
-
-
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 @pytest.mark.parametrize("param", ["nvme", "cpu", "none"])
 def test_overlapped_step_is_bit_for_bit_the_sequential_one(tmp_path, param):
     results = {}
@@ -93,10 +78,10 @@ def test_overlapped_step_is_bit_for_bit_the_sequential_one(tmp_path, param):
             gradient_accumulation_steps=2,
         )
         losses = _user_loop(engine)
-        results[overlap] = (losses, _state(engine), engine.optimizer_steps)
+        results[overlap] = (losses, training_state(engine), engine.optimizer_steps)
         engine.close()
     assert results[True][0] == results[False][0]
-    _assert_equal(results[True][1], results[False][1])
+    assert_bit_equal(results[True][1], results[False][1])
     assert results[True][2] == results[False][2] == STEPS
 
 
@@ -136,7 +121,7 @@ def test_the_update_runs_under_the_next_forward_unit_by_unit(tmp_path):
 def _two_ranks(rank: int, world: int, path: str, overlap: bool) -> dict:
     engine = _engine(path, overlap, max_grad_norm=0.5, gradient_accumulation_steps=2)
     _user_loop(engine, rank, world)
-    state = _state(engine)
+    state = training_state(engine)
     engine.close()
     return state
 
@@ -145,7 +130,7 @@ def test_overlapped_step_on_two_ranks_matches_the_sequential_one(tmp_path):
     seq = run_ranks(2, _two_ranks, str(tmp_path / "seq"), False)
     ovl = run_ranks(2, _two_ranks, str(tmp_path / "ovl"), True)
     for a, b in zip(seq, ovl):
-        _assert_equal(a, b)
+        assert_bit_equal(a, b)
 
 
 def test_checkpoint_and_close_right_after_step_see_the_whole_update(tmp_path):
@@ -163,9 +148,9 @@ def test_checkpoint_and_close_right_after_step_see_the_whole_update(tmp_path):
         saved[overlap] = {k: v.clone() for k, v in model.state_dict().items()}
         fresh = _engine(tmp_path / f"load{overlap}", overlap)
         fresh.load_checkpoint(tmp_path / f"ckpt{overlap}", tag="t")
-        saved[overlap].update({f"loaded.{k}": v for k, v in _state(fresh).items()})
+        saved[overlap].update({f"loaded.{k}": v for k, v in training_state(fresh).items()})
         fresh.close()
-    _assert_equal(saved[True], saved[False])
+    assert_bit_equal(saved[True], saved[False])
 
 
 def test_a_failed_read_under_the_forward_raises_there_and_the_state_is_refused(tmp_path):
@@ -226,7 +211,7 @@ def _one_buffer_run(path, overlap: bool) -> tuple[list[float], dict]:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    state = _state(engine)
+    state = training_state(engine)
     engine.close()
     return losses, state
 
@@ -237,4 +222,4 @@ def test_a_one_buffer_parameter_pool_trains_with_the_update_under_the_forward(tm
     ref_losses, ref = _one_buffer_run(tmp_path / "seq", overlap=False)
     losses, state = _one_buffer_run(tmp_path / "ovl", overlap=True)
     assert losses == ref_losses
-    _assert_equal(state, ref)
+    assert_bit_equal(state, ref)

@@ -489,28 +489,24 @@ class NvmeAdam:
                 self.swapper.take_over(self.state_key(i), next_key(i))  # raises: unchanged
                 changed.append(i)  # from here on, its new state is the state
                 self._replay_group(values, lo, hi, sink, timings, targets)
-                if i > first_disk:
-                    release(i - 1)
-                if not lookahead and i < last:
-                    release(i)
-                    pending = self._read(i + 1, timings)
-                yield hi
-                continue
-            assert pending[0] is not None  # in files: its state is read
-            state = pending[0].result().view(3, hi - lo)
-            if pending[1] is not None:  # read from the gradient files
-                grad = pending[1].result()
             else:
-                assert grads is not None  # not in files: the host shard was passed
-                grad = grads[lo:hi]
-            if lookahead and i < last:
-                pending = self._read(i + 1, timings)
-            changed.append(i)  # from here on, sub-group i (and its gradients) change
-            self.step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
-            timings.bytes_written += 12 * (hi - lo)
-            writes[i] = self._timed(
-                self.swapper.swap_out(self.state_key(i), state.reshape(-1)), "write_s", timings
-            )
+                assert pending[0] is not None  # in files: its state is read
+                state = pending[0].result().view(3, hi - lo)
+                if pending[1] is not None:  # read from the gradient files
+                    grad = pending[1].result()
+                else:
+                    assert grads is not None  # not in files: the host shard was passed
+                    grad = grads[lo:hi]
+                if lookahead and i < last:
+                    pending = self._read(i + 1, timings)
+                changed.append(i)  # from here on, sub-group i (and its gradients) change
+                self.step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
+                timings.bytes_written += 12 * (hi - lo)
+                writes[i] = self._timed(
+                    self.swapper.swap_out(self.state_key(i), state.reshape(-1)),
+                    "write_s",
+                    timings,
+                )
             if i > first_disk:
                 release(i - 1)
             if not lookahead and i < last:
