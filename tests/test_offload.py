@@ -253,9 +253,9 @@ def test_ctrl_c_during_a_step_reaches_the_caller_as_itself(tmp_path, monkeypatch
     """Ctrl-C after a sub-group was updated: the loop's ``except KeyboardInterrupt`` sees it
     (not a RuntimeError that ``except Exception`` would swallow), and the partly updated
     state is refused until loaded again."""
-    from zero_offload.stages.nvme_adam import NvmeAdam
+    from zero_offload.stages.group_step import GroupStep
 
-    step_group, calls = NvmeAdam.step_group, [0]
+    step_group, calls = GroupStep.step, [0]
 
     def interrupted(self, *args, **kwargs):  # SIGINT's handler, firing in sub-group 2
         calls[0] += 1
@@ -274,7 +274,7 @@ def test_ctrl_c_during_a_step_reaches_the_caller_as_itself(tmp_path, monkeypatch
     )
     x, y = batch("mlp", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("mlp", engine(x), y))
-    monkeypatch.setattr(NvmeAdam, "step_group", interrupted)
+    monkeypatch.setattr(GroupStep, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     with pytest.raises(zo.IncompleteStepError, match="KeyboardInterrupt"):

@@ -153,7 +153,7 @@ class EarlyUpdate:
                     ) -> None:  # from where they are: the next sub-group waits for it
                         written.append(swapper.swap_out(out_key(i), values))
 
-                    adam.step_group(
+                    adam.group_step.step(
                         state,
                         self.grads[lo:hi],
                         lo,

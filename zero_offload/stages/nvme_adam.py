@@ -26,7 +26,6 @@ the same sub-groups), and the step reads each sub-group's back beside its state.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from typing import Iterator
@@ -37,7 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
-from ..optim import CPUAdam, adam_update
+from ..optim import CPUAdam
 from ..partition import chunks, split_range
 from ..swap.budget import host_memory_budget
 from ..swap.buffers import HostBuffer
@@ -46,6 +45,8 @@ from ..swap.errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from .disk_grads import DiskGrads
 from .early_update import EarlyUpdate, next_key, out_key
+from .group_step import GroupStep
+from .io_clock import IoClock
 from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
 from .update_api import (
     Sink,
@@ -129,9 +130,14 @@ class NvmeAdam:
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
         self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
-        # a sub-group's new params (none in fp32: the master is what is written)
-        self.out = host_empty(
-            self.group if dtype != torch.float32 else 0, dtype, crosses_pcie=dtype != torch.float32
+        # steps a sub-group in host memory; its buffer holds one sub-group's new params
+        # (none in fp32: the master is what is written)
+        self.group_step = GroupStep(
+            host_empty(
+                self.group if dtype != torch.float32 else 0,
+                dtype,
+                crosses_pcie=dtype != torch.float32,
+            )
         )
         # bytes a parameter of the new values an early pass stores (fp32: the master)
         self.out_itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -145,9 +151,7 @@ class NvmeAdam:
         # and the pass of this window's backward while it runs
         self._replay: set[int] = set()
         self.early: EarlyUpdate | None = None
-        self._busy_lock = threading.Condition()  # I/O completions run on the engine's threads
-        self._in_flight = 0
-        self._busy_since = 0.0
+        self.io_clock = IoClock()
         log.info(
             "NVMe optimizer state: %d sub-groups of %d params (%d in host memory), %d host "
             "buffers of %.1f MiB%s",
@@ -213,27 +217,6 @@ class NvmeAdam:
                 self._stale.discard(i)
 
     # -- the step -------------------------------------------------------------------------
-    def _timed(self, fut: Future, kind: str, timings: StepTimings) -> Future:
-        """Add the request's duration (submit to completion) to ``timings.<kind>``, and the
-        time with any request in flight to ``timings.io_busy_s``."""
-        start = time.perf_counter()
-        with self._busy_lock:
-            if self._in_flight == 0:
-                self._busy_since = start
-            self._in_flight += 1
-
-        def done(_: Future) -> None:
-            now = time.perf_counter()
-            with self._busy_lock:
-                setattr(timings, kind, getattr(timings, kind) + now - start)
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    timings.io_busy_s += now - self._busy_since
-                    self._busy_lock.notify_all()
-
-        fut.add_done_callback(done)
-        return fut
-
     def _read(self, i: int, timings: StepTimings) -> tuple[Future | None, Future | None]:
         """Start reading sub-group i's state (None when it is in host memory) and its
         gradients (None when they are in host memory)."""
@@ -241,13 +224,13 @@ class NvmeAdam:
         state = grad = None
         if i in self._replay:  # stepped during backward: only its new values are read
             timings.bytes_read += self.out_itemsize * (hi - lo)
-            return self._timed(self.swapper.prefetch(out_key(i)), "read_s", timings), None
+            return self.io_clock.timed(self.swapper.prefetch(out_key(i)), "read_s", timings), None
         if i >= self.host_groups:
             timings.bytes_read += 12 * (hi - lo)
-            state = self._timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
+            state = self.io_clock.timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
         if self.disk_grads is not None:
             timings.bytes_read += self.disk_grads.stored_bytes(i)
-            grad = self._timed(self.disk_grads.prefetch(i), "read_s", timings)
+            grad = self.io_clock.timed(self.disk_grads.prefetch(i), "read_s", timings)
         return state, grad
 
     def _release(self, i: int) -> None:
@@ -377,8 +360,7 @@ class NvmeAdam:
                 if isinstance(exc, GeneratorExit)
                 else f"{type(exc).__name__}: {exc}"
             )
-        with self._busy_lock:
-            self._busy_lock.wait_for(lambda: self._in_flight == 0)
+        self.io_clock.wait_idle()
         for i in range(len(self.bounds)):
             try:
                 if i in self._replay:  # the new state too, where it did not take over
@@ -475,7 +457,7 @@ class NvmeAdam:
                     assert grads is not None  # not in files: the host shard was passed
                     grad = grads[lo:hi]
                 changed.append(i)
-                self.step_group(
+                self.group_step.step(
                     resident, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
                 )
                 self._release(i)
@@ -488,7 +470,7 @@ class NvmeAdam:
                     pending = self._read(i + 1, timings)
                 self.swapper.take_over(self.state_key(i), next_key(i))  # raises: unchanged
                 changed.append(i)  # from here on, its new state is the state
-                self._replay_group(values, lo, hi, sink, timings, targets)
+                self.group_step.replay(values, lo, hi, sink, timings, targets)
             else:
                 assert pending[0] is not None  # in files: its state is read
                 state = pending[0].result().view(3, hi - lo)
@@ -500,9 +482,11 @@ class NvmeAdam:
                 if lookahead and i < last:
                     pending = self._read(i + 1, timings)
                 changed.append(i)  # from here on, sub-group i (and its gradients) change
-                self.step_group(state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets)
+                self.group_step.step(
+                    state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
+                )
                 timings.bytes_written += 12 * (hi - lo)
-                writes[i] = self._timed(
+                writes[i] = self.io_clock.timed(
                     self.swapper.swap_out(self.state_key(i), state.reshape(-1)),
                     "write_s",
                     timings,
@@ -515,95 +499,11 @@ class NvmeAdam:
             yield hi
         if first_disk <= last:
             release(last)
-        with self._busy_lock:  # completion callbacks may still be running
-            self._busy_lock.wait_for(lambda: self._in_flight == 0)
+        self.io_clock.wait_idle()  # completion callbacks may still be running
         for write in writes.values():
             write.result()  # a failed write-back fails the step
         timings.wall_s = time.perf_counter() - start
         self.last_timings = timings
-
-    def step_group(
-        self,
-        state: torch.Tensor,
-        grad: torch.Tensor,
-        lo: int,
-        hi: int,
-        factor: float,
-        ranges: list[StepRange],
-        hyper: dict,
-        sink: Sink,
-        timings: StepTimings,
-        targets: Targets | None,
-    ) -> None:
-        """The CPU Adam on sub-group [lo, hi)'s (3, n) state, wherever it lives; elements
-        outside ``ranges`` keep their values. The new compute-dtype values go straight into
-        their ``targets`` (the rest into ``self.out``); each piece goes to ``sink`` once
-        computed."""
-        for p, q, out in self._outputs(lo, hi, targets):
-            t0 = time.perf_counter()
-            done = p
-            for a, b, count, decays in ranges:
-                a, b = max(a, p), min(b, q)
-                if a >= b:
-                    continue
-                if out is not None and done < a:  # not stepped: the master as it is
-                    out[done - p : a - p].copy_(state[0, done - lo : a - lo])
-                kw = dict(hyper, step=count, weight_decay=hyper["weight_decay"] if decays else 0.0)
-                adam_update(
-                    state[0, a - lo : b - lo],
-                    grad[a - lo : b - lo],
-                    state[1, a - lo : b - lo],
-                    state[2, a - lo : b - lo],
-                    grad_scale=factor,  # scaled in registers
-                    out=None if out is None else out[a - p : b - p],
-                    **kw,
-                )
-                done = b
-            if out is not None and done < q:
-                out[done - p :].copy_(state[0, done - lo : q - lo])
-            timings.compute_s += time.perf_counter() - t0
-            sink(p, q, state[0, p - lo : q - lo] if out is None else out)
-
-    def _replay_group(
-        self,
-        values: torch.Tensor,
-        lo: int,
-        hi: int,
-        sink: Sink,
-        timings: StepTimings,
-        targets: Targets | None,
-    ) -> None:
-        """Sub-group [lo, hi)'s new values, computed during backward, to their ``targets``
-        and the ``sink`` as :meth:`step_group` hands them on."""
-        t0 = time.perf_counter()
-        for p, q, out in self._outputs(lo, hi, targets):
-            piece = values[p - lo : q - lo]
-            if out is not None:
-                out.copy_(piece)
-            sink(p, q, piece if out is None else out)
-        timings.compute_s += time.perf_counter() - t0
-
-    def _outputs(
-        self, lo: int, hi: int, targets: Targets | None
-    ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
-        """Where the kernel writes sub-group [lo, hi)'s new compute-dtype values, piece by
-        piece: the ``targets`` pieces, the rest into ``self.out`` (None in fp32: the master
-        only). A target is asked for only after the piece before it went to the sink (which
-        may free the room it takes)."""
-        if self.out.numel() == 0:
-            yield lo, hi, None
-            return
-        at = lo
-        while at < hi:
-            piece = None if targets is None else targets(at, hi)
-            if piece is None:
-                yield at, hi, self.out[at - lo : hi - lo]
-                return
-            a, b, view = piece
-            if at < a:
-                yield at, a, self.out[at - lo : a - lo]
-            yield a, b, view
-            at = b
 
     # -- state out ------------------------------------------------------------------------
     def iter_state(self) -> Iterator[StateChunk]:
@@ -629,20 +529,21 @@ class NvmeAdam:
         return master
 
     def add_to(self, report: MemoryReport) -> None:
+        out = self.group_step.out
         report.add("nvme", "optimizer", 12 * self.split.nvme_numel)
         report.add(
             "host",
             "optimizer",
             self.swapper.host_buffer_nbytes
-            + self.out.numel() * self.out.element_size()
+            + out.numel() * out.element_size()
             + self.split.host_state_bytes,
-            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out),
+            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(out),
         )
         if self.disk_grads is not None:
             self.disk_grads.add_to(report)
 
     def close(self) -> None:
-        unpin(self.out)
+        unpin(self.group_step.out)
         if self.disk_grads is not None:
             self.disk_grads.close()
         self.swapper.close()

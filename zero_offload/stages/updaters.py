@@ -26,11 +26,12 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from ..config import ZeroConfig
 from ..ledger import MemoryReport
-from ..optim import CPUAdam, adam_update
+from ..optim import CPUAdam
 from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .disk_grads import DiskGrads
 from .nvme_adam import NvmeAdam
+from .range_step import adam_over_ranges
 from .update_api import (
     Sink,
     StateChunk,
@@ -277,39 +278,25 @@ class HostAdam(_ResidentAdam):
         assert grads is not None
         start = time.perf_counter()
         state = self._moments()
-        n = self.master.numel()
         step = self.steps + 1
-        hyper = adam_hyperparameters(self.optimizer, step)
-        decay = hyper["weight_decay"]
-        as_is = grads.device.type == "cpu"  # else copied to the host a chunk at a time
-        done = 0
-        for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:
-            self._copy_out(done, lo)
-            hyper["step"], hyper["weight_decay"] = count, decay if decays else 0.0
-            chunk = max(1, hi - lo) if as_is else GRAD_SLICE
-            for a in range(lo, hi, chunk):
-                b = min(a + chunk, hi)
-                adam_update(
-                    self.master[a:b],
-                    grads[a:b].to("cpu"),
-                    state["exp_avg"][a:b],
-                    state["exp_avg_sq"][a:b],
-                    out=None if self.out is None else self.out[a:b],
-                    grad_scale=factor,
-                    **hyper,
-                )
-            done = hi
-        self._copy_out(done, n)
+        adam_over_ranges(
+            self.master,
+            grads,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            0,
+            whole_range(self.master.numel(), step) if ranges is None else ranges,
+            adam_hyperparameters(self.optimizer, step),
+            factor,
+            out=self.out,
+            # host gradients: one call per range; device ones copied a slice at a time
+            chunk=None if grads.device.type == "cpu" else GRAD_SLICE,
+        )
         self.steps = step
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         elapsed = time.perf_counter() - start
         self.last_timings = StepTimings(compute_s=elapsed, wall_s=elapsed)
         sink(0, self.master.numel(), self.master if self.out is None else self.out)
-
-    def _copy_out(self, lo: int, hi: int) -> None:
-        """Elements not stepped: their compute-dtype output is the master, as it is."""
-        if self.out is not None and lo < hi:
-            self.out[lo:hi].copy_(self.master[lo:hi])
 
     def add_to(self, report: MemoryReport) -> None:
         super().add_to(report)
