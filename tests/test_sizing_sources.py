@@ -129,6 +129,7 @@ def test_nvme_terms_are_the_nvme_optimizers_pools(tmp_path: Path, limit_mib: int
         assert _term(e, "optimizer swap buffers") == opt.swapper.host_buffer_nbytes
         grads = opt.disk_grads.swapper.host_buffer_nbytes if opt.disk_grads else 0
         assert _term(e, "grad swap buffers") == grads
-        assert _term(e, "param staging") == opt.out.numel() * opt.out.element_size()
+        out = opt.group_step.out
+        assert _term(e, "param staging") == out.numel() * out.element_size()
     finally:
         opt.close()
