@@ -229,7 +229,7 @@ class Engine(EngineLifecycle, EngineState):
         # an update still running under a forward stops first, while its files are open;
         # the pinned staging buffers go last, once nothing copies from them any more
         self._leftovers.closers.insert(0, self.stepper.abandon)
-        self._leftovers.closers += [self.stepper.release_staging, self.streams.close]
+        self._leftovers.closers += [self.stepper.sink.release_staging, self.streams.close]
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
         self.global_steps = 0

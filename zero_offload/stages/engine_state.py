@@ -64,7 +64,7 @@ class EngineState:
         self._check_open()
         if not unit.frozen:
             self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
-        self.stepper.write_params(unit, master)
+        self.stepper.sink.write(unit, master)
 
     def finish_load(self) -> None:
         """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""

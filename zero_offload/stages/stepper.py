@@ -4,9 +4,10 @@ All units' shards sit end to end in one rank-flat buffer, so the update is one c
 contiguous array — the shape a vectorized Adam wants — and a torch ``Optimizer`` over it gives
 users ``param_groups`` for lr schedulers. Where that state lives (device, host, NVMe) is the
 updater's business (``stages.updaters``); this class prepares the gradients (unscale, overflow
-check, global-norm clipping) and writes the new values back to the compute-dtype parameters:
-into the rank's shard (stage 3) or all-gathered into the full flat buffers (stages 0–2 and
-persistent stage-3 units).
+check, global-norm clipping) and hands the new values to its ``sink``
+(``stages.param_sink``), which writes them back to the compute-dtype parameters: into the
+rank's shard (stage 3) or all-gathered into the full flat buffers (stages 0–2 and persistent
+stage-3 units).
 
 Like ``torch.optim.AdamW``, a parameter that had no gradient in the accumulation window (on any
 rank) is not stepped: no moment update, no weight decay, and its own step count (Adam's bias
@@ -18,7 +19,6 @@ the no-decay parameter group of Hugging Face Trainer's AdamW: their ranges say s
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 from typing import Callable, Mapping
@@ -30,9 +30,9 @@ from ..comm import Comm
 from ..config import ConfigError, ZeroConfig
 from ..ledger import MemoryReport
 from .grads import trainable_slots
-from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .loss_scale import LossScaler
 from .overlap import DeferredUpdate
+from .param_sink import ParamSink
 from .param_store import ParamStore
 from .slices import sum_of_squares
 from .streams import Streams
@@ -90,16 +90,17 @@ class ShardStepper:
         # the units the updater steps, in rank-flat order (frozen ones come after them)
         self._stepped = sorted((u for u in units if not u.frozen), key=lambda u: u.shard_offset)
         self._starts = [u.shard_offset for u in self._stepped]
-        largest = max((u.shard_numel for u in units), default=0)
-        # A unit split across NVMe sub-groups is assembled here before it is stored.
-        self._staging = (
-            host_empty(largest, dtype, crosses_pcie=True)
-            if cfg.offload.optimizer == "nvme"
-            else None
+        # where the new values go (a unit cut by NVMe sub-groups is assembled there)
+        self.sink = ParamSink(
+            self._stepped,
+            self.stage,
+            dtype,
+            comm,
+            streams,
+            params,
+            staging=cfg.offload.optimizer == "nvme",
+            largest=max((u.shard_numel for u in units), default=0),
         )
-        self._staged_bytes = 0  # new values copied into the staging buffer, ever
-        # units whose new values the updater writes in place (their targets), until stored
-        self._targeted: dict[int, torch.Tensor] = {}
         p = cfg.precision
         self.scaler = (
             LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
@@ -322,7 +323,7 @@ class ShardStepper:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        copied = self._copied_bytes()
+        copied = self.sink.copied_bytes
         ranges = self._update_ranges(had)
         # the pass of this window's backward: adopted or dropped by the updater
         extra = {} if early is None or arrived_late else {"early": early}
@@ -331,14 +332,16 @@ class ShardStepper:
             early.handed_over = True
         if defer is not None and self._can_defer:
             steps = self.updater.update_in_steps(  # type: ignore[attr-defined]
-                self.grads, factor, self._sink, ranges, self._targets, **extra
+                self.grads, factor, self.sink.sink, ranges, self.sink.targets, **extra
             )
             self.pending = DeferredUpdate(
                 steps, lambda: self._update_done(copied, defer), self._update_failed
             )
             return True
         try:
-            self.updater.update(self.grads, factor, self._sink, ranges, self._targets, **extra)
+            self.updater.update(
+                self.grads, factor, self.sink.sink, ranges, self.sink.targets, **extra
+            )
         except BaseException:
             self._update_failed()
             raise
@@ -346,7 +349,7 @@ class ShardStepper:
         return True
 
     def _update_done(self, copied: int, then: Callable[[], None] | None = None) -> None:
-        self.updater.last_timings.param_copy_bytes = self._copied_bytes() - copied
+        self.updater.last_timings.param_copy_bytes = self.sink.copied_bytes - copied
         if then is not None:
             then()
 
@@ -358,9 +361,7 @@ class ShardStepper:
         self._skipped = skipped
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
-        self._targeted.clear()
-        if self.params is not None:
-            self.params.give_back()
+        self.sink.forget()
 
     def settle(self) -> None:
         """Run an update left under the forward (:attr:`pending`) to its end."""
@@ -380,11 +381,7 @@ class ShardStepper:
             # other buffer left the read that follows would wait for it: run on (a sub-group
             # that ends the unit may start the next, so until none is held)
             while self.params is not None and self.params.lent_out and not pending.done:
-                ends = [
-                    u.shard_offset + u.shard_numel
-                    for u in self._stepped
-                    if u.index in self._targeted
-                ]
+                ends = self.sink.targeted_ends()
                 if not ends:
                     break
                 pending.run_through(max(ends))
@@ -400,96 +397,11 @@ class ShardStepper:
         if pending is not None:
             pending.abandon()
 
-    def _copied_bytes(self) -> int:
-        """New parameter values copied on the host so far (staging, parameter store)."""
-        return self._staged_bytes + (0 if self.params is None else self.params.copied_bytes)
-
-    def _targets(self, lo: int, hi: int) -> tuple[int, int, torch.Tensor] | None:
-        """Where the first new values of rank-flat [lo, hi) that have a place belong: a
-        stage-3 shard's host memory in the parameter store (its resident slice, or the
-        buffer it is written to disk from), so that the updater writes them there and
-        nothing is copied after; None: no unit in [lo, hi) has one."""
-        if self.params is None:
-            return None
-        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        for u in self._stepped[first:]:
-            start, end = u.shard_offset, u.shard_offset + u.shard_numel
-            if start >= hi:
-                break
-            if end <= lo or not u.sharded_params:
-                continue
-            dest = self._targeted.get(u.index)
-            if dest is None:
-                dest = self.params.target(u)
-                if dest is None:
-                    continue
-                self._targeted[u.index] = dest
-            a, b = max(lo, start), min(hi, end)
-            return a, b, dest[a - start : b - start]
-        return None
-
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (with clipping on)."""
         return self._grad_norm
 
-    def _sink(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """New values for rank-flat [lo, hi): store every unit completed by them. A unit
-        the updater wrote in place (:meth:`_targets`) is stored from there; others go to
-        :meth:`write_params` (one cut by a sub-group boundary waits in the staging buffer)."""
-        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        for u in self._stepped[first:]:
-            start, end = u.shard_offset, u.shard_offset + u.shard_numel
-            if start >= hi:
-                break
-            dest = self._targeted.get(u.index)
-            if dest is not None:  # written in place by the updater
-                if end <= hi:
-                    assert self.params is not None
-                    del self._targeted[u.index]
-                    self.params.put(u, dest)
-                continue
-            if start >= lo and end <= hi:
-                self.write_params(u, values[start - lo : end - lo])
-                continue
-            assert self._staging is not None, "only NVMe sub-groups cut units"
-            a, b = max(lo, start), min(hi, end)
-            if a == start:  # a copy issued above may still read the staging buffer
-                self.streams.sync_h2d()
-            self._staging[a - start : b - start].copy_(values[a - lo : b - lo])
-            self._staged_bytes += (b - a) * self._staging.element_size()
-            if b == end:
-                self.write_params(u, self._staging[: u.shard_numel])
-        self.streams.sync_h2d()  # copies issued above read ``values`` (and the staging)
-
-    def write_params(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """Write a unit's updated shard into its compute-dtype parameters. A host shard goes
-        to an accelerator on the host-to-device stream; the all-gather waits for it on the
-        device, and the next unit's copy runs while this unit's all-gather does."""
-        if unit.sharded_params:
-            assert self.params is not None
-            self.params.put(unit, shard.to(self.dtype))
-        elif self.stage == 0:
-            if unit.full.data_ptr() != shard.data_ptr():  # else the step wrote them in place
-                unit.full.copy_(shard)
-        elif shard.device.type == "cpu" and self.streams.cuda:
-            values, copied = self.streams.to_device(shard, self.dtype)
-            self.streams.wait(copied)
-            self.streams.handed_over(values)
-            self.comm.all_gather(unit.full, values)
-            if copied is not None:  # the caller reuses ``shard`` when this returns
-                copied.synchronize()
-        else:
-            self.comm.all_gather(unit.full, shard.to(device=unit.full.device, dtype=self.dtype))
-
     def add_to(self, report: MemoryReport) -> None:
-        if self._staging is not None:  # small, outside host_memory_limit: only its lock counts
-            report.pinned_bytes += pinned_nbytes(self._staging)
         self.updater.add_to(report)
-        if self.params is not None:
-            self.params.add_to(report)
-
-    def release_staging(self) -> None:
-        """Unpin the buffer that assembles cut units (the updater and the parameter store
-        are closed by their owner, the engine)."""
-        unpin(self._staging)
+        self.sink.add_to(report)
