@@ -40,8 +40,9 @@ def adam_over_ranges(
             continue
         _copy_master(master, out, done - start, lo - start)
         kw = dict(hyper, step=count, weight_decay=hyper["weight_decay"] if decays else 0.0)
-        for a in range(lo - start, hi - start, chunk or hi - lo):
-            b = min(a + (chunk or hi - lo), hi - start)
+        per_call = chunk or hi - lo
+        for a in range(lo - start, hi - start, per_call):
+            b = min(a + per_call, hi - start)
             adam_update(
                 master[a:b],
                 grad[a:b].to("cpu"),
