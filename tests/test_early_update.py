@@ -226,7 +226,7 @@ def test_two_ranks_step_during_backward_like_after_it(tmp_path):
         assert all(n > 0 for n in adopted), adopted
 
 
-def test_a_failed_read_in_the_step_keeps_the_state_as_before(tmp_path, monkeypatch):
+def test_a_failed_read_in_the_step_keeps_the_state_as_before(tmp_path, monkeypatch, waits):
     """A read fails in the step that adopts the pass: as without the pass, nothing changed
     (the new state of the sub-groups stepped in backward takes over only as the step hands
     their values on), and a retry of the window trains on as the reference does."""
