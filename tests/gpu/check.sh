@@ -23,7 +23,9 @@ trap 'rm -rf "$work"' EXIT
 
 status=0
 echo "== python -m pytest tests/gpu"
-timeout 390 python -m pytest -q -rs --durations=5 -p no:cacheprovider \
+# one process (-o addopts= drops the suite's xdist workers): the tests share one GPU and
+# measure its memory
+timeout 390 python -m pytest -q -rs --durations=5 -p no:cacheprovider -o addopts= \
     --junitxml="$work/gpu.xml" -o junit_family=xunit1 --basetemp="$work/pytest" tests/gpu \
     || status=1
 
