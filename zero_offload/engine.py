@@ -235,6 +235,7 @@ class Engine(EngineLifecycle, EngineState):
         self.global_steps = 0
         self._last_comm: dict = {}
         self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
+        self._first_boundary_passed = False  # see step(): its freed pages go back once
         self.clock = StepClock()
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         log.info(
@@ -324,6 +325,11 @@ class Engine(EngineLifecycle, EngineState):
         self.reducer.on_landed = self.stepper.landing()
         if self.gatherer:
             self.gatherer.begin_backward()
+        if final:
+            # Freed heap pages go back now, while the heap is at its fullest: the pages the
+            # activations hold stay resident for the next forward to reuse, where returning
+            # them after the step would have that forward fault each of them in again.
+            return_freed_memory()
         try:
             with self.clock.phase("backward"):
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -362,7 +368,14 @@ class Engine(EngineLifecycle, EngineState):
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
-        return_freed_memory()  # before the reads ahead for the next step take fresh blocks
+        if self.gatherer or not self._first_boundary_passed:
+            # Stage 3: the pages of the units the backward released go back before the
+            # reads ahead for the next step take fresh blocks, which would leave RSS
+            # wandering with them. Any stage, once: the first step laid its blocks out while
+            # glibc's mmap threshold was still rising (large blocks mapped apart), so the
+            # next forward, whose blocks land in the heap, would not reuse its free pages.
+            self._first_boundary_passed = True
+            return_freed_memory()
         if self.gatherer:
             self.gatherer.prefetch_first()
         return applied
