@@ -407,7 +407,9 @@ def test_gathered_units_on_the_host_are_faulted_in_huge_pages(tmp_path):
 
 
 FAULTS = textwrap.dedent("""
-    import json, resource, torch
+    import ctypes, json, resource
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB faults on any host
+    import torch
     import zero_offload as zo
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
     torch.set_num_threads(1)
