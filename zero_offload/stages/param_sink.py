@@ -28,7 +28,7 @@ __all__ = ["ParamSink"]
 class ParamSink:
     """Stores the new values of ``stepped`` (the trainable units in rank-flat order) as the
     updater hands them over. ``staging``: whether units can be cut by sub-groups (NVMe
-    optimizer state), which sizes a buffer for the largest unit."""
+    optimizer state), which sizes a buffer for the largest of them."""
 
     def __init__(
         self,
@@ -39,7 +39,6 @@ class ParamSink:
         streams: Streams,
         params: ParamStore | None,
         staging: bool,
-        largest: int,
     ) -> None:
         self.stage = stage
         self.dtype = dtype
@@ -47,7 +46,8 @@ class ParamSink:
         self.streams = streams
         self.params = params
         self._stepped = stepped
-        self._starts = [u.shard_offset for u in stepped]
+        self.starts = [u.shard_offset for u in stepped]  # rank-flat, ascending
+        largest = max((u.shard_numel for u in stepped), default=0)
         self._staging = host_empty(largest, dtype, crosses_pcie=True) if staging else None
         self._staged_bytes = 0  # new values copied into the staging buffer, ever
         # units whose new values the updater writes in place (their targets), until stored
@@ -65,7 +65,7 @@ class ParamSink:
         nothing is copied after; None: no unit in [lo, hi) has one."""
         if self.params is None:
             return None
-        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        first = max(bisect.bisect_right(self.starts, lo) - 1, 0)
         for u in self._stepped[first:]:
             start, end = u.shard_offset, u.shard_offset + u.shard_numel
             if start >= hi:
@@ -86,7 +86,7 @@ class ParamSink:
         """New values for rank-flat [lo, hi): store every unit completed by them. A unit
         the updater wrote in place (:meth:`targets`) is stored from there; others go to
         :meth:`write` (one cut by a sub-group boundary waits in the staging buffer)."""
-        first = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        first = max(bisect.bisect_right(self.starts, lo) - 1, 0)
         for u in self._stepped[first:]:
             start, end = u.shard_offset, u.shard_offset + u.shard_numel
             if start >= hi:

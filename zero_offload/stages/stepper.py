@@ -89,7 +89,6 @@ class ShardStepper:
         self.streams = streams
         # the units the updater steps, in rank-flat order (frozen ones come after them)
         self._stepped = sorted((u for u in units if not u.frozen), key=lambda u: u.shard_offset)
-        self._starts = [u.shard_offset for u in self._stepped]
         # where the new values go (a unit cut by NVMe sub-groups is assembled there)
         self.sink = ParamSink(
             self._stepped,
@@ -99,7 +98,6 @@ class ShardStepper:
             streams,
             params,
             staging=cfg.offload.optimizer == "nvme",
-            largest=max((u.shard_numel for u in units), default=0),
         )
         p = cfg.precision
         self.scaler = (
@@ -187,7 +185,7 @@ class ShardStepper:
                 self.grads,
                 1.0,
                 self._update_ranges([True] * len(self._ranges)),
-                self._starts,
+                self.sink.starts,
             )
 
     def landing(self) -> Callable[[FlatUnit], None] | None:
