@@ -103,8 +103,9 @@ def return_freed_memory() -> None:
     A step frees many blocks of a few MiB (gathered parameters, gradients, activations);
     glibc keeps them in its arenas for reuse, so RSS would hold, and wander with, whatever
     the allocator kept from the last step rather than what the engine holds. Called once per
-    step it keeps the working set flat without allocator environment variables; the cost is
-    a few tens of ms and faulting those pages in again during the next step."""
+    step (the engine: as each window's backward starts, while the activations' pages are in
+    use and so kept) it keeps the working set flat without allocator environment variables;
+    the cost is a few ms and faulting the pages given back in again when next used."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
