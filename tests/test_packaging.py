@@ -49,13 +49,14 @@ def _build_isolation() -> list[str]:
 def _source_copy(dest: Path) -> Path:
     """What a clean checkout holds for the build (pip builds in the tree; keep ours clean)."""
     dest.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
     shutil.copytree(
         ROOT / "zero_offload",
         dest / "zero_offload",
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"),
     )
+    shutil.copytree(ROOT / "kernels", dest / "kernels")
     return dest
 
 
@@ -77,8 +78,8 @@ def test_wheel_ships_the_kernel_sources_and_builds_them(tmp_path):
     }
     missing = [p for p in sorted(packages) if f"{p}/__init__.py" not in names]
     assert not missing, f"subpackages missing from the wheel: {missing}"
-    kernels = sorted(p.name for p in (ROOT / "zero_offload" / "kernels").glob("*.c"))
-    assert kernels and all(f"zero_offload/kernels/{k}" in names for k in kernels), names
+    kernels = sorted(p.name for p in (ROOT / "kernels").glob("*.c"))
+    assert kernels and all(f"zero_offload/_kernels/{k}" in names for k in kernels), names
 
     site = tmp_path / "site"
     subprocess.run(

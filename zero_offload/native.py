@@ -1,4 +1,4 @@
-"""Compile the C kernels in ``zero_offload/kernels/`` on first use and load them with ctypes.
+"""Compile the C kernels in ``kernels/`` on first use and load them with ctypes.
 
 Why: the kernels are built for the exact CPU they run on (``-march=native``), so they cannot
 ship prebuilt. A build is cached per user under a name keyed by the source, the flags, the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import shlex
@@ -35,9 +36,16 @@ class KernelBuildError(RuntimeError):
 
 
 def kernels_dir() -> Path:
-    """Where the C sources live: ``kernels/`` inside the package, shipped as package data so
-    an editable checkout and an installed wheel build the same way."""
-    return Path(__file__).resolve().parent / "kernels"
+    """Where the C sources live: the data package ``zero_offload._kernels`` that the wheel
+    ships them as (an editable install maps that name to the checkout's ``kernels/``), or
+    ``kernels/`` beside the package in a source tree on ``sys.path``."""
+    spec = importlib.util.find_spec("zero_offload._kernels")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    source = Path(__file__).resolve().parent.parent / "kernels"
+    if (source / "cpu_adam.c").is_file():
+        return source
+    raise KernelBuildError("the kernel sources are missing: reinstall zero_offload")
 
 
 def cache_dir() -> Path:
@@ -103,7 +111,7 @@ def _build(cc: list[str], src: Path, flags: Sequence[str], target: Path) -> None
 
 
 def library_path(name: str, extra_flags: Sequence[str] = ()) -> Path:
-    """The cached library for ``zero_offload/kernels/<name>.c``, built first if missing."""
+    """The cached library for ``kernels/<name>.c``, built first if missing."""
     src = kernels_dir() / f"{name}.c"
     if not src.is_file():
         raise KernelBuildError(f"kernel source not found: {src}")
@@ -126,7 +134,7 @@ def library_path(name: str, extra_flags: Sequence[str] = ()) -> Path:
 
 
 def load_library(name: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Compile ``zero_offload/kernels/<name>.c`` if needed (cached) and load it.
+    """Compile ``kernels/<name>.c`` if needed (cached) and load it.
 
     Raises KernelBuildError (with the compiler's stderr) when there is no compiler, the
     build fails, or the built library does not load.

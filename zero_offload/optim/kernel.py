@@ -1,4 +1,4 @@
-"""ctypes binding of ``zero_offload/kernels/cpu_adam.c``: the functional Adam update on flat
+"""ctypes binding of ``kernels/cpu_adam.c``: the functional Adam update on flat
 CPU tensors.
 
 Why a functional API: the engine updates flat fp32 master shards whose m and v may live in
@@ -160,7 +160,7 @@ def load_kernel(isa: str | None = None) -> NativeKernel:
     if abi != (ABI_VERSION, NUM_HP):
         raise KernelBuildError(
             f"kernel ABI {abi[0]} does not match the binding's {ABI_VERSION}: "
-            "zero_offload/kernels/ and the binding come from different versions "
+            "kernels/ and the binding come from different versions "
             "(reinstall zero_offload)"
         )
     native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
