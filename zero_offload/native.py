@@ -36,15 +36,15 @@ class KernelBuildError(RuntimeError):
 
 
 def kernels_dir() -> Path:
-    """Where the C sources live: the data package ``zero_offload._kernels`` that the wheel
-    ships them as (an editable install maps that name to the checkout's ``kernels/``), or
-    ``kernels/`` beside the package in a source tree on ``sys.path``."""
-    spec = importlib.util.find_spec("zero_offload._kernels")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
+    """Where the C sources live: ``kernels/`` beside the package in a source tree (a checkout
+    on ``sys.path`` or installed in editable mode), else the data package
+    ``zero_offload._kernels`` that the wheel ships them as."""
     source = Path(__file__).resolve().parent.parent / "kernels"
     if (source / "cpu_adam.c").is_file():
         return source
+    spec = importlib.util.find_spec("zero_offload._kernels")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
     raise KernelBuildError("the kernel sources are missing: reinstall zero_offload")
 
 
