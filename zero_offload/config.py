@@ -22,6 +22,20 @@ import torch
 
 from .ds_config import is_deepspeed, translate
 from .errors import ConfigError
+from .optim.policy import StatePolicy
+
+
+# Which non-default optimizer-state policies the engine carries (its updaters, NVMe pipeline,
+# checkpoints and estimates): widened as they are wired through.
+def _engine_carries(policy: StatePolicy) -> bool:
+    return False
+
+
+_POLICY_FIELDS = {
+    "optimizer_type": "kind",
+    "moment_precision": "moments",
+    "master_precision": "master",
+}
 
 __all__ = [
     "ConfigError",
@@ -108,11 +122,21 @@ def _whole_numbers(section: Any) -> None:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyperparameters (same meaning as ``torch.optim.AdamW``) and gradient clipping."""
+    """The optimizer: its kind and state precisions (:class:`~.optim.policy.StatePolicy`),
+    hyperparameters (same meaning as the matching torch optimizer) and gradient clipping."""
 
+    # "adamw" (default), "adam" (L2 weight decay), "lion", "adagrad"
+    optimizer_type: str = "adamw"
+    # Adam's m and v, Lion's momentum: "fp32" (default), "bf16" (stochastic rounding),
+    # "8bit" (blockwise, bitsandbytes' maps; tensors under 4096 elements stay fp32)
+    moment_precision: str = "fp32"
+    # the optimizer's copy of the parameters: "fp32" (default), "bf16_kahan" (bf16 + a bf16
+    # compensation term), "bf16_sr" (bf16, stochastic rounding)
+    master_precision: str = "fp32"
     lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    # None: the kind's default, (0.9, 0.999) for Adam(W), (0.9, 0.99) for Lion (its paper's)
+    betas: tuple[float, float] | None = None
+    eps: float | None = None  # None: 1e-8 (Adam), 1e-10 (Adagrad, as torch); Lion has none
     weight_decay: float = 1e-2
     max_grad_norm: float | None = None  # clip by the global norm over all shards; None: off
     # names (as in model.named_parameters()) of parameters stepped without weight decay:
@@ -121,6 +145,13 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
+        policy = self.policy  # validates the three keys
+        for key in ("optimizer_type", "moment_precision", "master_precision"):
+            object.__setattr__(self, key, getattr(policy, _POLICY_FIELDS[key]).value)
+        if self.betas is None:
+            object.__setattr__(self, "betas", policy.kind.default_betas)
+        if self.eps is None:
+            object.__setattr__(self, "eps", policy.kind.default_eps)
         _number("lr", self.lr, lo=0.0)
         if not isinstance(self.no_decay, (list, tuple, set, frozenset)) or not all(
             isinstance(n, str) for n in self.no_decay
@@ -143,11 +174,27 @@ class OptimizerConfig:
         if self.max_grad_norm is not None:
             _number("max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True)
 
+    @property
+    def policy(self) -> StatePolicy:
+        """The optimizer kind and state precisions as one type (decided here, once)."""
+        try:
+            return StatePolicy.parse(
+                self.optimizer_type, self.moment_precision, self.master_precision
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @property
+    def adam_betas(self) -> tuple[float, float]:
+        """``betas`` as resolved (never None once built)."""
+        assert self.betas is not None
+        return self.betas
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Compute dtype of params/grads (the optimizer's master copy is always float32) and the
-    dynamic loss scaler used with float16."""
+    """Compute dtype of params/grads (the optimizer's master copy is ``master_precision``,
+    float32 by default) and the dynamic loss scaler used with float16."""
 
     dtype: torch.dtype = torch.float32
     initial_loss_scale: float = 2.0**16
@@ -307,6 +354,14 @@ class ZeroConfig:
             raise ConfigError(
                 f"offload_param={self.offload.param!r} needs stage=3 (got stage={self.stage}): "
                 "only stage 3 shards the parameters; use stage=3 or offload_param='none'"
+            )
+        policy = self.optimizer.policy
+        if not policy.is_default and not _engine_carries(policy):
+            raise ConfigError(
+                f"optimizer_type / moment_precision / master_precision = {policy.describe()}: "
+                "the engine steps fp32 Adam(W) state only for now (the other kinds and "
+                "precisions run in zero_offload.optim's step() for your own loop); use the "
+                "defaults with initialize()"
             )
         if self.offload.optimizer != "none" and self.stage == 0:
             raise ConfigError(

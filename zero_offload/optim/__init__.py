@@ -1,6 +1,30 @@
-"""CPU Adam/AdamW for offloaded shards: a native kernel with a torch fallback."""
+"""The optimizer on the host: state policies and layouts, the native kernels with a torch
+fallback, and torch optimizer classes over them."""
 
 from zero_offload.optim.cpu_adam import CPUAdam, CPUAdamW
+from zero_offload.optim.hyper import StepHyper
 from zero_offload.optim.kernel import adam_update, default_num_threads, kernel_status
+from zero_offload.optim.layout import Piece, Span, StateLayout
+from zero_offload.optim.policy import MasterPrecision, MomentPrecision, OptimizerKind, StatePolicy
+from zero_offload.optim.state import MomentState, ShardState, buffer_bytes
+from zero_offload.optim.step import step
 
-__all__ = ["CPUAdam", "CPUAdamW", "adam_update", "default_num_threads", "kernel_status"]
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "MasterPrecision",
+    "MomentPrecision",
+    "MomentState",
+    "OptimizerKind",
+    "Piece",
+    "ShardState",
+    "Span",
+    "StateLayout",
+    "StatePolicy",
+    "StepHyper",
+    "adam_update",
+    "buffer_bytes",
+    "default_num_threads",
+    "kernel_status",
+    "step",
+]

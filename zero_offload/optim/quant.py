@@ -1,0 +1,126 @@
+"""The 8-bit dynamic quantization maps, and blockwise (de)quantization in torch.
+
+The maps are those of bitsandbytes' 8-bit optimizers (Dettmers et al., "8-bit Optimizers via
+Block-wise Quantization", 2022): 256 sorted values in [-1, 1] (signed, for Adam's m and
+Lion's momentum) or [0, 1] (unsigned, for v), each a decade ``10**-k`` times a linearly
+spaced fraction, so small magnitudes keep relative precision. A value is stored as the index
+of the map entry nearest to it divided by its block's absmax (a tie goes to the lower
+entry); it reads back as ``map[code] * absmax``.
+
+"Nearest" is decided by comparing the two fp32 distances, as bitsandbytes does; that
+decision flips at one fp32 value between neighbouring entries, computed once here
+(:func:`thresholds`), so the code of ``x`` is the number of thresholds ``<= x``. The C
+kernel and the torch path below both use that rule, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .policy import BLOCK
+
+__all__ = ["dynamic_map", "thresholds", "quantize_blocks", "dequantize_blocks", "zero_code"]
+
+MAP_SIZE = 256
+_MAX_EXPONENT_BITS = 7
+
+
+@functools.lru_cache(maxsize=None)
+def _map_np(signed: bool) -> np.ndarray:
+    values: list[float] = []
+    for i in range(_MAX_EXPONENT_BITS):
+        # decade 10**(i - 6): 2**i fractions per sign (signed) or 2**(i + 1) (unsigned),
+        # the midpoints of a linspace over [0.1, 1]
+        count = 2**i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1, count + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        scale = 10.0 ** (-(_MAX_EXPONENT_BITS - 1) + i)
+        values += (scale * mids).tolist()  # fp32 product, as the map has always been built
+        if signed:
+            values += (-scale * mids).tolist()
+    values += [0.0, 1.0]
+    assert len(values) == MAP_SIZE
+    out = np.array(sorted(values), dtype=np.float32)
+    assert np.all(np.diff(out) > 0)
+    return out
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 map values, ascending (a new tensor)."""
+    return torch.from_numpy(_map_np(signed).copy())
+
+
+def zero_code(signed: bool) -> int:
+    """The code of 0.0 (what a block of zeros stores)."""
+    return int(np.searchsorted(_map_np(signed), 0.0))
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """fp32 -> int64 keys in the same order as the floats (negatives mirrored)."""
+    bits = x.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+
+
+def _from_ordered(k: np.ndarray) -> np.ndarray:
+    bits = np.where(k < 0, (-(k + 1)) | -0x80000000, k).astype(np.int64)
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _thresholds_np(signed: bool) -> np.ndarray:
+    code = _map_np(signed)
+    lo, hi = code[:-1], code[1:]
+
+    def right_is_nearer(x: np.ndarray) -> np.ndarray:
+        return np.abs(x - hi) < np.abs(x - lo)  # fp32 arithmetic, as the quantizer does it
+
+    # binary search, per gap, for the first fp32 value (in order) where the upper entry wins
+    a, b = _ordered(lo), _ordered(hi)  # invariant: not nearer at a, nearer at b
+    while np.any(b - a > 1):
+        m = (a + b) // 2
+        near = right_is_nearer(_from_ordered(m))
+        a, b = np.where(near, a, m), np.where(near, m, b)
+    return _from_ordered(b)
+
+
+def thresholds(signed: bool) -> torch.Tensor:
+    """The 255 decision points: ``code(x) = #{k : thresholds[k] <= x}`` (a new tensor)."""
+    return torch.from_numpy(_thresholds_np(signed).copy())
+
+
+def _blocked(n: int, phase: int) -> tuple[int, int]:
+    """(front padding, blocks) for ``n`` elements whose first sits at ``phase`` in its block."""
+    blocks = (phase + n + BLOCK - 1) // BLOCK
+    return phase, blocks
+
+
+def quantize_blocks(
+    values: torch.Tensor, phase: int, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``values`` (one parameter piece, first element at ``phase`` in its block) ->
+    (uint8 codes, fp32 absmax per block). A block of zeros stores absmax 0."""
+    n = values.numel()
+    front, blocks = _blocked(n, phase)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    padded[front : front + n] = values.reshape(-1)
+    grid = padded.view(blocks, BLOCK)
+    absmax = grid.abs().amax(dim=1)
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    normed = grid * inv[:, None]
+    codes = torch.bucketize(normed, thresholds(signed), right=True).to(torch.uint8)
+    return codes.view(-1)[front : front + n].clone(), absmax
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, absmax: torch.Tensor, phase: int, signed: bool
+) -> torch.Tensor:
+    """uint8 ``codes`` of one piece and its blocks' absmax -> fp32 values."""
+    n = codes.numel()
+    front, blocks = _blocked(n, phase)
+    if absmax.numel() != blocks:
+        raise ValueError(f"{n} codes at phase {phase} span {blocks} blocks, got {absmax.numel()}")
+    idx = (torch.arange(n) + front) // BLOCK
+    return dynamic_map(signed)[codes.reshape(-1).long()] * absmax[idx]
