@@ -7,6 +7,7 @@ import torch
 import zero_offload as zo
 from models import MLP, batch, loss_fn
 from zero_offload.config import (
+    ActivationConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -86,6 +87,7 @@ def _integer_keys() -> list[str]:
         "optimizer": OptimizerConfig,
         "precision": PrecisionConfig,
         "offload": OffloadConfig,
+        "activations": ActivationConfig,
     }
     out = []
     for key, (section, name) in _flat_keys().items():
@@ -156,6 +158,9 @@ def test_float_keys_train_like_ints(tmp_path):
         param_persistence_threshold=0,
         loss_scale_window=1000,
         host_memory_limit=1_000_000_000,
+        offload_activations_min_bytes=0,
+        offload_activations_prefetch=2,
+        tiled_loss=0,
     )
     assert set(keys) == set(_integer_keys())
     results = []

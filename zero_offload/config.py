@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .activations.config import ActivationConfig
 from .ds_config import is_deepspeed, translate
 from .errors import ConfigError
 from .optim.policy import StatePolicy
@@ -38,6 +39,7 @@ _POLICY_FIELDS = {
 }
 
 __all__ = [
+    "ActivationConfig",
     "ConfigError",
     "OptimizerConfig",
     "PrecisionConfig",
@@ -318,6 +320,7 @@ class ZeroConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -374,12 +377,20 @@ class ZeroConfig:
 
 
 # Flat user-facing key -> (section attribute or None for top level, field name).
-_SECTIONS = {"optimizer": OptimizerConfig, "precision": PrecisionConfig, "offload": OffloadConfig}
+_SECTIONS = {
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "offload": OffloadConfig,
+    "activations": ActivationConfig,
+}
 _RENAMES = {
     "offload_optimizer": ("offload", "optimizer"),
     "offload_param": ("offload", "param"),
     "offload_optimizer_fraction": ("offload", "optimizer_fraction"),
     "offload_param_fraction": ("offload", "param_fraction"),
+    "offload_activations": ("activations", "mode"),
+    "offload_activations_min_bytes": ("activations", "min_bytes"),
+    "offload_activations_prefetch": ("activations", "prefetch"),
 }
 
 

@@ -11,7 +11,6 @@ live in ``stages.engine_lifecycle``, the accessors checkpoints and users read in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import weakref
@@ -20,6 +19,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from .activations.wiring import build_offload, forward_context
 from .comm import Comm
 from .config import ZeroConfig, build_config
 from .inputs import move_inputs
@@ -41,7 +41,12 @@ from .stages.unit_state import UnitStates
 from .stages.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from .stages.updaters import make_updater, params_are_master
 from .stages.weak import weak_hook
-from .swap.budget import host_memory_budget, return_freed_memory, split_host_budget
+from .swap.budget import (
+    activation_host_share,
+    host_memory_budget,
+    return_freed_memory,
+    split_host_budget,
+)
 from .step_stats import StepClock, optimizer_stats, summarize
 from .weights import load_buffers, open_pretrained
 
@@ -52,19 +57,24 @@ log = logging.getLogger(__name__)
 
 def _split_host_budget(
     config: ZeroConfig, plans: list[UnitPlan], device: torch.device, dtype: torch.dtype
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """This rank's one host budget (``swap.budget``): the gradient staging buffers first
-    (CUDA), then the NVMe parameter pool (at most half of the rest when it shares with the
-    NVMe optimizer), the rest for the optimizer with its gradients."""
+    (CUDA), then offloaded activations (``offload_activations``), then the NVMe parameter
+    pool (at most half of the rest when it shares with the NVMe optimizer), the rest for the
+    optimizer with its gradients: (param pool, optimizer, activations)."""
     off = config.offload
     staging = 0
     if off.optimizer != "none" and device.type == "cuda":
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
         staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
     pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
-    return split_host_budget(
-        host_memory_budget(off.host_memory_limit), pool, off.param, off.optimizer, staging
+    budget = host_memory_budget(off.host_memory_limit)
+    acts = (
+        activation_host_share(budget, off.param, off.optimizer, staging)
+        if config.activations.offload
+        else 0
     )
+    return (*split_host_budget(budget - acts, pool, off.param, off.optimizer, staging), acts)
 
 
 class Engine(EngineLifecycle, EngineState):
@@ -106,7 +116,9 @@ class Engine(EngineLifecycle, EngineState):
             open_pretrained(config.init_weights, model, plans) if config.init_weights else None
         )
         shard_numel = sum(p.shard_numel for p in plans)
-        param_budget, optimizer_budget = _split_host_budget(config, plans, self.device, self.dtype)
+        param_budget, optimizer_budget, activation_budget = _split_host_budget(
+            config, plans, self.device, self.dtype
+        )
         self.param_store = (
             ParamStore(
                 config,
@@ -215,6 +227,9 @@ class Engine(EngineLifecycle, EngineState):
         self._leftovers.closers[:0] = [self.reducer.remove_hooks] + (
             [self.gatherer.remove_hooks] if self.gatherer else []
         )
+        self.activations = build_offload(
+            config, model, self.units, self.streams, self.gatherer, activation_budget
+        )
         self.stepper = ShardStepper(
             self.units,
             config,
@@ -229,7 +244,10 @@ class Engine(EngineLifecycle, EngineState):
         # an update still running under a forward stops first, while its files are open;
         # the pinned staging buffers go last, once nothing copies from them any more
         self._leftovers.closers.insert(0, self.stepper.abandon)
-        self._leftovers.closers += [self.stepper.sink.release_staging, self.streams.close]
+        self._leftovers.closers += [self.stepper.sink.release_staging]
+        if self.activations is not None:
+            self._leftovers.closers.append(self.activations.close)
+        self._leftovers.closers.append(self.streams.close)
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         self.micro_steps = 0
         self.global_steps = 0
@@ -304,8 +322,7 @@ class Engine(EngineLifecycle, EngineState):
         kwargs = move_inputs(kwargs, self.device, self.dtype)
         if self.config.broadcast_buffers and self._module.training:
             broadcast_buffers(self._module, self.comm)
-        ctx = self.gatherer.forward() if self.gatherer else contextlib.nullcontext()
-        with ctx, self.clock.phase("forward"):
+        with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
             return self._module(*args, **kwargs)
 
     forward = __call__
@@ -325,6 +342,8 @@ class Engine(EngineLifecycle, EngineState):
         self.reducer.on_landed = self.stepper.landing()
         if self.gatherer:
             self.gatherer.begin_backward()
+        if self.activations is not None:
+            self.activations.begin_backward()
         if final:
             # Freed heap pages go back now, while the heap is at its fullest: the pages the
             # activations hold stay resident for the next forward to reuse, where returning
@@ -368,6 +387,8 @@ class Engine(EngineLifecycle, EngineState):
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()
+        if self.activations is not None:
+            self.activations.reset_peak()
         if self.gatherer or not self._first_boundary_passed:
             # Stage 3: the pages of the units the backward released go back before the
             # reads ahead for the next step take fresh blocks, which would leave RSS

@@ -9,12 +9,13 @@ from .comm import CollectiveStats
 __all__ = ["MemoryReport", "TIERS", "KINDS"]
 
 TIERS = ("device", "host", "nvme")
-KINDS = ("params", "grads", "optimizer")
+KINDS = ("params", "grads", "optimizer", "activations")
 
 
 @dataclass
 class MemoryReport:
-    """``bytes[tier][kind]``: bytes this rank holds. ``peak_gathered_param_bytes``: the most
+    """``bytes[tier][kind]``: bytes this rank holds (``activations``: the host buffers of
+    activation offload, sized to what a forward offloads). ``peak_gathered_param_bytes``: the most
     stage-3 gathered (non-persistent) parameter bytes held at once during the last step
     (and the one in progress). ``persistent_param_bytes``: stage-3 units kept whole.
     ``pinned_bytes``: page-locked host bytes (registered with ``cudaHostRegister``, which

@@ -58,6 +58,8 @@ def summarize(engine: Any, applied: bool, timings: Any) -> dict[str, float]:
         out["grad_norm"] = float(norm)
     if engine.gatherer is not None:
         out["peak_gathered_bytes"] = float(engine.gatherer.peak_gathered_bytes)
+    if engine.activations is not None:
+        out.update(engine.activations.stats())
     for kind, s in engine.comm.stats().items():
         out[f"{kind}_bytes"] = float(s.bytes)
         out[f"{kind}_calls"] = float(s.calls)

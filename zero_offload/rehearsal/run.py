@@ -32,7 +32,7 @@ from .disk import SimulatedDisk
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
-from .tracker import COMM, GATHERED, GRADS, OPTIMIZER, PARAMS, MemoryTracker
+from .tracker import ACTIVATIONS, COMM, GATHERED, GRADS, OPTIMIZER, PARAMS, MemoryTracker
 
 __all__ = ["rehearse"]
 
@@ -64,6 +64,9 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
             out[_key(tensor)] = OPTIMIZER
         for buffer in engine.reductions_in_flight():
             out[_key(buffer)] = COMM
+        if engine.activations is not None:  # offloaded: host buffers, copies brought back
+            for tensor in engine.activations.held_tensors():
+                out[_key(tensor)] = ACTIVATIONS
         return out
 
     return identify

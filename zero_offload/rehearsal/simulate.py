@@ -70,7 +70,7 @@ class SimulatedStreams(Streams):
         self._last_h2d = event
         return event
 
-    def to_host(self, values: torch.Tensor, out: torch.Tensor) -> Any:
+    def to_host(self, values: torch.Tensor, out: torch.Tensor, *, record: bool = True) -> Any:
         out.copy_(values)
         return NoEvent()
 

@@ -94,6 +94,8 @@ def memory_report(engine: "Engine") -> MemoryReport:
     engine.stepper.add_to(rep)
     if engine.grad_queue is not None:
         engine.grad_queue.add_to(rep)
+    if engine.activations is not None:
+        engine.activations.add_to(rep)
     if engine.gatherer:
         rep.peak_gathered_param_bytes = max(
             engine.last_step_peak, engine.gatherer.peak_gathered_bytes

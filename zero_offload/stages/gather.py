@@ -394,14 +394,14 @@ class ParamGatherer:
         )
 
     # -- saved tensors (backward) -------------------------------------------------------------
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
         if self._by_ptr:
             unit = self._by_ptr.get(_storage_key(tensor))
             if unit is not None:
                 return _Saved(unit, tensor)
         return tensor
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack_saved(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
         unit = packed.unit
@@ -421,7 +421,7 @@ class ParamGatherer:
         self.states.begin_forward()
         ok = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
                 yield
             ok = True
         finally:

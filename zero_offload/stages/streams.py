@@ -120,9 +120,14 @@ class Streams:
             self._converted = copied
         return copied
 
-    def to_host(self, values: torch.Tensor, out: torch.Tensor) -> Event | None:
+    def to_host(
+        self, values: torch.Tensor, out: torch.Tensor, *, record: bool = True
+    ) -> Event | None:
         """Copy device ``values`` (produced by work queued on the compute stream so far) into
-        the host tensor ``out`` (page-locked); done when the returned event fires."""
+        the host tensor ``out`` (page-locked); done when the returned event fires.
+        ``record=False``: the caller keeps ``values`` alive until then and makes the compute
+        stream :meth:`wait` for the event before dropping it (its memory is then reused at
+        once, where the allocator would hold it until it sees the copy done)."""
         if not self.cuda:
             out.copy_(values)
             return None
@@ -132,7 +137,8 @@ class Streams:
             out.copy_(values, non_blocking=True)
             copied = Event()
             copied.record(self.d2h)
-        values.record_stream(self.d2h)
+        if record:
+            values.record_stream(self.d2h)
         return copied
 
     def wait(self, event: Event | None) -> None:

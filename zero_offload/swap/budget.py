@@ -24,6 +24,7 @@ import psutil
 
 __all__ = [
     "DEFAULT_HOST_FRACTION",
+    "activation_host_share",
     "FreedMemory",
     "host_memory_budget",
     "local_ranks",
@@ -85,6 +86,18 @@ def split_host_budget(
         return left, 0
     params = min(int(param_pool_bytes), left // 2)
     return params, left - params
+
+
+def activation_host_share(
+    budget: int, offload_param: str, offload_optimizer: str, staging_bytes: int = 0
+) -> int:
+    """With activation offload on: the most bytes its host buffers may hold, taken from the
+    budget right after the fixed staging buffers, before the NVMe pools. All of what is left
+    when no NVMe pool shares the budget; half of it when one does (the pools are then split
+    from the other half by :func:`split_host_budget`). The buffers are sized to what a
+    forward offloads: a share is a ceiling, not an allocation."""
+    left = max(0, budget - int(staging_bytes))
+    return left // 2 if "nvme" in (offload_param, offload_optimizer) else left
 
 
 @functools.lru_cache(maxsize=1)
