@@ -105,3 +105,30 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     saved = params(type(zo.model).from_pretrained(best))
     assert diff_lr(got, saved) == 0.0
     assert after == pytest.approx(evals[top], rel=1e-6)
+
+
+def test_consolidate_takes_a_trainer_checkpoint_folder(tmp_path, capsys):
+    """``zero-offload consolidate out/checkpoint-2 OUT``: the engine checkpoint inside a
+    Trainer checkpoint folder (and the newest one under ``output_dir``) is found."""
+    from safetensors.torch import load_file
+
+    from zero_offload.cli import main
+
+    args = arguments(str(tmp_path / "out"), max_steps=2, save_strategy="steps", save_steps=1)
+    zo = ZeroOffloadTrainer(
+        model=make("llama"),
+        args=args,
+        train_dataset=dataset(),
+        zero_offload=dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
+    )
+    zo.train()
+    want = zo.engine.full_state_dict()
+    zo.engine.close()
+    for folder in ("out/checkpoint-2", "out"):
+        out = tmp_path / f"{folder.replace('/', '-')}.safetensors"
+        assert main(["consolidate", str(tmp_path / folder), str(out)]) == 0, capsys.readouterr()
+        assert "checkpoint-2/zero_offload:" in capsys.readouterr().out  # the one it took
+        got = load_file(str(out))
+        assert got and all(torch.equal(got[k], want[k]) for k in got)
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "x.safetensors")]) == 1
+    assert "checkpoint-N" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import torch
 
 from ..progress import Progress
 from .format import load_plain, pieces, read_manifest, verify_rank_file
-from .tags import resolve_tag, tag_folder
+from .tags import checkpoint_root, resolve_tag, tag_folder
 from .load import _Reader
 
 __all__ = ["consolidate_checkpoint"]
@@ -43,8 +43,11 @@ def consolidate_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Full fp32 parameters (and module buffers) under their original names. With ``out``,
     also written there: safetensors when installed (tied names in its metadata), else
-    ``torch.save``. ``verify``: check every rank file's size and checksums first."""
-    root = Path(directory)
+    ``torch.save``. ``verify``: check every rank file's size and checksums first.
+    ``directory``: the folder given to ``save_checkpoint``, or a Hugging Face Trainer
+    checkpoint folder holding one (``checkpoint-N``), or the Trainer's ``output_dir`` (its
+    newest ``checkpoint-N``)."""
+    root = checkpoint_root(Path(directory))
     folder = tag_folder(root, resolve_tag(root, tag))
     manifest = read_manifest(folder)
     if verify:

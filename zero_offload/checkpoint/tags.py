@@ -19,11 +19,22 @@ from pathlib import Path
 
 from .format import MANIFEST, CheckpointError, fsync_dir
 
-__all__ = ["LATEST", "check_tag", "resolve_tag", "tag_folder", "recover_tag", "commit_tag"]
+__all__ = [
+    "LATEST",
+    "TRAINER_SUBDIR",
+    "check_tag",
+    "checkpoint_root",
+    "resolve_tag",
+    "tag_folder",
+    "recover_tag",
+    "commit_tag",
+]
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+TRAINER_SUBDIR = "zero_offload"  # the engine checkpoint inside a Hugging Face Trainer checkpoint
+_TRAINER_CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # Trainer's folder names under output_dir
 _INTERNAL = (".tmp", ".partial", ".replaced")  # suffixes of names the save itself uses
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 
@@ -42,6 +53,28 @@ def check_tag(tag: object) -> str:
             f"not ending in {', '.join(_INTERNAL)} (names the save uses itself)"
         )
     return tag
+
+
+def checkpoint_root(directory: Path) -> Path:
+    """The folder given to ``save_checkpoint`` that ``directory`` names: itself, the engine
+    checkpoint inside a Trainer checkpoint folder (``checkpoint-N/zero_offload``), or that of
+    the newest ``checkpoint-N`` in a Trainer's ``output_dir``. Readers that take a tag use it
+    so that any of the three paths a user has at hand works."""
+    if (directory / LATEST).is_file() or not directory.is_dir():
+        return directory
+    if (directory / TRAINER_SUBDIR / LATEST).is_file():
+        return directory / TRAINER_SUBDIR
+    steps = [
+        (int(m.group(1)), child)
+        for child in directory.iterdir()
+        if (m := _TRAINER_CHECKPOINT.fullmatch(child.name))
+        and (child / TRAINER_SUBDIR / LATEST).is_file()
+    ]
+    if not steps:
+        return directory
+    newest = max(steps)[1] / TRAINER_SUBDIR
+    log.warning("%s: using the newest Trainer checkpoint, %s", directory, newest)
+    return newest
 
 
 def _loadable_name(tag: str, where: Path) -> str:
@@ -67,8 +100,9 @@ def resolve_tag(directory: Path, tag: str | None) -> str:
         text = latest.read_text()
     except FileNotFoundError as exc:
         raise CheckpointError(
-            f"{latest}: no such file, so no complete checkpoint is in {directory}; pass tag= "
-            "to pick one"
+            f"{latest}: no such file, so no complete checkpoint is in {directory} (nor in a "
+            f"Trainer checkpoint folder's {TRAINER_SUBDIR}/, nor in an output_dir's "
+            "checkpoint-N/); pass the folder given to save_checkpoint, or tag= to pick one"
         ) from exc
     # older versions wrote tags with surrounding spaces as they were
     name = text if text.strip() != text and tag_folder(directory, text).exists() else text.strip()

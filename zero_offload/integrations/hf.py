@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 
+from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..engine import Engine, initialize
@@ -58,7 +59,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ENGINE_DIR = "zero_offload"  # inside a Trainer checkpoint folder
+ENGINE_DIR = TRAINER_SUBDIR  # inside a Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
