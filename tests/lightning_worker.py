@@ -1,11 +1,12 @@
 """Run under torchrun (or alone): Lightning cases, each trained with the same data order by
-plain Lightning (torch AdamW; DDP across ranks), by the zero_offload strategy (4 steps over two
-epochs), and by the strategy again in two halves: one epoch, ``trainer.save_checkpoint``, then
-a new Trainer resumed with ``fit(ckpt_path=...)``. Rank 0 writes what it measured as JSON:
-``python lightning_worker.py OUT.json ROOT CASES_JSON``; a case is a strategy name or a dict of
-ZeroOffloadStrategy keywords, where ``"configure_model": true`` builds the model in
-``configure_model`` (the strategy's sharded-construction context) and starts the engine from
-the plain run's initial weights (``init_weights``)."""
+plain Lightning (torch AdamW; ``strategy="auto"`` on one rank, DDP across ranks), by the
+zero_offload strategy (4 steps over two epochs), and by the strategy again in two halves: one
+epoch, ``trainer.save_checkpoint``, then a new Trainer resumed with ``fit(ckpt_path=...)``.
+Rank 0 writes what it measured as JSON: ``python lightning_worker.py OUT.json ROOT
+CASES_JSON``; a case is a strategy name or a dict of ZeroOffloadStrategy keywords, where
+``"configure_model": true`` builds the model in ``configure_model`` (the strategy's
+sharded-construction context) and starts the engine from the plain run's initial weights
+(``init_weights``)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,10 @@ def strategy_for(case):
 def run_case(root: str, index: int, case, rank: int) -> dict:
     tag = f"{root}/case{index}"
     res: dict = {}
-    plain = weights(*fit("ddp", 2))  # the same distributed sampler (data order) as ours
+    # the same data order as ours: the loader's own on one process (the strategy keeps it,
+    # as strategy="auto" does), Lightning's DistributedSampler on more
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    plain = weights(*fit("auto" if world == 1 else "ddp", 2))
     start = LitGPT().state_dict()
     module_class: type = LitGPT
     if isinstance(case, dict) and case.get("configure_model"):

@@ -157,6 +157,7 @@ def test_float_keys_train_like_ints(tmp_path):
         prefetch_bytes=8_000_000_000,
         param_persistence_threshold=0,
         loss_scale_window=1000,
+        loss_scale_hysteresis=2,
         host_memory_limit=1_000_000_000,
         offload_activations_min_bytes=0,
         offload_activations_prefetch=2,

@@ -1,7 +1,8 @@
 """Lightning through zero_offload (``ZeroOffloadStrategy`` and its registered names): the
 library's tiny GPT-style LM on 1 rank and 2 gloo ranks under torchrun, stages 2 and 3, the
 optimizer state and parameters on the CPU or NVMe. Each case (see lightning_worker.py) shows:
-- the trained weights match plain Lightning with torch AdamW (DDP), with an lr scheduler
+- the trained weights match plain Lightning with torch AdamW (``strategy="auto"`` on one rank,
+  DDP on two, each with the same data order as ours), with an lr scheduler
   stepped every update, ``accumulate_grad_batches=2``, ``gradient_clip_val`` and an AdamW
   whose second parameter group (biases, norm weights) has no weight decay, within the
   equivalence criterion (0.03 lr in fp32);

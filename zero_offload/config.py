@@ -21,7 +21,8 @@ from typing import Any, Mapping
 import torch
 
 from .activations.config import ActivationConfig
-from .ds_config import is_deepspeed, translate
+from .ds_config import is_deepspeed, keyword_autos, translate
+from .ds_schedules import check_schedule
 from .errors import ConfigError
 from .optim.policy import StatePolicy
 
@@ -202,6 +203,10 @@ class PrecisionConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
     min_loss_scale: float = 1.0
+    loss_scale_hysteresis: int = 1  # overflows the scale absorbs before it halves
+    consecutive_hysteresis: bool = False  # each overflow-free step refills the hysteresis
+    # bfloat16 / float32: skip a step whose gradients hold inf or NaN (float16 always does)
+    skip_nonfinite_steps: bool = False
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -209,6 +214,10 @@ class PrecisionConfig:
         _number("initial_loss_scale", self.initial_loss_scale, lo=0.0, lo_open=True)
         _number("loss_scale_window", self.loss_scale_window, lo=1, integer=True)
         _number("min_loss_scale", self.min_loss_scale, lo=0.0, lo_open=True)
+        _number("loss_scale_hysteresis", self.loss_scale_hysteresis, lo=1, integer=True)
+        for key in ("consecutive_hysteresis", "skip_nonfinite_steps"):
+            if not isinstance(getattr(self, key), bool):
+                raise _bad(key, getattr(self, key), "expected True or False")
 
 
 @dataclass(frozen=True)
@@ -317,6 +326,9 @@ class ZeroConfig:
     overlap_step: bool = True  # stage 3, optimizer on NVMe: step sub-groups under the next forward
     # stages 2-3, optimizer on NVMe, no clipping: step sub-groups during the final backward
     step_during_backward: bool = True
+    # a DeepSpeed config's scheduler section ({"type": "WarmupLR", "params": {...}}):
+    # engine.lr_scheduler, stepped after each applied update (zero_offload.ds_schedules)
+    lr_schedule: Mapping[str, Any] | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -338,6 +350,8 @@ class ZeroConfig:
             raise _bad("overlap_step", self.overlap_step, "expected True or False")
         if not isinstance(self.step_during_backward, bool):
             raise _bad("step_during_backward", self.step_during_backward, "expected True or False")
+        if self.lr_schedule is not None:
+            check_schedule(self.lr_schedule, self.optimizer.lr)
         if self.device is not None:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))
@@ -431,14 +445,15 @@ def build_config(
     config: Mapping[str, Any] | str | os.PathLike | None = None, **kwargs: Any
 ) -> ZeroConfig:
     """Build and validate a :class:`ZeroConfig` from a dict / JSON path and keyword arguments
-    (keywords win over the file)."""
+    (keywords win over the file). A DeepSpeed config is translated (:mod:`.ds_config`), its
+    ``"auto"`` values taken from the keywords of the same meaning (``lr``, ``dtype``, ...)."""
     if isinstance(config, ZeroConfig):
         if kwargs:
             raise ConfigError("pass either a ZeroConfig or keyword arguments, not both")
         return config
     loaded = _load(config)
-    if is_deepspeed(loaded):
-        loaded = translate(loaded)
+    if is_deepspeed(loaded):  # its "auto" values: what the keywords say
+        loaded = translate(loaded, keyword_autos(kwargs))
     values = {**loaded, **kwargs}
     keys = _flat_keys()
     unknown = [k for k in values if k not in keys]

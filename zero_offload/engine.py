@@ -22,6 +22,7 @@ import torch.nn as nn
 from .activations.wiring import build_offload, forward_context
 from .comm import Comm
 from .config import ZeroConfig, build_config
+from .ds_schedules import schedule
 from .inputs import move_inputs
 from .ledger import MemoryReport
 from .optimizer_state import attach_state_dict
@@ -249,6 +250,8 @@ class Engine(EngineLifecycle, EngineState):
             self._leftovers.closers.append(self.activations.close)
         self._leftovers.closers.append(self.streams.close)
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
+        # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
+        self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
@@ -380,6 +383,8 @@ class Engine(EngineLifecycle, EngineState):
                 self._end_update()
         if applied:
             self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.last_step = summarize(self, applied, self.stepper.updater.last_timings)
         self.clock.reset()
         self._last_comm = self.comm.stats()
@@ -446,7 +451,7 @@ class Engine(EngineLifecycle, EngineState):
             )
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, tag, lr_scheduler)
+        return save_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
 
     def load_checkpoint(
         self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
@@ -456,7 +461,7 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory, tag, lr_scheduler)
+        return load_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

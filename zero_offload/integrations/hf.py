@@ -45,6 +45,7 @@ from transformers import Trainer
 from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
+from ..ds_schedules import lr_scheduler
 from ..engine import Engine, initialize
 from .common import EngineOptimizer
 from .stats import step_stats
@@ -82,8 +83,8 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
     world = max(1, args.world_size)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     out: dict[str, Any] = {
-        "fp16.enabled": bool(args.fp16),
-        "bf16.enabled": bool(args.bf16),
+        "fp16.enabled": bool(args.fp16 or args.fp16_full_eval),
+        "bf16.enabled": bool(args.bf16 or args.bf16_full_eval),
         "optimizer.params.lr": args.learning_rate,
         "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
         "optimizer.params.eps": args.adam_epsilon,
@@ -102,6 +103,49 @@ def _auto_values(args: Any, model: nn.Module) -> dict[str, Any]:
     return out
 
 
+# keys Hugging Face's integration requires to agree with TrainingArguments unless "auto"
+_MUST_MATCH = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+
+
+def _dig(data: Mapping[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(data, Mapping) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _check_matches(config: Mapping[str, Any], auto: Mapping[str, Any]) -> None:
+    """Like Hugging Face's DeepSpeed integration: a value given (not "auto") must agree with
+    TrainingArguments, where a disagreement would leave one of them silently unused."""
+    bad = []
+    for key in _MUST_MATCH:
+        value = _dig(config, key)
+        want = auto[key]
+        if value is None or value == "auto":
+            continue
+        same = list(value) == list(want) if isinstance(want, list) else value == want
+        if not same:
+            bad.append(f"{key}={value!r} but TrainingArguments give {want!r}")
+    if bad:
+        raise ConfigError(
+            "DeepSpeed config values disagree with TrainingArguments: "
+            + "; ".join(bad)
+            + '. Set them to "auto" (or make TrainingArguments agree)'
+        )
+
+
 def engine_keywords(
     args: Any,
     model: nn.Module,
@@ -110,9 +154,14 @@ def engine_keywords(
 ) -> dict[str, Any]:
     """``initialize`` keywords for a Trainer run: TrainingArguments first, then the user's.
     ``decay_names``: the parameters Trainer decays (``get_decay_parameter_names``); the other
-    trainable ones go to ``no_decay``, as in Trainer's own no-decay group."""
+    trainable ones go to ``no_decay``, as in Trainer's own no-decay group. A DeepSpeed config
+    is read as Hugging Face's DeepSpeed integration reads it: "auto" filled from
+    TrainingArguments, other values required to agree with them, and its ``optimizer``
+    (if any) decaying every parameter, as DeepSpeed's optimizer does."""
     optim = getattr(args.optim, "value", args.optim)
-    if optim not in _ADAMW:
+    user = _load(zero_offload)
+    deepspeed = is_deepspeed(user)
+    if optim not in _ADAMW and not (deepspeed and "optimizer" in user):
         raise ConfigError(
             f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
             "optim='adamw_torch' (the default)"
@@ -124,20 +173,17 @@ def engine_keywords(
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
     )
-    if decay_names is not None:
+    if decay_names is not None and not (deepspeed and "optimizer" in user):
         decayed = set(decay_names)
         no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decayed]
         if no_decay:
             kw["no_decay"] = no_decay
     if args.bf16 or args.fp16:
         kw["dtype"] = torch.bfloat16 if args.bf16 else torch.float16
-    user = _load(zero_offload)
-    if is_deepspeed(user):
-        user = translate(user, _auto_values(args, model), allow=("scheduler",))
-        log.info(
-            "DeepSpeed config: Trainer's own lr scheduler (lr_scheduler_type) drives the "
-            "learning rate"
-        )
+    if deepspeed:
+        auto = _auto_values(args, model)
+        _check_matches(user, auto)
+        user = translate(user, auto, trainer="ZeroOffloadTrainer", world=max(1, args.world_size))
     kw.update(user)
     gas = kw.pop("gradient_accumulation_steps", args.gradient_accumulation_steps)
     if gas != args.gradient_accumulation_steps:
@@ -147,6 +193,43 @@ def engine_keywords(
             "micro-batches, so set it in TrainingArguments only"
         )
     return kw
+
+
+def deepspeed_schedule(
+    args: Any,
+    zero_offload: Mapping[str, Any] | str | os.PathLike | None,
+    optimizer: torch.optim.Optimizer,
+    num_training_steps: int,
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The ``scheduler`` of a DeepSpeed config, with its "auto" values filled as Hugging
+    Face's integration fills them (None without one: Trainer's own schedule runs)."""
+    config = _load(zero_offload)
+    if not is_deepspeed(config) or "scheduler" not in config:
+        return None
+    warmup = max(1, args.get_warmup_steps(num_training_steps))
+    auto = {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": args.learning_rate,
+        "warmup_num_steps": warmup,
+        "total_num_steps": num_training_steps,
+    }
+    params = (config["scheduler"] or {}).get("params") or {}
+    bad = [
+        f"scheduler.params.{k}={params[k]!r} but TrainingArguments give {v!r}"
+        for k, v in auto.items()
+        if k != "warmup_min_lr" and params.get(k, "auto") != "auto" and params[k] != v
+    ]
+    if bad:
+        raise ConfigError(
+            "DeepSpeed config values disagree with TrainingArguments: "
+            + "; ".join(bad)
+            + '. Set them to "auto" (or make TrainingArguments agree)'
+        )
+    log.info(
+        "DeepSpeed config: its %s schedule drives the learning rate (not lr_scheduler_type)",
+        config["scheduler"].get("type"),
+    )
+    return lr_scheduler(optimizer, config, auto)
 
 
 class _PreparedEngineOptimizer(EngineOptimizer):
@@ -214,6 +297,21 @@ class ZeroOffloadMixin(_TrainerBase):
         if self.optimizer is None:
             self.optimizer = _PreparedEngineOptimizer(self.engine)
         return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Trainer's schedule, or the DeepSpeed config's ``scheduler`` where it has one (as
+        Hugging Face's DeepSpeed integration runs it)."""
+        target = optimizer or self.optimizer
+        if self.lr_scheduler is None and target is not None:
+            schedule = deepspeed_schedule(
+                self.args, self.zero_offload_config, target, num_training_steps
+            )
+            if schedule is not None:
+                self.lr_scheduler = schedule  # type: ignore[assignment]
+                self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _wrap_model(
         self, model: nn.Module, training: bool = True, dataloader: Any = None

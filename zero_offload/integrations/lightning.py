@@ -29,11 +29,14 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
+from ..ds_schedules import lr_scheduler
 from ..engine import Engine, initialize
 from .common import EngineOptimizer
+from .lightning_optimizers import hyperparameters, retarget
 from .stats import step_stats
 
 __all__ = ["ZeroOffloadStrategy"]
@@ -42,69 +45,6 @@ log = logging.getLogger(__name__)
 
 LIGHTNING_STATE = "lightning.pt"  # Lightning's own checkpoint entries, beside the engine's
 NVME_ENV = "ZERO_OFFLOAD_NVME_PATH"  # nvme_path for the registered "..._nvme" names
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
-    """AdamW keywords from the optimizer ``configure_optimizers`` returned. Its groups may
-    differ only in weight decay, one value and 0 (the usual no-decay group of biases and
-    norm weights: ``no_decay``)."""
-    adamw = isinstance(optimizer, torch.optim.AdamW)
-    if not adamw and not (
-        type(optimizer) is torch.optim.Adam
-        and all(g["weight_decay"] == 0 for g in optimizer.param_groups)
-    ):
-        raise ConfigError(
-            f"configure_optimizers returned {type(optimizer).__name__}: "
-            "zero_offload runs AdamW; return torch.optim.AdamW(...)"
-        )
-    keys = ("lr", "betas", "eps")
-    groups = optimizer.param_groups
-    first = {k: groups[0][k] for k in keys}
-    decays = {g["weight_decay"] for g in groups} - {0.0}
-    if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
-        raise ConfigError(
-            "configure_optimizers returned parameter groups with different "
-            "hyperparameters; zero_offload trains one group, with weight decay "
-            "0 allowed for some parameters: use one lr, betas, eps and "
-            "weight_decay"
-        )
-    first["betas"] = tuple(first["betas"])
-    first["weight_decay"] = decays.pop() if decays else 0.0
-    if first["weight_decay"]:
-        undecayed = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
-        names = [n for n, p in module.named_parameters() if id(p) in undecayed]
-        if names:
-            first["no_decay"] = names
-    return first
-
-
-# Per-group lists torch's lr schedulers keep (one entry per parameter group of the optimizer
-# they were built on).
-_PER_GROUP = (
-    "base_lrs",
-    "_last_lr",
-    "lr_lambdas",
-    "min_lrs",
-    "max_lrs",
-    "base_momentums",
-    "max_momentums",
-)
-
-
-def _retarget(scheduler: Any, user: torch.optim.Optimizer, engine: EngineOptimizer) -> None:
-    """Point a scheduler built on the user's optimizer at the engine's one group: the keys it
-    added to the user's groups (``initial_lr``, ``max_lr``, ...) are copied, and its
-    per-group lists keep the first group's entry (the groups share their lr)."""
-    group = engine.param_groups[0]
-    for key, value in user.param_groups[0].items():
-        if key != "params" and key not in group:
-            group[key] = value
-    n = len(user.param_groups)
-    for attr in _PER_GROUP:
-        value = getattr(scheduler, attr, None)
-        if n > 1 and isinstance(value, list) and len(value) == n:
-            setattr(scheduler, attr, value[:1])
-    scheduler.optimizer = engine
 
 
 class ZeroOffloadStrategy(DDPStrategy):
@@ -147,12 +87,20 @@ class ZeroOffloadStrategy(DDPStrategy):
         self._final = False  # the backward running ends an accumulation window
 
     # -- building the engine ----------------------------------------------------------------
-    def _user_keywords(self) -> dict[str, Any]:
-        """The config (a DeepSpeed one translated), then the keywords."""
+    def _deepspeed(self) -> dict[str, Any] | None:
+        """The config when it is a DeepSpeed one."""
         user = _load(self.zero_offload_config)
-        if is_deepspeed(user):
-            user = translate(user, allow=("scheduler",))
-        return {**user, **self.zero_offload_keywords}
+        return user if is_deepspeed(user) else None
+
+    def _stage(self) -> int:
+        if "stage" in self.zero_offload_keywords:
+            return int(self.zero_offload_keywords["stage"])
+        user = _load(self.zero_offload_config)
+        if not is_deepspeed(user):
+            return int(user.get("stage", 0))
+        zero = user.get("zero_optimization", {})
+        stage = zero.get("stage", 0) if isinstance(zero, Mapping) else int(bool(zero))
+        return 0 if stage == "auto" else int(stage)
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
@@ -160,16 +108,34 @@ class ZeroOffloadStrategy(DDPStrategy):
         and the engine materializes them one unit at a time, each straight into its shards
         (``reset_parameters``, or the ``init_weights`` file): no rank ever holds the whole
         model. Other stages build it as usual."""
-        if self._user_keywords().get("stage", 0) == 3:
+        if self._stage() == 3:
             with torch.device("meta"):
                 yield
         else:
             yield
 
-    def _keywords(self, trainer: Any) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        kw = _hyperparameters(self.optimizers[0], module)
+    def _auto_values(self, trainer: Any, hyper: Mapping[str, Any]) -> dict[str, Any]:
+        """What the Lightning Trainer knows for a DeepSpeed config's "auto" values (batch
+        sizes are the loaders': left unset)."""
+        precision = str(trainer.precision)
+        out: dict[str, Any] = {
+            "fp16.enabled": precision.startswith("16"),
+            "bf16.enabled": precision.startswith("bf16"),
+            "gradient_accumulation_steps": trainer.accumulate_grad_batches,
+            "gradient_clipping": trainer.gradient_clip_val or 0.0,
+            "train_batch_size": None,
+            "train_micro_batch_size_per_gpu": None,
+        }
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in hyper:
+                out[f"optimizer.params.{key}"] = hyper[key]
+        return out
+
+    def _keywords(self, trainer: Any, hyper: dict[str, Any]) -> dict[str, Any]:
+        """Keywords from the Trainer and ``configure_optimizers`` (``hyper``), then the
+        config (a DeepSpeed one read as Lightning's DeepSpeedStrategy reads it: an absent
+        ``gradient_clipping`` is ``gradient_clip_val``), then the keywords."""
+        kw = dict(hyper)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):
                 raise ConfigError(
@@ -184,7 +150,17 @@ class ZeroOffloadStrategy(DDPStrategy):
             raise ConfigError(
                 f"precision={precision!r}: use '32-true' or 'bf16-mixed' with ZeroOffloadStrategy"
             )
-        kw.update(self._user_keywords())
+        user = _load(self.zero_offload_config)
+        if is_deepspeed(user):
+            user = translate(
+                user,
+                self._auto_values(trainer, hyper),
+                trainer="ZeroOffloadStrategy",
+                defaults={"gradient_clipping": trainer.gradient_clip_val or 0.0},
+                world=self.world_size,
+            )
+        kw.update(user)
+        kw.update(self.zero_offload_keywords)
         gas = kw.pop("gradient_accumulation_steps", trainer.accumulate_grad_batches)
         if gas != trainer.accumulate_grad_batches:
             raise ConfigError(
@@ -194,25 +170,65 @@ class ZeroOffloadStrategy(DDPStrategy):
             )
         return kw
 
+    def _deepspeed_schedule(self, trainer: Any, config: Mapping[str, Any]) -> None:
+        """The config's ``scheduler``, where ``configure_optimizers`` gave none (DeepSpeed
+        runs the client's schedule first), stepped at every optimizer step."""
+        assert self.engine is not None
+        if self.lr_scheduler_configs or "scheduler" not in config:
+            return
+        resolve = {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": self.engine.optimizer.param_groups[0]["lr"],
+            "total_num_steps": trainer.estimated_stepping_batches,
+        }
+        schedule = lr_scheduler(self.optimizers[0], config, resolve)
+        self.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step")]
+        log.info("DeepSpeed config: its %s schedule drives the learning rate", schedule.kind)
+
+    def _keep_the_loaders_sampler(self, trainer: Any) -> None:
+        """At world size 1, a loader keeps its own sampler, as under ``strategy="auto"``.
+
+        Lightning gives every DDP-based strategy a ``DistributedSampler`` that shuffles the
+        training set (even a ``shuffle=False`` loader's) unless ``use_distributed_sampler``
+        is off; on one process that only changes the order. The flag lives on the Trainer's
+        accelerator connector, read when the loaders are set up, after this ``setup``."""
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if self.world_size == 1 and connector and connector.use_distributed_sampler:
+            connector.use_distributed_sampler = False
+            log.info("ZeroOffloadStrategy on one process: the loaders keep their own samplers")
+
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         assert self.accelerator is not None and self.model is not None and module is not None
         self.accelerator.setup(trainer)
+        self._keep_the_loaders_sampler(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.engine is None:
-            self.setup_optimizers(trainer)  # configure_optimizers: the user's AdamW
-            user_opt = self.optimizers[0] if len(self.optimizers) == 1 else None
-            if user_opt is None:
-                raise ConfigError("configure_optimizers must return exactly one optimizer")
-            kw = self._keywords(trainer)
+            config = self._deepspeed()
+            user_opt = None
+            if config is not None and "optimizer" in config:
+                # as Lightning's DeepSpeedStrategy: the config's optimizer (decaying every
+                # parameter) and schedule; configure_optimizers is not called
+                hyper: dict[str, Any] = {}
+                self.lr_scheduler_configs = []
+            else:
+                self.setup_optimizers(trainer)  # configure_optimizers: the user's AdamW
+                user_opt = self.optimizers[0] if len(self.optimizers) == 1 else None
+                if user_opt is None:
+                    raise ConfigError("configure_optimizers must return exactly one optimizer")
+                hyper = hyperparameters(user_opt, module)
+            kw = self._keywords(trainer, hyper)
             self.engine = initialize(module, **kw)
             log.info(
                 "ZeroOffloadStrategy: %s",
                 {k: f"{len(v)} parameters" if k == "no_decay" else v for k, v in kw.items()},
             )
             engine_opt = EngineOptimizer(self.engine)
-            for config in self.lr_scheduler_configs:
-                _retarget(config.scheduler, user_opt, engine_opt)
+            if user_opt is not None:
+                for lr_config in self.lr_scheduler_configs:
+                    retarget(lr_config.scheduler, user_opt, engine_opt)
             self.optimizers = [engine_opt]
+            if config is not None:
+                self._deepspeed_schedule(trainer, config)
         elif self.engine is not None:
             self.optimizers = [EngineOptimizer(self.engine)]
         self.setup_precision_plugin()

@@ -131,7 +131,8 @@ class EngineState:
 
     @property
     def skipped_steps(self) -> int:
-        """float16 steps skipped on overflow so far."""
+        """Steps skipped so far: on a float16 overflow, or on inf/NaN gradients with
+        ``skip_nonfinite_steps``."""
         scaler = self.stepper.scaler
         return scaler.skipped_steps if scaler else 0
 

@@ -100,11 +100,17 @@ class ShardStepper:
             staging=cfg.offload.optimizer == "nvme",
         )
         p = cfg.precision
-        self.scaler = (
-            LossScaler(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
-            if p.dtype == torch.float16
-            else None
-        )
+        self.scaler: LossScaler | None = None
+        if p.dtype == torch.float16:
+            self.scaler = LossScaler(
+                p.initial_loss_scale,
+                p.loss_scale_window,
+                p.min_loss_scale,
+                hysteresis=p.loss_scale_hysteresis,
+                consecutive=p.consecutive_hysteresis,
+            )
+        elif p.skip_nonfinite_steps:
+            self.scaler = LossScaler.guard()
         self._grad_norm: float | None = None
         self._host_vec: torch.Tensor | None = None  # what the step's exchange sends
         # per trainable parameter (grads.trainable_slots order): its name, this rank's

@@ -1,0 +1,76 @@
+"""What ``configure_optimizers`` returned, made the engine's: the AdamW hyperparameters read
+from the user's optimizer, and its lr schedulers pointed at the engine's parameter group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from .common import EngineOptimizer
+
+__all__ = ["hyperparameters", "retarget"]
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
+    """AdamW keywords from the optimizer ``configure_optimizers`` returned. Its groups may
+    differ only in weight decay, one value and 0 (the usual no-decay group of biases and
+    norm weights: ``no_decay``)."""
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    if not adamw and not (
+        type(optimizer) is torch.optim.Adam
+        and all(g["weight_decay"] == 0 for g in optimizer.param_groups)
+    ):
+        raise ConfigError(
+            f"configure_optimizers returned {type(optimizer).__name__}: "
+            "zero_offload runs AdamW; return torch.optim.AdamW(...)"
+        )
+    keys = ("lr", "betas", "eps")
+    groups = optimizer.param_groups
+    first = {k: groups[0][k] for k in keys}
+    decays = {g["weight_decay"] for g in groups} - {0.0}
+    if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
+        raise ConfigError(
+            "configure_optimizers returned parameter groups with different "
+            "hyperparameters; zero_offload trains one group, with weight decay "
+            "0 allowed for some parameters: use one lr, betas, eps and "
+            "weight_decay"
+        )
+    first["betas"] = tuple(first["betas"])
+    first["weight_decay"] = decays.pop() if decays else 0.0
+    if first["weight_decay"]:
+        undecayed = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+        names = [n for n, p in module.named_parameters() if id(p) in undecayed]
+        if names:
+            first["no_decay"] = names
+    return first
+
+
+# Per-group lists torch's lr schedulers keep (one entry per parameter group of the optimizer
+# they were built on).
+_PER_GROUP = (
+    "base_lrs",
+    "_last_lr",
+    "lr_lambdas",
+    "min_lrs",
+    "max_lrs",
+    "base_momentums",
+    "max_momentums",
+)
+
+
+def retarget(scheduler: Any, user: torch.optim.Optimizer, engine: EngineOptimizer) -> None:
+    """Point a scheduler built on the user's optimizer at the engine's one group: the keys it
+    added to the user's groups (``initial_lr``, ``max_lr``, ...) are copied, and its
+    per-group lists keep the first group's entry (the groups share their lr)."""
+    group = engine.param_groups[0]
+    for key, value in user.param_groups[0].items():
+        if key != "params" and key not in group:
+            group[key] = value
+    n = len(user.param_groups)
+    for attr in _PER_GROUP:
+        value = getattr(scheduler, attr, None)
+        if n > 1 and isinstance(value, list) and len(value) == n:
+            setattr(scheduler, attr, value[:1])
+    scheduler.optimizer = engine
