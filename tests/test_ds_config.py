@@ -258,10 +258,27 @@ def test_zero3_nvme_recipe_prefetch_counts_elements(tmp_path):
             "zero_quantized_weights",
         ),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "master"),
-        ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training"),
+        (
+            {
+                "compression_training": {
+                    "weight_quantization": {"shared_parameters": {"enabled": True}}
+                }
+            },
+            "compression_training",
+        ),
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "foo": 1}}}, "optimizer.params.foo"),
-        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, "train_batch_size=16"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "foo": 1}}},
+            "optimizer.params.foo",
+        ),
+        (
+            {
+                "train_batch_size": 16,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+            },
+            "train_batch_size=16",
+        ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both 'fp16' and 'bf16'"),
     ],
 )

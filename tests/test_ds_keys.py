@@ -57,7 +57,9 @@ def test_accepted_keys_log_why_once(name, key, caplog):
 def _refused_value(key) -> Any:
     if not key.off:
         return {"enabled": True, "x": 1}
-    return next(v for v in (True, False, 2, "sum") if v not in key.off and type(v) is type(key.off[0]))
+    return next(
+        v for v in (True, False, 2, "sum") if v not in key.off and type(v) is type(key.off[0])
+    )
 
 
 @pytest.mark.parametrize("name, key", _names(Decision.REFUSED), ids=lambda v: str(v))
@@ -162,7 +164,9 @@ def test_auto_and_sentinels_as_in_deepspeed(caplog):
     # "auto" in a section DeepSpeed validates: its default; elsewhere a keyword fills it
     with caplog.at_level(logging.INFO, logger="zero_offload.ds_config"):
         kw = translate({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
-    assert "reduce_bucket_size" not in kw and any('"auto"' in r.getMessage() for r in caplog.records)
+    assert "reduce_bucket_size" not in kw and any(
+        '"auto"' in r.getMessage() for r in caplog.records
+    )
     assert "sub_group_size" not in translate(_nest("zero_optimization.sub_group_size", 0))
     auto = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "fp16": {"enabled": "auto"}}
     with pytest.raises(zo.ConfigError, match="or pass lr= to initialize"):
@@ -176,9 +180,12 @@ def test_auto_and_sentinels_as_in_deepspeed(caplog):
 
 
 def test_batch_keys_give_the_accumulation_deepspeed_derives():
-    assert translate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world=2)[
-        "gradient_accumulation_steps"
-    ] == 4
+    assert (
+        translate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world=2)[
+            "gradient_accumulation_steps"
+        ]
+        == 4
+    )
     assert translate({"train_batch_size": 32}, world=2)["gradient_accumulation_steps"] == 1
     with pytest.raises(zo.ConfigError, match="world size 2"):
         translate({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world=2)

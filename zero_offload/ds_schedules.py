@@ -147,8 +147,9 @@ def lr_scheduler(
         if value == "auto":
             if not resolve or name not in resolve:
                 raise ConfigError(
-                    f'DeepSpeed config key \'scheduler.params.{name}\' is "auto" and nothing '
-                    "fills it in here: give it a value"
+                    f"DeepSpeed config key 'scheduler.params.{name}' is \"auto\" and nothing "
+                    "fills it in here: give it a value (initialize: or pass lr_schedule= the "
+                    "section with values)"
                 )
             params[name] = resolve[name]
     return DeepSpeedSchedule(optimizer, str(section["type"]), **params)

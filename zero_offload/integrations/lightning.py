@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
-from ..ds_schedules import lr_scheduler
+from ..ds_schedules import SCHEDULES, lr_scheduler
 from ..engine import Engine, initialize
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
@@ -181,6 +181,12 @@ class ZeroOffloadStrategy(DDPStrategy):
             "warmup_max_lr": self.engine.optimizer.param_groups[0]["lr"],
             "total_num_steps": trainer.estimated_stepping_batches,
         }
+        section = config["scheduler"]
+        for name, default in SCHEDULES.get(section.get("type"), {}).items():
+            auto = (section.get("params") or {}).get(name) == "auto"
+            if auto and name not in resolve and default is not None:  # Lightning has no warmup
+                log.info('DeepSpeed config: scheduler.params.%s is "auto": %r', name, default)
+                resolve[name] = default
         schedule = lr_scheduler(self.optimizers[0], config, resolve)
         self.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step")]
         log.info("DeepSpeed config: its %s schedule drives the learning rate", schedule.kind)
@@ -207,8 +213,16 @@ class ZeroOffloadStrategy(DDPStrategy):
             user_opt = None
             if config is not None and "optimizer" in config:
                 # as Lightning's DeepSpeedStrategy: the config's optimizer (decaying every
-                # parameter) and schedule; configure_optimizers is not called
+                # parameter) and schedule; configure_optimizers only fills its "auto" values
                 hyper: dict[str, Any] = {}
+                if "auto" in str(config["optimizer"]):
+                    self.setup_optimizers(trainer)
+                    hyper = hyperparameters(self.optimizers[0], module)
+                    hyper.pop("no_decay", None)
+                if self.lr_scheduler_configs:
+                    log.info(
+                        "DeepSpeed config's optimizer: configure_optimizers' schedulers unused"
+                    )
                 self.lr_scheduler_configs = []
             else:
                 self.setup_optimizers(trainer)  # configure_optimizers: the user's AdamW
