@@ -1,5 +1,6 @@
 """Run under torchrun (or alone): Hugging Face Trainer cases, each trained three ways with the
-same data order: plain Trainer with torch AdamW (DDP across ranks), ZeroOffloadTrainer, and
+same data order: plain Trainer with torch AdamW (DDP across ranks; for a DeepSpeed config, doing
+what Hugging Face's DeepSpeed integration does with it), ZeroOffloadTrainer, and
 ZeroOffloadTrainer resumed from the checkpoint the second run saved halfway. Rank 0 writes
 what it measured as JSON: ``python hf_trainer_worker.py OUT.json ROOT CASES_JSON``.
 
@@ -17,7 +18,7 @@ import transformers
 from transformers import Trainer, TrainingArguments
 
 from distributed import finish_torchrun_worker
-from zero_offload.integrations.hf import ZeroOffloadTrainer
+from zero_offload.integrations.hf import ZeroOffloadTrainer, deepspeed_schedule
 
 LR, CLIP, VOCAB, SEQ, SAMPLES, STEPS = 1e-2, 0.05, 128, 16, 32, 4
 PER_DEVICE, GAS = 2, 2
@@ -94,13 +95,36 @@ def diff_lr(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b) / LR
 
 
+def deepspeed_like(config: dict) -> type:
+    """Plain Trainer doing what Hugging Face's DeepSpeed integration does with ``config``: an
+    ``optimizer`` section decays every parameter (DeepSpeed's optimizer has no no-decay
+    group), a ``scheduler`` section's schedule replaces ``lr_scheduler_type`` (DeepSpeed's
+    formulas, checked against DeepSpeed itself in test_ds_schedules.py)."""
+
+    class DeepSpeedLike(Trainer):
+        def get_decay_parameter_names(self, model):
+            if "optimizer" not in config:
+                return super().get_decay_parameter_names(model)
+            return [n for n, _ in model.named_parameters()]
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None and "scheduler" in config:
+                self.lr_scheduler = deepspeed_schedule(
+                    self.args, config, optimizer or self.optimizer, num_training_steps
+                )
+            return super().create_scheduler(num_training_steps, optimizer)
+
+    return DeepSpeedLike
+
+
 def run_case(root: str, index: int, name: str, config, rank: int) -> dict:
     res: dict = {}
     tag = f"{root}/case{index}-{name}"  # the same on every rank
     if isinstance(config, dict) and "nvme_path" in json.dumps(config):
         config = json.loads(json.dumps(config).replace("NVME", f"{tag}/nvme"))
 
-    plain = Trainer(model=make(name), args=arguments(f"{tag}/plain"), train_dataset=dataset())
+    reference = deepspeed_like(config) if "zero_optimization" in config else Trainer
+    plain = reference(model=make(name), args=arguments(f"{tag}/plain"), train_dataset=dataset())
     plain.train()
     res["plain_eval_loss"] = plain.evaluate(dataset()[:8])["eval_loss"]
     ref = params(plain.model)

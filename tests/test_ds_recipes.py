@@ -193,3 +193,20 @@ def test_recipe_through_zero_offload_trainer(name, tmp_path):
             assert [h["learning_rate"] for h in logged] == [0.0, 0.0]  # DeepSpeed's log warmup
     finally:
         engine.close()
+
+
+REFUSED = {  # real files asking for what zero_offload cannot honour: the key named
+    "deepspeedexamples-bingbertsquad_bsz24": "optimizer.params.bias_correction",
+    "deepspeedexamples-bf16_full": "bf16.bf16_master_weights_and_grads",
+    "llamafactory-ds_z2_autotp_config": "tensor_parallel.autotp_size",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_recipes_asking_for_what_cannot_be_honoured_are_refused(name):
+    path = HERE / "data" / "ds_configs" / "refused" / f"{name}.json"
+    assert re.search(r"^commit: [0-9a-f]{40}$", path.with_suffix(".source").read_text(), re.M)
+    keywords = dict(lr=1e-3, gradient_accumulation_steps=1, max_grad_norm=1.0)
+    with pytest.raises(zo.ConfigError, match="not supported") as err:
+        zo.build_config(str(path), **keywords)
+    assert repr(REFUSED[name]) in str(err.value)

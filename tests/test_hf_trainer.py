@@ -6,7 +6,9 @@ hf_trainer_worker.py) and shows:
 - the trained weights match plain Trainer with torch AdamW (DDP across ranks), with Trainer's
   linear lr schedule with warmup, gradient accumulation, max_grad_norm clipping and weight
   decay with Trainer's no-decay group (biases, norm weights), within the
-  equivalence criterion (0.03 lr in fp32);
+  equivalence criterion (0.03 lr in fp32); for a DeepSpeed config, as Hugging Face's
+  DeepSpeed integration runs it (its optimizer decays every parameter, its WarmupLR
+  schedule drives the learning rate);
 - the lr Trainer logs is the one its scheduler set, and the losses match, in training and in
   ``evaluate`` (which runs the model through the engine too);
 - a run resumed from the checkpoint saved halfway ends exactly where the uninterrupted one did;

@@ -2,7 +2,8 @@
 and a word-level tokenizer built locally (nothing downloaded) trains to the same weights as
 plain SFTTrainer with torch AdamW, within the equivalence criterion (0.03 lr in fp32):
 - stage 2 with the optimizer state on the CPU;
-- stage 3 with parameters and optimizer state on the CPU, and with tied embeddings on NVMe.
+- stage 3 with parameters and optimizer state on the CPU, and with tied embeddings on NVMe;
+- stage 3 on two gloo ranks under torchrun (trl_worker.py), against plain SFTTrainer's DDP.
   SFTTrainer's fused LM head reads ``lm_head.weight`` in the model's own forward and hands it
   to a chunked autograd function that reads it again in backward, without ever calling the
   ``lm_head`` module: stage 3 gathers it on that read (and re-gathers the saved weight in
@@ -11,6 +12,7 @@ plain SFTTrainer with torch AdamW, within the equivalence criterion (0.03 lr in 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +134,13 @@ def test_sft_trainer_matches_plain_sft_trainer(plain, tmp_path, case):
     diff = max((got[k] - ref[k]).abs().max().item() for k in ref) / LR
     assert moved > 1.0
     assert diff <= 0.03, f"max |diff| = {diff:.4f} lr"
+
+
+@pytest.mark.multiprocess
+def test_sft_trainer_stage3_on_two_ranks(tmp_path):
+    from torchrun_cases import launch
+
+    case = dict(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    (r,) = launch(Path(__file__).with_name("trl_worker.py"), 2, tmp_path, [case])
+    assert r["moved_lr"] > 1.0
+    assert r["max_diff_lr"] <= 0.03, f"max |diff| = {r['max_diff_lr']:.4f} lr"

@@ -13,7 +13,9 @@ hands Lightning the engine as the optimizer, re-pointing the schedulers at its
 scaling the loss; the engine reduces each micro-batch and steps at the window's end, clipping
 by ``gradient_clip_val`` over all shards. Checkpoints (``trainer.save_checkpoint``,
 ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are folders: the engine checkpoint plus
-``lightning.pt`` with Lightning's own state (loops, schedulers, callbacks).
+``lightning.pt`` with Lightning's own state (loops, schedulers, callbacks). On one process the
+loaders keep their own samplers (as with ``strategy="auto"``). A DeepSpeed config is read as
+Lightning's ``DeepSpeedStrategy`` reads it (``docs/deepspeed.md``).
 """
 
 from __future__ import annotations
