@@ -67,10 +67,10 @@ def text() -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": rows})
 
 
-def train(cls, out, tied: bool = False, **kw) -> dict[str, torch.Tensor]:
+def train(cls, out, tied: bool = False, steps: int = 4, **kw) -> dict[str, torch.Tensor]:
     args = trl.SFTConfig(
         output_dir=str(out),
-        max_steps=4,
+        max_steps=steps,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         learning_rate=LR,

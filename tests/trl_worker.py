@@ -21,11 +21,13 @@ def main() -> None:
     out, root, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
-    ref = train(trl.SFTTrainer, f"{root}/plain")
+    ref = train(trl.SFTTrainer, f"{root}/plain", steps=2)
     start = model().state_dict()
     results = []
     for i, config in enumerate(cases):
-        got = train(zero_offload_trainer(trl.SFTTrainer), f"{root}/zo{i}", zero_offload=config)
+        got = train(
+            zero_offload_trainer(trl.SFTTrainer), f"{root}/zo{i}", steps=2, zero_offload=config
+        )
         results.append(
             {
                 "moved_lr": max((ref[k] - start[k]).abs().max().item() for k in ref) / LR,
