@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
-from zero_offload.plan_cli import format_plan, parse_size
-from zero_offload.planner import activation_memory
+from zero_offload.cli.plan import format_plan, parse_size
+from zero_offload.planning.planner import activation_memory
 
 from train_gpt import finish, text_batch, train  # the sibling example: same data and training loop
 

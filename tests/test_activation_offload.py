@@ -20,7 +20,7 @@ from zero_offload.activations.config import ActivationConfig
 from zero_offload.activations.host_slots import slot_bytes
 from zero_offload.activations.offload import ActivationOffload
 from zero_offload.rehearsal import rehearse
-from zero_offload.stages.streams import Streams
+from zero_offload.device.streams import Streams
 
 WIDTH, LAYERS = 32, 4
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from adam_reference import Float32Bound
-from zero_offload import native
-from zero_offload.native import KernelBuildError
+from zero_offload.optim import native
+from zero_offload.optim.native import KernelBuildError
 from zero_offload.optim import CPUAdam, CPUAdamW, adam_update
 from zero_offload.optim import kernel as K
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swap_faults import FaultBackend
-from zero_offload.stages.disk_grads import DiskGrads
+from zero_offload.grads.disk import DiskGrads
 from zero_offload.swap.errors import SwapIOError
 
 

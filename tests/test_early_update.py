@@ -19,7 +19,7 @@ from distributed import run_ranks
 from equivalence import assert_bit_equal, training_state
 from models import TinyGPT, batch, loss_fn
 from swap_faults import FaultBackend
-from zero_offload.stages.early_update import EarlyUpdate
+from zero_offload.update.early import EarlyUpdate
 
 STEPS = 3
 

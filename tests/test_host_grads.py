@@ -1,5 +1,5 @@
-"""Reduced gradients on their way to an offloaded optimizer (``stages.host_grads``), and the
-CPU side of ``stages.streams``: pieces are summed in the background, ``flush`` waits for all
+"""Reduced gradients on their way to an offloaded optimizer (``grads.host``), and the
+CPU side of ``device.streams``: pieces are summed in the background, ``flush`` waits for all
 and raises the first failure, at most ``depth`` pieces are in flight, and a disk failure while
 gradients go to NVMe surfaces from ``engine.backward``."""
 
@@ -13,9 +13,9 @@ import torch
 
 import zero_offload as zo
 from swap_faults import FaultBackend
-from zero_offload.stages.grads import ResidentGrads
-from zero_offload.stages.host_grads import HostGradQueue
-from zero_offload.stages.streams import Streams
+from zero_offload.grads.reducer import ResidentGrads
+from zero_offload.grads.host import HostGradQueue
+from zero_offload.device.streams import Streams
 from zero_offload.swap import SwapIOError
 
 CPU = Streams(torch.device("cpu"))

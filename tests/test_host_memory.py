@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 import zero_offload as zo
-from zero_offload.stages.grads import reductions_alive
-from zero_offload.stages.slices import SLICE, add_into, sum_of_squares
-from zero_offload.stages.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
+from zero_offload.grads.reducer import reductions_alive
+from zero_offload.grads.slices import SLICE, add_into, sum_of_squares
+from zero_offload.update.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
 
@@ -243,7 +243,7 @@ def test_clipping_measures_the_gradient_norm_without_a_float64_copy_of_the_shard
 DEVICE_UPDATE = textwrap.dedent("""
     import json, resource, torch
     from zero_offload.config import build_config
-    from zero_offload.stages.updaters import DeviceAdam
+    from zero_offload.update.updaters import DeviceAdam
     torch.set_num_threads(1)
     n = 1 << 25
     updater = DeviceAdam(torch.zeros(n), build_config(None, lr=1e-3))
@@ -271,7 +271,7 @@ def test_device_updater_widens_low_precision_gradients_a_slice_at_a_time():
 def test_device_updater_in_slices_matches_one_fused_step():
     """Slicing changes no bit: torch's AdamW is elementwise."""
     from zero_offload.config import build_config
-    from zero_offload.stages.updaters import GRAD_SLICE, DeviceAdam
+    from zero_offload.update.updaters import GRAD_SLICE, DeviceAdam
 
     n = 2 * GRAD_SLICE + 1000
     gen = torch.Generator().manual_seed(0)

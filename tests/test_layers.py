@@ -1,6 +1,6 @@
-"""The package's import graph has no cycles, and nothing outside ``zero_offload/stages``
-reaches into the engine's internal stepper or updater (the engine offers what they need), but
-through the stepper's deprecated old name."""
+"""The package's import graph has no cycles, and nothing outside ``zero_offload/engine`` and
+``zero_offload/update`` reaches into the engine's internal stepper or updater (the engine
+offers what they need), but through the stepper's deprecated old name."""
 
 from __future__ import annotations
 
@@ -96,14 +96,14 @@ def test_no_import_cycles() -> None:
     assert _cycles(graph) == []
 
 
-def test_nothing_outside_stages_reaches_into_the_stepper() -> None:
-    pattern = re.compile(r"(?<!stages)\.(stepper|sharded_optimizer|updater)\b")  # not a module path
+def test_nothing_outside_the_engine_reaches_into_the_stepper() -> None:
+    pattern = re.compile(r"(?<!update)\.(stepper|sharded_optimizer|updater)\b")  # not a module path
     offenders = []
     for folder in ("zero_offload", "examples", "tests"):
         for path in (REPO / folder).rglob("*.py"):
             if (
-                ROOT / "stages" in path.parents
-                or path == ROOT / "engine.py"
+                ROOT / "update" in path.parents
+                or ROOT / "engine" in path.parents
                 or path == Path(__file__).resolve()
             ):
                 continue

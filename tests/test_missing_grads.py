@@ -154,7 +154,7 @@ def test_device_updater_steps_ranges_with_their_own_counts():
     """The accelerator updater (torch's fused AdamW; run here on the CPU) given ranges with
     different step counts matches torch AdamW on separate parameters."""
     from zero_offload.config import build_config
-    from zero_offload.stages.updaters import DeviceAdam
+    from zero_offload.update.updaters import DeviceAdam
 
     torch.manual_seed(0)
     p1, p2 = nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(7))

@@ -17,7 +17,7 @@ from distributed import run_ranks
 from equivalence import assert_bit_equal, training_state
 from models import batch, loss_fn, make
 from swap_faults import FaultBackend
-from zero_offload.stages.nvme_adam import IncompleteStepError
+from zero_offload.update.nvme import IncompleteStepError
 from zero_offload.swap.buffers import pool_footprint
 
 STEPS = 4

@@ -54,7 +54,7 @@ def test_a_released_parameter_read_raises_a_clear_error_and_reads_right_when_gat
     result = _run(
         f"""
         import torch, zero_offload as zo
-        from zero_offload.stages.released import ParameterNotGatheredError
+        from zero_offload.params.released import ParameterNotGatheredError
         from models import TinyGPT, batch, loss_fn
         torch.manual_seed(0)
         model = TinyGPT()

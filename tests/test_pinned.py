@@ -15,7 +15,7 @@ import torch
 
 import zero_offload as zo
 from models import TinyGPT, batch, loss_fn
-from zero_offload.stages.nvme_sizing import nvme_sizing
+from zero_offload.update.nvme_sizing import nvme_sizing
 from zero_offload.swap import pinned
 
 PAGE = 4096

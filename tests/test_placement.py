@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import zero_offload as zo
 from models import TinyGPT, batch, loss_fn
-from zero_offload.stages import placement
+from zero_offload.device import placement
 
 
 class ReportingParameter(nn.Parameter):

@@ -14,11 +14,11 @@ import torch
 
 import zero_offload as zo
 from distributed import run_ranks
-from zero_offload import planner
+from zero_offload.planning import planner
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.cli import main as cli_main
-from zero_offload.memory_model import MODEL_STATE, RESIDENT, TIERS, ModelShape
-from zero_offload.plan_cli import parse_count, parse_size
+from zero_offload.planning.estimate import MODEL_STATE, RESIDENT, TIERS, ModelShape
+from zero_offload.cli.plan import parse_count, parse_size
 
 # ~0.47M params: padding (to world × 64 elements per unit) is well under 1%.
 LEDGER_MODEL = GPTConfig(layers=2, width=128, heads=4, vocab=512, seq=32)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import zero_offload as zo
-from zero_offload.stages import placement
+from zero_offload.device import placement
 from zero_offload.bench.gpt import GPT, Block, GPTConfig
 from zero_offload.cli import main
 from zero_offload.rehearsal.tracker import ACTIVATIONS, GATHERED, OPTIMIZER, PARAMS

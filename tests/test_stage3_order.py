@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import zero_offload as zo
 from distributed import run_ranks
-from zero_offload.stages.order import DivergentForwardError
+from zero_offload.params.order import DivergentForwardError
 
 TIMEOUT = 30
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import zero_offload as zo
-import zero_offload.engine as engine_module
+import zero_offload.engine.engine as engine_module
 from models import TinyGPT, batch, loss_fn
-from zero_offload.stages.streams import Streams
+from zero_offload.device.streams import Streams
 
 
 class LateEvent:

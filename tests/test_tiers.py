@@ -12,7 +12,7 @@ import torch
 import zero_offload as zo
 from distributed import run_ranks
 from models import TinyGPT, batch, loss_fn
-from zero_offload.stages.nvme_sizing import host_groups, optimizer_split
+from zero_offload.update.nvme_sizing import host_groups, optimizer_split
 from zero_offload.swap.io import OsBackend
 
 GROUP = 4096  # small sub-groups: TinyGPT's shard is cut into several

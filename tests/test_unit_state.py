@@ -8,9 +8,9 @@ import torch.nn as nn
 
 from zero_offload.comm import Comm
 from zero_offload.partition import build_layout
-from zero_offload.stages.streams import Streams
-from zero_offload.stages.unit_state import GatherState, TrainingState, UnitStates
-from zero_offload.stages.units import FlatUnit
+from zero_offload.device.streams import Streams
+from zero_offload.params.unit_state import GatherState, TrainingState, UnitStates
+from zero_offload.params.units import FlatUnit
 
 
 def _unit(index: int, sharded: bool, trainable: int = 2) -> FlatUnit:

@@ -7,13 +7,13 @@ loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 
 from .checkpoint import CheckpointError, consolidate_checkpoint
 from .config import ConfigError, ZeroConfig, build_config, config_keys
-from .engine import Engine, initialize
-from .ledger import MemoryReport
+from .engine.engine import Engine, initialize
+from .memory.ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
-from .planner import estimate_memory, plan
+from .planning.planner import estimate_memory, plan
 from .rehearsal import Rehearsal, rehearse
-from .stages.external import register_external_parameter
-from .stages.nvme_adam import IncompleteStepError
+from .params.external import register_external_parameter
+from .update.nvme import IncompleteStepError
 from .swap import SwapIOError
 
 __all__ = [

@@ -321,7 +321,7 @@ def test_side_streams_are_ordered(
     each of its reads (a missing ``record_stream`` or a host buffer reused too early lets the
     memory be overwritten while the side stream still reads it). The compute stream is slow
     before each gradient copy too. Training must still match the reference."""
-    from zero_offload.stages import streams as streams_mod
+    from zero_offload.device import streams as streams_mod
 
     cycles = 20_000_000  # ~10 ms
     S = streams_mod.Streams

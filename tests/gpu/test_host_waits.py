@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from zero_offload.stages.grads import ResidentGrads
-from zero_offload.stages.host_grads import HostGradQueue
-from zero_offload.stages.streams import Streams
+from zero_offload.grads.reducer import ResidentGrads
+from zero_offload.grads.host import HostGradQueue
+from zero_offload.device.streams import Streams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..stages.streams import Streams
+from ..device.streams import Streams
 from .config import ActivationConfig
 from .host_slots import HostSlots
 from .select import saved_by_checkpoint, storage_layout

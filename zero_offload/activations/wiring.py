@@ -12,9 +12,9 @@ from .offload import ActivationOffload
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
-    from ..stages.gather import ParamGatherer
-    from ..stages.streams import Streams
-    from ..stages.units import FlatUnit
+    from ..params.gather import ParamGatherer
+    from ..device.streams import Streams
+    from ..params.units import FlatUnit
 
 __all__ = ["build_offload", "forward_context"]
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.native import KernelBuildError, load_library
+from zero_offload.optim.native import KernelBuildError, load_library
 from zero_offload.optim import kernel as K
 
 DEFAULT_PARAMS = 100_000_000

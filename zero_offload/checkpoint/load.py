@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..progress import Progress
-from ..stages.units import persistent_buffers
+from ..params.units import persistent_buffers
 from ..partition import mismatch_message
 from .format import (
     CheckpointError,
@@ -33,7 +33,7 @@ from .format import (
 from .tags import resolve_tag, tag_folder
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
 __all__ = ["load_checkpoint", "check_names"]
 

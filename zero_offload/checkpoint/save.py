@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..progress import Progress
-from ..stages.units import persistent_buffers
+from ..params.units import persistent_buffers
 from .format import (
     MANIFEST,
     CheckpointError,
@@ -36,7 +36,7 @@ from .format import (
 from .tags import LATEST, check_tag, commit_tag, recover_tag
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
 __all__ = ["save_checkpoint"]
 

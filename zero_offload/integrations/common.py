@@ -6,7 +6,7 @@ from typing import Callable, NoReturn, overload
 
 import torch
 
-from ..engine import Engine
+from ..engine.engine import Engine
 
 __all__ = ["EngineOptimizer"]
 

@@ -46,7 +46,7 @@ from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..ds_schedules import lr_scheduler
-from ..engine import Engine, initialize
+from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .stats import step_stats
 

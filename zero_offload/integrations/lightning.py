@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..ds_schedules import SCHEDULES, lr_scheduler
-from ..engine import Engine, initialize
+from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
 from .stats import step_stats

@@ -5,7 +5,7 @@ Why a functional API: the engine updates flat fp32 master shards whose m and v m
 NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on
 tensors it owns. The optimizer classes are thin wrappers over the same call.
 
-The kernel is compiled on first use (``zero_offload.native``). Without a compiler, or when
+The kernel is compiled on first use (``zero_offload.optim.native``). Without a compiler, or when
 the build fails, one warning is logged and torch's fused CPU Adam(W) does the update (same
 math, same results within a few ulp). ``ZERO_OFFLOAD_KERNELS``: ``auto`` (default), ``off``
 (always torch), ``required`` (a failed build raises ``KernelBuildError``).
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from zero_offload.native import KernelBuildError, cache_dir, compiler, load_library
+from zero_offload.optim.native import KernelBuildError, cache_dir, compiler, load_library
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..memory_model import (
+from ..planning.estimate import (
     FORWARD_BACKWARD,
     INITIALIZE,
     REDUCE,
@@ -189,7 +189,7 @@ class Rehearsal:
                 "only each layer's input through the forward"
             )
         host = self.host_memory if self.host_memory is not None else 2**62
-        from ..planner import plan
+        from ..planning.planner import plan
 
         advice = plan(
             self.shape,

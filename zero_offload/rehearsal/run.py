@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 
 from ..config import ZeroConfig, build_config
-from ..engine import Engine
-from ..memory_model import ModelShape, estimate_memory
-from ..stages.streams import Streams
-from ..stages.update_api import adam_kwargs
+from ..engine.engine import Engine
+from ..planning.estimate import ModelShape, estimate_memory
+from ..device.streams import Streams
+from ..update.api import adam_kwargs
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
 from .disk import SimulatedDisk

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..stages.streams import Streams
+from ..device.streams import Streams
 
 __all__ = ["DEVICE", "SimulatedStreams", "SimulatedFusedAdamW", "fake_world", "NoEvent"]
 

@@ -52,24 +52,24 @@ KINDS = (PARAMS, GATHERED, GRADS, OPTIMIZER, ACTIVATIONS, COMM, OTHER)
 # a torch-function mode the model's calls pass through says nothing).
 _MODULE_KINDS = {
     "zero_offload.comm": COMM,
-    "zero_offload.stages.grads": COMM,
-    "zero_offload.stages.host_grads": COMM,
-    "zero_offload.stages.streams": COMM,
-    "zero_offload.stages.units": PARAMS,
-    "zero_offload.stages.param_store": PARAMS,
-    "zero_offload.stages.gather": GATHERED,
-    "zero_offload.stages.stepper": OPTIMIZER,
-    "zero_offload.stages.update_api": OPTIMIZER,
-    "zero_offload.stages.order": COMM,
-    "zero_offload.stages.updaters": OPTIMIZER,
-    "zero_offload.stages.nvme_adam": OPTIMIZER,
+    "zero_offload.grads.reducer": COMM,
+    "zero_offload.grads.host": COMM,
+    "zero_offload.device.streams": COMM,
+    "zero_offload.params.units": PARAMS,
+    "zero_offload.params.store": PARAMS,
+    "zero_offload.params.gather": GATHERED,
+    "zero_offload.update.stepper": OPTIMIZER,
+    "zero_offload.update.api": OPTIMIZER,
+    "zero_offload.params.order": COMM,
+    "zero_offload.update.updaters": OPTIMIZER,
+    "zero_offload.update.nvme": OPTIMIZER,
     "zero_offload.optim.kernel": OPTIMIZER,
     "zero_offload.optim.cpu_adam": OPTIMIZER,
     "zero_offload.rehearsal.simulate": COMM,  # host-device copies through the streams
-    "zero_offload.engine": None,  # the model runs under it: decided by the phase
+    "zero_offload.engine.engine": None,  # the model runs under it: decided by the phase
 }
 # ...except a gradient copy made inside an optimizer's update (the fp32 gradients of a step)
-_FUNCTION_KINDS = {("zero_offload.stages.updaters", "update"): GRADS}
+_FUNCTION_KINDS = {("zero_offload.update.updaters", "update"): GRADS}
 _RUNNING = ("forward", "backward")  # phases in which unattributed memory is activations
 _SNAPSHOT_STEP = 1e-3  # a new breakdown once the peak grew by this fraction
 _COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)

@@ -1,0 +1,61 @@
+"""The ``zero-offload`` command: benchmarks (and, as they land, planning and consolidation).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them up, importing a module when it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+
+# (command path, module, help)
+_COMMANDS = [
+    (("bench", "adam"), "zero_offload.bench.adam", "CPU Adam kernel vs torch's fused AdamW"),
+    (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
+    (
+        ("bench", "step"),
+        "zero_offload.bench.step",
+        "one training step: I/O, Adam, overlap; prefetch-depth sweep",
+    ),
+    (("plan",), "zero_offload.cli.plan", "which stage and offload fit your model and GPUs"),
+    (
+        ("rehearse",),
+        "zero_offload.cli.rehearse",
+        "run one training step on a simulated GPU: its measured memory, and whether it fits",
+    ),
+    (
+        ("consolidate",),
+        "zero_offload.cli.consolidate",
+        "one full-precision state dict from a sharded checkpoint",
+    ),
+    (
+        ("convert-config",),
+        "zero_offload.cli.convert",
+        "the zero_offload keywords equivalent to a DeepSpeed JSON config",
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-offload", description=__doc__)
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module, help_text in _COMMANDS:
+        if len(path) == 2:
+            if path[0] not in groups:
+                group_parser = top.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = group_parser.add_subparsers(dest="subcommand", required=True)
+            sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        else:
+            sub = top.add_parser(path[0], help=help_text, description=help_text)
+        sub.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)

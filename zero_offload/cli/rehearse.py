@@ -1,0 +1,193 @@
+"""``zero-offload rehearse``: will this model, micro-batch and configuration fit these GPUs?
+
+    zero-offload rehearse --model llama-13b --gpus 4 --gpu-memory 24GB --host-memory 256GB \\
+        --micro-batch 1x2048 --checkpointing
+
+Without ``--stage`` the configuration is the one ``zero-offload plan`` recommends for the
+model and GPUs (with its rough activation figure; NVMe only with ``--nvme-bytes``); the
+rehearsal then runs rank 0's ``initialize``, forward, backward and step on a simulated GPU
+and prints what each phase allocated, beside the planner's figures, with a verdict. Exit
+status: 0 fits, 1 does not fit (or is not device-clean, or failed), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..planning.estimate import activation_memory
+from .plan import parse_size
+
+__all__ = ["add_arguments", "run", "parse_micro_batch"]
+
+
+def parse_micro_batch(text: str) -> tuple[int, int]:
+    """'1x2048' -> (1, 2048): sequences × tokens per sequence, per rank."""
+    try:
+        b, s = (int(v) for v in text.lower().replace("×", "x").split("x"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SEQUENCESxTOKENS (e.g. 1x2048)") from err
+    if b < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both numbers must be >= 1")
+    return b, s
+
+
+def _value(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="llama-7b, llama-13b, llama-70b, or a folder with a Hugging Face "
+        "config.json (built on the meta device: no weights are read)",
+    )
+    parser.add_argument("--gpus", type=int, required=True, help="data-parallel ranks in all")
+    parser.add_argument("--gpu-memory", type=parse_size, required=True, help="per GPU, e.g. 24GB")
+    parser.add_argument(
+        "--host-memory",
+        type=parse_size,
+        default=None,
+        help="per node; needed without --stage (the planner picks the "
+        "configuration), else only used for advice",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=parse_micro_batch,
+        default=(1, 2048),
+        help="sequences x tokens per rank (default 1x2048)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing (the model recomputes its layers)",
+    )
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="default: what zero-offload plan recommends",
+    )
+    parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None)
+    parser.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None)
+    parser.add_argument(
+        "--nvme-bytes",
+        type=parse_size,
+        default=None,
+        help="NVMe space per node on the target machine (e.g. 2TB): the "
+        "planner may then choose NVMe, and the simulated disk holds this "
+        "much; the NVMe tier is simulated (sizes only, nothing written)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--prefetch-depth", type=int, default=None)
+    parser.add_argument(
+        "--set",
+        type=_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other initialize() keyword, e.g. --set prefetch_bytes=1e9",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=2,
+        help="forward/backward/step rounds (the second has stage 3's prefetching on; default 2)",
+    )
+    parser.add_argument(
+        "--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _recommended(args: argparse.Namespace, model: Any) -> dict[str, Any] | str:
+    """The planner's configuration for this model and these GPUs, or why there is none."""
+    from ..planning.planner import plan
+
+    if args.host_memory is None:
+        return "without --stage the planner chooses the configuration: give --host-memory"
+    cfg = getattr(model, "config", None)
+    acts = None
+    if cfg is not None and hasattr(cfg, "hidden_size"):
+        b, s = args.micro_batch
+        acts = activation_memory(
+            seq=s,
+            batch=b,
+            width=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            dtype=args.dtype,
+            checkpointing=args.checkpointing,
+        )
+    p = plan(
+        model,
+        num_gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
+        nvme_bytes=args.nvme_bytes or 0,
+        activation_bytes=acts,
+        dtype=args.dtype,
+        headroom=args.headroom,
+        **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth else {}),
+    )
+    if not p.fits:
+        return (
+            "the planner finds nothing that fits"
+            + ("" if args.nvme_bytes else " without NVMe (give --nvme-bytes)")
+            + ":\n"
+            + p.explanation
+        )
+    return dict(p.kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..rehearsal.models import build_model
+    from ..rehearsal.run import rehearse
+
+    if args.stage is None:
+        try:
+            kwargs = _recommended(args, build_model(args.model))
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(kwargs, str):
+            print(f"error: {kwargs}", file=sys.stderr)
+            return 2
+        print(f"planner's recommendation: {kwargs}", file=sys.stderr)
+    else:
+        kwargs = {"stage": args.stage, "dtype": args.dtype}
+        for key in ("offload_optimizer", "offload_param", "prefetch_depth"):
+            if getattr(args, key) is not None:
+                kwargs[key] = getattr(args, key)
+    kwargs.update(dict(args.set))
+    # the node's disk is shared by its ranks (as the planner counts it)
+    nvme_per_rank = (
+        None if args.nvme_bytes is None else args.nvme_bytes // max(1, min(args.gpus, 8))
+    )
+    try:
+        result = rehearse(
+            args.model,
+            world_size=args.gpus,
+            gpu_memory=args.gpu_memory,
+            micro_batch=args.micro_batch,
+            checkpointing=args.checkpointing,
+            iterations=args.iterations,
+            headroom=args.headroom,
+            host_memory=args.host_memory,
+            nvme_bytes=nvme_per_rank,
+            **kwargs,
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else str(result))
+    return 0 if result.fits else 1

@@ -1,0 +1,110 @@
+"""What an engine reports about itself: its full parameters (``full_state_dict``), the shard
+of a frozen unit, and the bytes it holds per tier (``memory_report``).
+
+Exports gather one unit at a time: a stage-3 model is exported on a device that could never
+hold it whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..memory.ledger import MemoryReport
+from ..progress import Progress
+from ..device import placement
+from .buffer_sync import rank0_values
+from ..params.unit_state import GatherState
+from ..params.units import FlatUnit, persistent_buffers
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["frozen_shard", "full_state_dict", "memory_report"]
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
+    """See :meth:`Engine.full_state_dict`."""
+    master = engine.stepper.updater.master_values()  # where the optimizer keeps it
+    values: dict[int, torch.Tensor] = {}
+    progress = Progress(
+        "gathering the full model",
+        sum(u.layout.numel for u in engine.units),
+        "parameters",
+        show=engine.comm.rank == 0,
+        logger=log,
+    )
+    for u in engine.units:  # one unit at a time on the device
+        shard = (
+            frozen_shard(engine, u)
+            if u.frozen
+            else master[u.shard_offset : u.shard_offset + u.shard_numel]
+        )
+        shard = placement.to_device(shard, engine.device)
+        full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=engine.device)
+        if u.layout.num_shards == 1:
+            full.copy_(shard)
+        else:
+            engine.comm.all_gather(full, shard)
+        for p, slot in zip(u.params, u.layout.slots):
+            values[id(p)] = full[slot.offset : slot.end].view(slot.shape).cpu().clone()
+        del shard, full
+        progress.update(u.layout.numel)
+    progress.close()
+    out: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        out[name] = values[id(p)]
+    buffers = persistent_buffers(engine.module)
+    for name, value in zip(buffers, rank0_values(list(buffers.values()), engine.comm)):
+        out[name] = value.cpu()  # rank 0's: every rank returns the same
+    return out
+
+
+def frozen_shard(engine: "Engine", unit: FlatUnit) -> torch.Tensor:
+    """See :meth:`Engine.frozen_shard`."""
+    lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else engine.comm.rank)
+    if not unit.sharded_params:
+        return unit.full[lo:hi].float().cpu()
+    assert engine.param_store is not None
+    shard, copied = engine.param_store.load(unit)
+    engine.streams.wait(copied)
+    return shard.float().cpu()
+
+
+def memory_report(engine: "Engine") -> MemoryReport:
+    """See :meth:`Engine.memory_report`."""
+    rep = MemoryReport()
+    for u in engine.units:
+        if not u.sharded_params:
+            rep.add("device", "params", u.full_bytes)
+            if engine.stage == 3:
+                rep.persistent_param_bytes += u.full_bytes
+        elif engine.unit_states.gather_state(u) is not GatherState.FREE:
+            rep.add("device", "params", u.full_bytes)
+        for p in u.params:  # stage 0's are views of the gradient buffer, counted below
+            if p.grad is not None and not _views_of(p.grad, engine.grads):
+                rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
+    if engine.grads is not None:
+        grads_tier = "device" if engine.config.offload.optimizer == "none" else "host"
+        rep.add(grads_tier, "grads", engine.grads.numel() * engine.grads.element_size())
+    engine.stepper.add_to(rep)
+    if engine.grad_queue is not None:
+        engine.grad_queue.add_to(rep)
+    if engine.activations is not None:
+        engine.activations.add_to(rep)
+    if engine.gatherer:
+        rep.peak_gathered_param_bytes = max(
+            engine.last_step_peak, engine.gatherer.peak_gathered_bytes
+        )
+    rep.comm = engine.last_comm
+    return rep
+
+
+def _views_of(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    return buffer is not None and tensor.untyped_storage().data_ptr() == (
+        buffer.untyped_storage().data_ptr()
+    )

@@ -1,0 +1,149 @@
+"""The engine's lifecycle: refusing work once closed, lending stage-3 parameters their values
+outside a forward (``gathered_parameters``), and ``close()``, which hands the trained
+parameters back to the model and releases hooks, threads, files and buffers.
+
+:class:`EngineLifecycle` is a part of :class:`zero_offload.Engine`, which builds the
+attributes declared here."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+
+import torch
+import torch.nn as nn
+
+from .buffer_sync import broadcast_buffers
+from .handback import Leftovers, hand_back_parameters
+
+if TYPE_CHECKING:
+    from ..comm import Comm
+    from ..config import ZeroConfig
+    from ..params.gather import ParamGatherer
+    from ..grads.reducer import GradReducer
+    from ..grads.host import HostGradQueue
+    from ..params.store import ParamStore
+    from ..update.stepper import ShardStepper
+    from ..params.unit_state import UnitStates
+    from ..params.units import FlatUnit
+
+__all__ = ["EngineLifecycle"]
+
+log = logging.getLogger("zero_offload.engine.engine")
+
+_E = TypeVar("_E", bound="EngineLifecycle")
+
+
+class EngineLifecycle:
+    """Open/closed state, ``gathered_parameters`` and ``close`` of an engine."""
+
+    config: ZeroConfig
+    comm: Comm
+    stage: int
+    units: list[FlatUnit]
+    unit_states: UnitStates
+    reducer: GradReducer
+    stepper: ShardStepper
+    gatherer: ParamGatherer | None
+    param_store: ParamStore | None
+    grads: torch.Tensor | None
+    grad_queue: HostGradQueue | None
+    _module: nn.Module
+    _closed: bool
+    _finalizer: Callable[[], Any]
+    _leftovers: Leftovers
+
+    def _check_open(self, settle: bool = True) -> None:
+        """Refuse a closed engine; ``settle``: first let an update still running under the
+        forward (``overlap_step``) end, since what follows reads or changes training state."""
+        if self._closed:
+            raise RuntimeError(
+                "this zero_offload engine is closed: close() handed the trained parameters back "
+                "to the model; call zero_offload.initialize(model, ...) again to train on"
+            )
+        if settle:
+            self.stepper.settle()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
+        """Inside the block the model's parameters (or only ``params``) hold their current
+        values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
+        by calling the model. At stage 3 each one holds a copy of its gathered values —
+        collective: every rank enters the block, with the same ``params``; host or device
+        memory for the copies — so tensors taken from them stay valid after the block, and
+        changes made to them are not kept (training goes on from the optimizer's state; do
+        not step inside). At stages 0-2 they hold their values anyway."""
+        self._check_open()
+        if self.gatherer is None:
+            yield
+            return
+        units = self.units
+        if params is not None:
+            owner = {id(p): u for u in self.units for p in u.params}
+            wanted = list(params)
+            if any(id(p) not in owner for p in wanted):
+                raise ValueError(
+                    "gathered_parameters: a parameter given is not one of the "
+                    "engine's model (pass model.parameters() or some of them)"
+                )
+            units = [owner[id(p)] for p in wanted]
+        with self.gatherer.lend_values(units):
+            yield
+
+    def close(self, hand_back: bool = True) -> None:
+        """End the engine and give the model back: each parameter becomes a plain tensor of
+        its own holding the trained values in the compute dtype — on the compute device at
+        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
+        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
+        and host buffers are freed. The model can be initialized again. Idempotent.
+
+        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
+        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
+        does not communicate — the other ranks may never get there — and stage 3's sharded
+        parameters are left on the meta device instead (keep values with checkpoints).
+        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
+        after its checkpoint is saved. An engine collected without ``close()`` is released
+        the same way."""
+        if self._closed:
+            return
+        self._closed = True
+        unwinding = sys.exc_info()[0] is not None
+        try:
+            if unwinding:  # an update left under the forward is dropped, not finished
+                self.stepper.abandon()
+            else:
+                self.stepper.settle()
+            if hand_back and not unwinding:
+                self._hand_back()
+            self._leftovers.dropped_on_purpose = not hand_back and not unwinding
+        finally:
+            self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
+            del self.reducer, self.stepper  # every use after this is behind _check_open
+            self.gatherer = self.param_store = None
+            self.grads = self.grad_queue = None
+            self.units = []
+
+    def _hand_back(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+            self.gatherer.end_backward()
+        if self.grad_queue is not None:
+            try:
+                self.grad_queue.flush()
+            except Exception as err:  # noqa: BLE001 - gradients are dropped anyway
+                log.warning("zero_offload: close(): dropping gradients that failed: %s", err)
+        if self.param_store is not None:
+            self.param_store.flush()
+        if self.config.broadcast_buffers:
+            broadcast_buffers(self._module, self.comm)
+        hand_back_parameters(
+            self._module, self.units, self.stage, self.unit_states, self.param_store
+        )
+
+    def __enter__(self: _E) -> _E:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,192 @@
+"""What an engine offers to read and restore its training state: the accessors checkpoints
+use (``zero_offload.checkpoint`` reaches the engine only through these) and read-only views
+of the last step for users, benchmarks and tests.
+
+:class:`EngineState` is a part of :class:`zero_offload.Engine`, which builds the attributes
+declared here."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from ..swap.swapper import Swapper
+    from ..update.nvme_sizing import OptimizerSplit
+    from ..params.store import ParamStore
+    from ..grads.reducer import GradReducer
+    from ..update.stepper import ShardStepper
+    from ..params.units import FlatUnit
+    from ..update.api import StepTimings
+
+__all__ = ["EngineState"]
+
+
+class EngineState:
+    """Checkpoint accessors, counters and last-step views of an engine."""
+
+    units: list[FlatUnit]
+    reducer: GradReducer
+    stepper: ShardStepper
+    param_store: ParamStore | None
+    micro_steps: int
+    global_steps: int
+    _last_comm: dict
+    _last_step_peak: int
+
+    if TYPE_CHECKING:  # provided by the engine
+
+        def _check_open(self, settle: bool = True) -> None: ...
+        def zero_grad(self) -> None: ...
+        def frozen_shard(self, unit: FlatUnit) -> torch.Tensor: ...
+        @property
+        def optimizer(self) -> torch.optim.Optimizer: ...
+
+    # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
+    def state_chunks(
+        self,
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
+        """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
+        offset order: the optimizer's state streamed from its tier, then each frozen unit's
+        values with moments that are zero (None)."""
+        self._check_open()
+        for lo, _hi, master, exp_avg, exp_avg_sq in self.stepper.updater.iter_state():
+            yield lo, (master, exp_avg, exp_avg_sq)
+        for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
+            yield unit.shard_offset, (self.frozen_shard(unit), None, None)
+
+    def load_unit_state(
+        self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> None:
+        """Restore one unit's shard: optimizer state (trainable units) and parameters."""
+        self._check_open()
+        if not unit.frozen:
+            self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
+        self.stepper.sink.write(unit, master)
+
+    def finish_load(self) -> None:
+        """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""
+        if self.param_store is not None:
+            self.param_store.flush()
+        self.zero_grad()
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters and optimizer hyperparameters a resume needs (plain data)."""
+        opt = self.stepper
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+            "missed_updates": opt.missed_updates(),
+        }
+
+    def load_training_state(self, state: Mapping[str, Any]) -> None:
+        self.micro_steps = state["micro_steps"]
+        self.global_steps = state["global_steps"]
+        self.optimizer_steps = state["optimizer_steps"]
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.stepper.load_missed_updates(state.get("missed_updates", {}))  # absent: older files
+        scaler = self.stepper.scaler
+        if scaler is not None and state["loss_scaler"] is not None:
+            scaler.load_state_dict(state["loss_scaler"])
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Updates applied to the optimizer state (Adam's bias-correction step)."""
+        self.stepper.settle()
+        return self.stepper.updater.steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.stepper.updater.steps = value
+
+    # -- read-only views for users, benchmarks and tests -------------------------------------
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
+        exp_avg_sq); empty with the state on NVMe."""
+        resident = getattr(self.stepper.updater, "resident_tensors", None)
+        return resident() if resident is not None else {}
+
+    def reductions_in_flight(self) -> list[torch.Tensor]:
+        """The buffers of gradient reductions not yet waited for (flat input and output)."""
+        return self.reducer.inflight_buffers()
+
+    def _replace_device_optimizer(self, make: Any) -> None:
+        """A simulation's stand-in for the device AdamW (see ``zero_offload.rehearsal``)."""
+        replace = getattr(self.stepper.updater, "replace_optimizer", None)
+        if replace is not None:
+            self.stepper.optimizer = replace(make)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (None without ``max_grad_norm``)."""
+        return self.stepper.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far: on a float16 overflow, or on inf/NaN gradients with
+        ``skip_nonfinite_steps``."""
+        scaler = self.stepper.scaler
+        return scaler.skipped_steps if scaler else 0
+
+    @property
+    def last_step_timings(self) -> StepTimings:
+        """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
+        self.stepper.settle()
+        return self.stepper.updater.last_timings
+
+    @property
+    def sharded_optimizer(self) -> ShardStepper:
+        """Deprecated name of the engine's stepper, for scripts written against it. Read
+        ``last_step_timings``, ``last_grad_norm`` or ``optimizer_steps`` instead. It does
+        not wait for an update running under the forward."""
+        warnings.warn(
+            "engine.sharded_optimizer is deprecated and will be removed; read "
+            "engine.last_step_timings, engine.last_grad_norm or engine.optimizer_steps",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.stepper
+
+    @property
+    def update_progress(self) -> tuple[int, int] | None:
+        """While the last step's update runs under the forward (``overlap_step``): elements
+        of this rank's shard whose new values are stored, and elements in all; None when no
+        update is running."""
+        pending = self.stepper.pending
+        if pending is None:
+            return None
+        return pending.stored, sum(u.shard_numel for u in self.units if not u.frozen)
+
+    @property
+    def optimizer_split(self) -> OptimizerSplit | None:
+        """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
+        in host memory and in files, its sub-group size; None when it is not on NVMe."""
+        return getattr(self.stepper.updater, "split", None)
+
+    @property
+    def swappers(self) -> list[Swapper]:
+        """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
+        found = [
+            getattr(self.stepper.updater, "swapper", None),
+            getattr(self.param_store, "swapper", None),
+        ]
+        return [s for s in found if s is not None]
+
+    # -- what the last step did ------------------------------------------------------------
+    @property
+    def last_comm(self) -> dict:
+        """Collective counters of the last step."""
+        return dict(self._last_comm)
+
+    @property
+    def last_step_peak(self) -> int:
+        """Stage 3: the peak gathered parameter bytes of the last step."""
+        return self._last_step_peak

@@ -1,0 +1,459 @@
+"""Stage 3: gather a module's parameters just before it runs, free them after, prefetch ahead.
+
+Forward: a pre-hook on every module that holds parameters gathers its units; a post-hook frees
+them. The order of units used in one forward is recorded; on later steps the next
+``prefetch_depth`` uses (capped by ``prefetch_bytes``) are all-gathered asynchronously while the
+current module computes. Backward needs parameters again only where autograd saved them, so the
+saved-tensor hooks installed around the forward tag every saved tensor that lives in a gathered
+unit; unpacking one re-gathers its unit (and prefetches the units used before it in the
+forward). The gradient reducer frees a unit once all its gradients are reduced.
+
+With parameters on NVMe the reads run ``prefetch_depth`` modules ahead and the all-gathers one
+module less: a gather waits for its read, and every rank issues its collectives in the same
+order whatever its disk does.
+
+On CUDA a gather ahead — the shard's copy to the device on the host-to-device stream, the
+all-gather on the gather stream — overlaps the running module's kernels; the compute stream
+waits for it (on the device) only when the module that needs it is about to run.
+
+Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
+they gather but do not free, because the recomputed saved tensors still point at the unit.
+
+Frozen units get no gradients, so no reduction releases them in backward; instead the module's
+inputs pass through an identity autograd function whose backward — run once the module's
+backward is done — releases them. Modules run outside the engine's forward (e.g. a
+``generate()`` loop) gather and free without recording the order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch.profiler import record_function
+import torch.nn as nn
+
+from ..swap.budget import FreedMemory
+from .external import ReleasedAccess, declared_external
+from .order import MODULE, UNIT, OrderCheck
+from .store import ParamStore
+from .unit_state import GatherState, UnitStates
+from .units import FlatUnit
+from ..weak import weak_hook
+
+__all__ = ["ParamGatherer", "gathered_units"]
+
+log = logging.getLogger(__name__)
+
+
+def gathered_units(prefetch_depth: int) -> int:
+    """Units gathered at once, at most, as modules run one after another: the running
+    module's and ``prefetch_depth`` gathered ahead of it."""
+    return prefetch_depth + 1
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Which storage a tensor views: the storage object itself, not its memory address (a
+    freed unit has none, and tensors without memory, as in a rehearsal, all share 0)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _Saved:
+    """A saved tensor that lives in a stage-3 unit: the unit must be gathered to read it."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: FlatUnit, tensor: torch.Tensor) -> None:
+        self.unit, self.tensor = unit, tensor
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs. Its backward runs once the module's backward has
+    produced the inputs' gradients, and releases the module's frozen units, which no
+    gradient reduction would release."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, gatherer: "ParamGatherer", units: list[FlatUnit], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.units = gatherer, units
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        for unit in ctx.units:
+            ctx.gatherer.release(unit)
+        return (None, None, *grads)
+
+
+def _release_after_backward(
+    gatherer: "ParamGatherer", units: list[FlatUnit], args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    """The module's inputs (those that need gradients) routed through :class:`_AfterBackward`."""
+    slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not slots and not keys:
+        return None  # no gradient flows through the module: backward never needs it
+    routed = _AfterBackward.apply(gatherer, units, *[t for _, t in slots + keys])
+    new_args = list(args)
+    for (i, _), t in zip(slots, routed):
+        new_args[i] = t
+    new_kwargs = dict(kwargs)
+    for (k, _), t in zip(keys, routed[len(slots) :]):
+        new_kwargs[k] = t
+    return tuple(new_args), new_kwargs
+
+
+class _Frame:
+    """A stage-3 module whose forward is running: the units gathered for it, those gathered
+    on demand while it ran (released with it), and whether it turned the access check on."""
+
+    __slots__ = ("module", "units", "borrowed", "entered")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.units: list[FlatUnit] = []
+        self.borrowed: list[FlatUnit] = []
+        self.entered = False
+
+
+def _check_not_capturing() -> None:
+    """Stage 3 resizes storages, waits on side streams and runs collectives inside hooks: none
+    of it can be recorded into a CUDA graph. (No capture without an initialized CUDA: then
+    this is one flag read.)"""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "stage 3 cannot run under CUDA graph capture (torch.cuda.graph, "
+            "make_graphed_callables, torch.compile mode='reduce-overhead'): its hooks gather and "
+            "free parameters, which a graph cannot record. Capture a model trained at stage 0-2, "
+            "or run stage 3 eagerly"
+        )
+
+
+class ParamGatherer:
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[FlatUnit],
+        states: UnitStates,
+        store: ParamStore,
+        *,
+        prefetch_depth: int,
+        prefetch_bytes: int | None,
+    ) -> None:
+        self.states = states  # each unit's gather state, and the engine's pass
+        self.store = store
+        self.streams = store.streams
+        self.prefetch_depth = prefetch_depth
+        self.prefetch_bytes = prefetch_bytes
+        self.units = units
+        by_param = {id(p): u for u in units for p in u.params}
+        # sharded parameters: where a released one is found when a torch call takes it
+        self._param_unit = {id(p): u for u in units if u.sharded_params for p in u.params}
+        self._param_name = {id(p): n for u in units for p, n in zip(u.params, u.names)}
+        self._module_name = {m: n or type(model).__name__ for n, m in model.named_modules()}
+        self.module_units: dict[nn.Module, list[FlatUnit]] = {}
+        self.declared: dict[nn.Module, list[FlatUnit]] = {}  # gathered with the module
+        self.learned: dict[nn.Module, list[FlatUnit]] = {}  # found used while it ran
+        for module in model.modules():
+            for table, params in (
+                (self.module_units, module.parameters(recurse=False)),
+                (self.declared, declared_external(module)),
+            ):
+                found: list[FlatUnit] = []
+                for p in params:
+                    u = by_param.get(id(p))
+                    if u is None:
+                        raise ValueError(
+                            f"a parameter declared external for "
+                            f"{self._module_name.get(module, type(module).__name__)} is not "
+                            "a parameter of the model"
+                        )
+                    if u.sharded_params and u not in found:
+                        found.append(u)
+                if found:
+                    table[module] = found
+        for module, found in self.declared.items():  # a module's own units come first
+            self.declared[module] = [u for u in found if u not in self.module_units.get(module, [])]
+        self._by_ptr: dict[int, FlatUnit] = {}
+        self.recorded: list[int] = []  # unit indices in the order the last forward used them
+        self._current: list[int] = []
+        self._order_matches = True
+        self.order_changes = 0
+        self.on_demand = 0  # gathers a torch call on a released parameter asked for
+        self._warned = False
+        self._frames: list[_Frame] = []
+        self._access = ReleasedAccess(self._is_released, self._on_access)
+        self._access_on = False
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self._freed = FreedMemory()  # pages freed with released units go back to the system
+        # Every module that holds parameters, directly or below: a use found at run time is
+        # charged to the innermost running one, and released when it returns.
+        hooked = [
+            m
+            for m in model.modules()
+            if m is model or m in self.declared or next(m.parameters(), None) is not None
+        ]
+        self._module_id = {m: i for i, m in enumerate(model.modules())}
+        self._modules = list(model.modules())
+        self.order = OrderCheck(states.comm, self.streams.device, self._describe)
+        self._hooks = []
+        for module in hooked:  # weak: a hook must not keep the engine alive
+            self._hooks.append(
+                module.register_forward_pre_hook(weak_hook(self._pre_forward), with_kwargs=True)
+            )
+            self._hooks.append(
+                module.register_forward_hook(weak_hook(self._post_forward), always_call=True)
+            )
+
+    def _describe(self, kind: int, ident: int) -> str:
+        if kind == MODULE:
+            return f"runs module {self._module_name[self._modules[ident]]!r}"
+        if kind == UNIT:
+            return f"gathers parameter {self.units[ident].names[0]!r} on use"
+        return "ended its forward"
+
+    # -- gather / free bookkeeping ---------------------------------------------------------
+    @record_function("zero_offload.gather")
+    def _fetch(self, unit: FlatUnit, wait: bool) -> None:
+        """All-gather the unit from the ranks' shards (``wait``: before returning)."""
+        if self.states.gather_state(unit) is GatherState.FREE:
+            if wait or self.states.comm.world_size == 1:  # done with the shard at once
+                shard, copied, give_back = self.store.lend(unit)
+            else:  # an all-gather ahead keeps no pool buffer that a read may need
+                (shard, copied), give_back = self.store.load(unit), None
+            self.states.gather(unit, shard, wait=wait, after=copied, then=give_back)
+            self._by_ptr[_storage_key(unit.full)] = unit
+            self.gathered_bytes += unit.full_bytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if wait:
+            self.states.wait(unit)
+
+    def release(self, unit: FlatUnit) -> None:
+        if self.states.gather_state(unit) is not GatherState.FREE and unit.sharded_params:
+            self._by_ptr.pop(_storage_key(unit.full), None)
+            self.states.free(unit)
+            self.gathered_bytes -= unit.full_bytes
+            self._freed.freed(unit.full_bytes)
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    @contextlib.contextmanager
+    def lend_values(self, units: list[FlatUnit]) -> Iterator[None]:
+        """Until the block ends, point each parameter of ``units`` at a copy of its gathered
+        values (then back at its released view): reads see the values, and tensors taken
+        from them stay valid afterwards. Collective: every rank gathers the same units, in
+        unit order, one at a time (memory: the copies plus one gathered unit)."""
+        units = sorted(
+            {id(u): u for u in units if u.sharded_params}.values(), key=lambda u: u.index
+        )
+        lent: list[FlatUnit] = []
+        try:
+            for unit in units:
+                was_free = self.states.gather_state(unit) is GatherState.FREE
+                self._fetch(unit, wait=True)
+                for p, view in zip(unit.params, unit.views):
+                    p.data = view.clone()
+                lent.append(unit)
+                if was_free:
+                    self.release(unit)
+            yield
+        finally:
+            for unit in lent:
+                for p, view in zip(unit.params, unit.views):
+                    p.data = view
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self.gathered_bytes
+
+    def _prefetch(self, candidates: list[int], reads_only: bool = False) -> None:
+        """Gather ahead the first ``prefetch_depth`` of ``candidates`` within the byte cap.
+        With parameters on NVMe only the reads start for the last of them (or for all, with
+        ``reads_only``): a gather waits for its read, so it is issued one module later than
+        the read, which then has a module's computation to finish in."""
+        budget = self.prefetch_bytes
+        gathers = 0 if reads_only else self.prefetch_depth - self.store.reads_from_disk
+        for taken, index in enumerate(candidates[: self.prefetch_depth]):
+            unit = self.units[index]
+            if self.states.gather_state(unit) is not GatherState.FREE or (
+                self.states.in_backward and self.states.grads_reduced(unit)
+            ):
+                continue
+            if budget is not None:
+                if unit.full_bytes > budget:
+                    break
+                budget -= unit.full_bytes
+            if taken < gathers:
+                self._fetch(unit, wait=False)
+            else:
+                self.store.prefetch(unit)
+
+    # -- forward hooks ---------------------------------------------------------------------
+    def _note_use(self, indices: list[int]) -> None:
+        """Record units used by the engine's forward in order, and prefetch what followed
+        them last time."""
+        start = len(self._current)
+        self._current.extend(indices)
+        expected = self.recorded[start : start + len(indices)]
+        if self._order_matches and self.recorded and expected != indices:
+            self._order_matches = False
+            self.order_changes += 1
+            log.warning(
+                "stage 3: the modules ran in a different order than in the last "
+                "forward; prefetching is off for this step and the new order is "
+                "recorded (data-dependent control flow costs speed, not results)"
+            )
+        if self._order_matches and self.recorded:
+            self._prefetch(self.recorded[start + len(indices) :])
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        frame = _Frame(module)
+        if not self._frames:
+            _check_not_capturing()
+        self._frames.append(frame)
+        if not self._access_on:
+            self._access.__enter__()
+            self._access_on = frame.entered = True
+        units = self.module_units.get(module, []) + self.declared.get(module, [])
+        if self.states.in_backward:  # recomputation: what the module used in forward, at once
+            units += [u for u in self.learned.get(module, []) if u not in units]
+        frame.units = units
+        if units and self.states.in_forward:  # not recomputation, not e.g. generate()
+            self.order.check(MODULE, self._module_id[module])
+            self._note_use([u.index for u in units])
+        for unit in units:
+            self._fetch(unit, wait=True)
+        frozen = [u for u in units if u.frozen]
+        if frozen and not self.states.in_backward and torch.is_grad_enabled():
+            return _release_after_backward(self, frozen, args, kwargs)
+        return None
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs when the forward raised (``always_call``), so the frames stay balanced.
+        if not self._frames or self._frames[-1].module is not module:
+            return  # the pre-hook raised before its frame was pushed
+        frame = self._frames.pop()
+        if not self.states.in_backward:
+            held = {id(u) for f in self._frames for u in f.units}
+            for unit in frame.units + frame.borrowed:
+                if id(unit) not in held:
+                    self.release(unit)
+        if frame.entered:
+            self._access.__exit__(None, None, None)
+            self._access_on = False
+
+    # -- parameters used outside their module ------------------------------------------------
+    def _is_released(self, key: int) -> bool:
+        unit = self._param_unit.get(key)
+        return unit is not None and self.states.gather_state(unit) is not GatherState.GATHERED
+
+    def _on_access(self, param: nn.Parameter) -> None:
+        """A torch call is about to read ``param`` while its unit is not gathered: gather it
+        for the running module (released with it), and remember that the module uses it."""
+        unit = self._param_unit[id(param)]
+        frame = self._frames[-1] if self._frames else None
+        if frame is not None:
+            module = frame.module
+            known = (
+                unit in frame.units
+                or unit in self.learned.get(module, [])
+                or unit in self.declared.get(module, [])
+            )
+            if not known:
+                self.learned.setdefault(module, []).append(unit)
+                self._warn_external(module, param)
+        if self.states.in_forward:
+            self.order.check(UNIT, unit.index)
+            self._note_use([unit.index])
+        if self.states.gather_state(unit) is GatherState.FREE:
+            self.on_demand += 1
+        self._fetch(unit, wait=True)
+        if frame is not None and not self.states.in_backward:
+            frame.borrowed.append(unit)
+
+    def _warn_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        user, name = self._module_name[module], self._param_name[id(param)]
+        if self._warned:
+            log.info("stage 3: %s also uses parameter %r of another module", user, name)
+            return
+        self._warned = True
+        log.warning(
+            "stage 3: the forward of %s uses parameter %r, which another module owns; it was "
+            "gathered on demand, and from the next step on it is gathered ahead of that use. "
+            "zero_offload.register_external_parameter(module, param) before initialize "
+            "declares such uses and silences this warning (further ones are logged at INFO)",
+            user,
+            name,
+        )
+
+    # -- saved tensors (backward) -------------------------------------------------------------
+    def pack_saved(self, tensor: torch.Tensor) -> Any:
+        if self._by_ptr:
+            unit = self._by_ptr.get(_storage_key(tensor))
+            if unit is not None:
+                return _Saved(unit, tensor)
+        return tensor
+
+    def unpack_saved(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return packed
+        unit = packed.unit
+        if self.states.gather_state(unit) is not GatherState.GATHERED:
+            self._fetch(unit, wait=True)
+            if self.states.in_backward and self._order_matches and self.recorded:
+                last = max(i for i, u in enumerate(self.recorded) if u == unit.index)
+                self._prefetch(self.recorded[:last][::-1])
+        return packed.tensor
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """The context one forward pass of the engine runs in."""
+        _check_not_capturing()
+        self._current = []
+        self._order_matches = True
+        self.states.begin_forward()
+        ok = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved):
+                yield
+            ok = True
+        finally:
+            self.states.end_pass()
+            if not self._order_matches or not self.recorded:
+                self.recorded = list(self._current)
+            self.release_all()  # prefetched units the forward did not use after all
+        if ok:  # a rank that raised leaves at once: its peers' collectives then fail too
+            self.order.end()
+
+    def prefetch_first(self) -> None:
+        """After a step: start the next forward's first reads (params on NVMe) so that its
+        first modules do not wait on the disk."""
+        if self.store.reads_from_disk and self.recorded:
+            self._prefetch(self.recorded, reads_only=True)
+
+    def begin_backward(self) -> None:
+        """After the reducer's ``begin_backward``, which puts the units into BACKWARD."""
+        _check_not_capturing()
+        if not self._access_on:  # recomputation and custom backward functions may read params
+            self._access.__enter__()
+            self._access_on = True
+
+    def end_backward(self) -> None:
+        self.states.end_pass()
+        if self._access_on and not self._frames:
+            self._access.__exit__(None, None, None)
+            self._access_on = False
+        self.release_all()
+        self.store.drop_prefetched()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

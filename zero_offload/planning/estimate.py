@@ -1,0 +1,514 @@
+"""What one rank holds, per tier, for a stage × offload choice — computed, not measured.
+
+The estimate follows the engine's own arithmetic (``Engine.memory_report`` counts the same
+buffers from real tensors), so it can be checked against the ledger: every unit is padded to a
+multiple of ``num_shards × SHARD_ALIGN`` elements, the fp32 master + Adam m + v are 12 bytes per
+element of the rank's shard ``S``, offloaded gradients are fp32 on the host, and so on. Every
+count and rule the engine has (buffers per pool, reductions in flight, padding, the host budget
+split, how a pool fits its budget) comes from the component that owns it: its sizing function
+or constant, which its constructor calls too; this module only adds them up (the terms are
+built in ``memory_terms``). Each term says which tier it lives in, when it is alive (held
+between steps, or only during forward/backward or the step) and whether it is one of ZeRO's
+*model states* (params, grads, optimizer state: the paper's arithmetic) or an engine buffer /
+activations on top.
+
+Given a model (the meta device is fine: only shapes are read) the units are laid out exactly as
+the engine lays them out (``plan_units``: frozen parameters in units of their own); given a
+parameter count, padding is ignored. Optimizer state and gradients cover only the trainable
+parameters (``requires_grad``, or ``trainable_params`` with a count); frozen ones hold just
+their compute-dtype copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..memory.sizes import activation_memory, describe_params
+from ..memory.sizes import dtype_bytes as _dtype_bytes
+from ..memory.sizes import dtype_name as _dtype_name
+from ..memory.sizes import pool_bytes as _pool
+from .terms import (
+    ACTIVATIONS,
+    BUFFER,
+    FORWARD_BACKWARD,
+    INITIALIZE,
+    MODEL_STATE,
+    PHASES,
+    REDUCE,
+    RESIDENT,
+    STEP,
+    HostSplit,
+    Layout,
+    Term,
+    TermBuilder,
+)
+from ..partition import padded_numel
+from ..params.gather import gathered_units
+from ..grads.reducer import reductions_alive
+from ..grads.host import staging_bytes
+from ..update.nvme_sizing import optimizer_split
+from ..params.store import param_pool_buffers
+from ..params.units import owning_modules, plan_units, trainable_numel
+from ..swap.budget import host_memory_budget, split_host_budget
+from ..swap.buffers import ALIGNMENT, round_up
+
+__all__ = [
+    "Term",
+    "MemoryEstimate",
+    "ModelShape",
+    "estimate_memory",
+    "activation_memory",
+    "RESIDENT",
+    "FORWARD_BACKWARD",
+    "REDUCE",
+    "STEP",
+    "INITIALIZE",
+    "MODEL_STATE",
+    "BUFFER",
+    "ACTIVATIONS",
+]
+
+TIERS = ("device", "host", "nvme")
+_DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Only what the estimate needs from a model: sizes of its parameters and units, and
+    how many train. With a model, the model itself (only its shapes and ``requires_grad``
+    flags are read), so that the engine's ``plan_units`` lays out the units."""
+
+    num_params: int
+    trainable_params: int
+    module_sizes: tuple[int, ...] | None = None  # params each module owns
+    param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
+    model: nn.Module | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        model_or_num_params: nn.Module | int | float | "ModelShape",
+        trainable_params: int | float | None = None,
+    ) -> "ModelShape":
+        """Read a model's parameter shapes and ``requires_grad`` flags (no memory touched:
+        meta models work) or take a parameter count, of which ``trainable_params`` train
+        (default: all)."""
+        if (
+            isinstance(model_or_num_params, (ModelShape, nn.Module))
+            and trainable_params is not None
+        ):
+            raise ValueError(
+                "trainable_params goes with a parameter count; a model says "
+                "which parameters train by their requires_grad"
+            )
+        if isinstance(model_or_num_params, ModelShape):
+            return model_or_num_params
+        if isinstance(model_or_num_params, nn.Module):
+            groups = [[p for _, p in own] for _, own in owning_modules(model_or_num_params)]
+            params = [p for g in groups for p in g]
+            if not params:
+                raise ValueError("the model has no parameters")
+            return cls(
+                sum(p.numel() for p in params),
+                sum(p.numel() for p in params if p.requires_grad),
+                tuple(sum(p.numel() for p in g) for g in groups),
+                tuple(p.numel() for p in params),
+                model_or_num_params,
+            )
+        if not _is_count(model_or_num_params):
+            raise TypeError(
+                "expected a torch.nn.Module or a parameter count, got "
+                f"{type(model_or_num_params).__name__}"
+            )
+        n = int(round(model_or_num_params))
+        if n < 1:
+            raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
+        if trainable_params is None:
+            return cls(n, n)
+        if not _is_count(trainable_params):
+            raise TypeError(
+                f"trainable_params must be a parameter count, got {type(trainable_params).__name__}"
+            )
+        t = int(round(trainable_params))
+        if not 0 <= t <= n:
+            raise ValueError(
+                f"trainable_params must be between 0 and the parameter count "
+                f"({n}), got {trainable_params!r}"
+            )
+        return cls(n, t)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank per tier for one configuration, and the terms that make them.
+
+    Peak of a tier = its resident terms + the largest of its other phases' terms: the
+    terms of one phase are alive together, those of two phases are not (activations shrink
+    as backward goes on while stage 0-1 gradients grow: their sum peaks at either end).
+    ``gpu_bytes`` is the device tier's peak; host and NVMe are also given per node
+    (``ranks_per_node`` ranks share a node's host memory and disk).
+    """
+
+    num_params: int
+    trainable_params: int  # Ψt: the parameters with optimizer state and gradients
+    num_gpus: int
+    gpus_per_node: int
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    dtype: str
+    shard_numel: int  # S: elements of this rank's flat shard (padded)
+    trainable_shard_numel: int  # its trainable prefix: what the optimizer state covers
+    device: str  # "cuda" or "cpu" (the engine on a CPU-only machine)
+    terms: tuple[Term, ...]
+    # the optimizer on NVMe: the share of its state in files (the rest in host memory),
+    # and the bytes it moves to and from disk per step and rank; else None and 0
+    nvme_fraction: float | None = None
+    disk_bytes_per_step: int = 0
+    host_budget: int = 0  # the rank's host budget (``swap.budget``) the estimate used
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.num_gpus)
+
+    def resident_bytes(self, tier: str | None = None) -> int:
+        """What the engine's ledger (``memory_report``) shows between steps."""
+        return sum(t.bytes for t in self.terms if t.phase == RESIDENT and tier in (None, t.tier))
+
+    def peak_bytes(self, tier: str) -> int:
+        phase = {
+            p: sum(t.bytes for t in self.terms if t.tier == tier and t.phase == p) for p in PHASES
+        }
+        return phase[RESIDENT] + max(phase[p] for p in PHASES if p != RESIDENT)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Peak bytes on each GPU."""
+        return self.peak_bytes("device")
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return self.peak_bytes("host")
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.ranks_per_node * self.host_bytes_per_rank
+
+    @property
+    def nvme_bytes_per_rank(self) -> int:
+        return self.peak_bytes("nvme")
+
+    @property
+    def nvme_bytes_per_node(self) -> int:
+        return self.ranks_per_node * self.nvme_bytes_per_rank
+
+    def model_state_bytes(self, tier: str = "device") -> int:
+        """Params + grads + optimizer state in ``tier`` (the ZeRO paper's per-GPU figure)."""
+        return sum(t.bytes for t in self.terms if t.kind == MODEL_STATE and t.tier == tier)
+
+    @property
+    def activation_bytes(self) -> int | None:
+        acts = [t.bytes for t in self.terms if t.kind == ACTIVATIONS]
+        return sum(acts) if acts else None
+
+    def largest_terms(self, tier: str, count: int = 3) -> list[Term]:
+        return sorted(
+            (t for t in self.terms if t.tier == tier and t.bytes), key=lambda t: -t.bytes
+        )[:count]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
+            "num_gpus": self.num_gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "dtype": self.dtype,
+            "shard_numel": self.shard_numel,
+            "trainable_shard_numel": self.trainable_shard_numel,
+            "device": self.device,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "nvme_bytes_per_node": self.nvme_bytes_per_node,
+            "model_state_gpu_bytes": self.model_state_bytes("device"),
+            "offload_optimizer_fraction": self.nvme_fraction,
+            "disk_bytes_per_step_per_node": self.ranks_per_node * self.disk_bytes_per_step,
+            "terms": [vars(t) for t in self.terms],
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"{describe_params(self.num_params, self.trainable_params)}, stage "
+            f"{self.stage}, optimizer "
+            f"{self.offload_optimizer}, params {self.offload_param}, {self.num_gpus} GPUs: "
+            f"GPU {self.gpu_bytes / 1e9:.2f} GB, host {self.host_bytes_per_node / 1e9:.2f} "
+            f"GB/node, NVMe {self.nvme_bytes_per_node / 1e9:.2f} GB/node"
+            + (
+                f"; {self.nvme_fraction:.0%} of the optimizer state in files, "
+                f"{self.ranks_per_node * self.disk_bytes_per_step / 1e9:.2f} GB/node of "
+                "disk traffic per step"
+                if self.nvme_fraction is not None
+                else ""
+            )
+        )
+        rows = [
+            f"  {t.tier:<6} {t.phase:<16} {t.bytes / 1e9:>9.3f} GB  {t.name} ({t.formula})"
+            for t in self.terms
+        ]
+        return "\n".join([head, *rows])
+
+
+def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3")
+    for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{key}={value!r} is not valid: expected 'none', 'cpu' or 'nvme'")
+    if offload_param != "none" and stage != 3:
+        raise ConfigError(f"offload_param={offload_param!r} needs stage=3 (got stage={stage})")
+    if offload_optimizer != "none" and stage == 0:
+        raise ConfigError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3")
+
+
+def estimate_memory(
+    model_or_num_params: nn.Module | int | float | ModelShape,
+    *,
+    num_gpus: int,
+    gpus_per_node: int | None = None,
+    stage: int,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    prefetch_depth: int = 2,
+    largest_layer_params: int | None = None,
+    activation_bytes: int | None = None,
+    reduce_bucket_size: int = 25_000_000,
+    sub_group_size: int = 100_000_000,
+    host_memory_limit: int | None = None,
+    device: str = "cuda",
+    trainable_params: int | float | None = None,
+    host_available: int | None = None,
+    offload_optimizer_fraction: float | str | None = None,
+    offload_param_fraction: float | None = None,
+    gradient_accumulation_steps: int = 1,
+    step_during_backward: bool = True,
+) -> MemoryEstimate:
+    """Bytes each rank holds in each tier for this configuration, term by term.
+
+    ``model_or_num_params``: a module (meta device fine; the engine's unit layout and padding
+    are reproduced exactly) or a parameter count (no padding). ``largest_layer_params``:
+    stage 3's largest module, gathered ``prefetch_depth + 1`` at a time (default: read from
+    the model, else Ψ/50). ``gpus_per_node``: default min(num_gpus, 8). ``activation_bytes``:
+    per GPU; None leaves activations out. ``device="cpu"`` models the engine on a CPU-only
+    machine, where the CPU is the "device" tier (as ``memory_report`` names it).
+    ``trainable_params``: with a parameter count, how many train (default: all; a LoRA run
+    trains a few million of billions); a model says it by ``requires_grad``. Only those have
+    optimizer state and gradients; frozen ones keep their compute-dtype params.
+    ``host_available``: the node's host memory the default ``host_memory_limit`` is taken
+    from (default: this machine's available memory now), as ``swap.budget`` says.
+    ``offload_optimizer_fraction``: with the optimizer on NVMe, the share of its state in
+    files (the leading sub-groups stay in host memory), or "auto" (fill the optimizer's
+    share of the host budget first), as the engine places it.
+    ``offload_param_fraction``: stage 3 with the params on NVMe, the share of the parameter
+    shards in files (whole units; the leading ones stay in host memory).
+    ``gradient_accumulation_steps``: above 1, stages 2-3 sum offloaded gradients in fp32.
+    ``step_during_backward``: as the engine's keyword; pass False with ``max_grad_norm`` set,
+    where the engine steps nothing during backward (nor does it with float16).
+    """
+    offload_optimizer = offload_optimizer or "none"
+    offload_param = offload_param or "none"
+    _check_choice(stage, offload_optimizer, offload_param)
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    shape = ModelShape.of(model_or_num_params, trainable_params)
+    b = _dtype_bytes(dtype)
+    shards = 1 if stage == 0 else num_gpus
+    if shape.model is not None:
+        layout = _model_layout(
+            shape.model,
+            stage=stage,
+            num_gpus=num_gpus,
+            shards=shards,
+            b=b,
+            prefetch_depth=prefetch_depth,
+            largest_layer_params=largest_layer_params,
+            reduce_bucket_size=reduce_bucket_size,
+        )
+    else:
+        layout = _count_layout(
+            shape,
+            stage=stage,
+            shards=shards,
+            b=b,
+            prefetch_depth=prefetch_depth,
+            largest_layer_params=largest_layer_params,
+            reduce_bucket_size=reduce_bucket_size,
+        )
+    gpus_per_node = gpus_per_node or min(num_gpus, 8)
+    host = _split_host(
+        layout,
+        b=b,
+        shards=shards,
+        prefetch_depth=prefetch_depth,
+        host_memory_limit=host_memory_limit,
+        host_available=host_available,
+        ranks=gpus_per_node,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        on_cpu=device == "cpu",
+        sub_group_size=sub_group_size,
+        offload_optimizer_fraction=offload_optimizer_fraction,
+    )
+    build = TermBuilder(
+        num_params=shape.num_params,
+        trainable_params=shape.trainable_params,
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        device=device,
+        b=b,
+        shards=shards,
+        layout=layout,
+        host=host,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        step_during_backward=step_during_backward and _dtype_name(dtype) != "float16",
+    )
+    build.add_params(prefetch_depth, offload_param_fraction)
+    build.add_grads()
+    build.add_unit_being_made()
+    build.add_optimizer_state()
+    build.add_optimizer_buffers()
+    build.add_early_update()
+    if activation_bytes:
+        build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
+    return _estimate(build, num_gpus, gpus_per_node, _dtype_name(dtype))
+
+
+def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str) -> MemoryEstimate:
+    """The terms ``build`` added, with the configuration they were made for."""
+    nvme = build.offload_optimizer == "nvme"
+    return MemoryEstimate(
+        num_params=build.num_params,
+        trainable_params=build.trainable_params,
+        num_gpus=num_gpus,
+        gpus_per_node=gpus_per_node,
+        stage=build.stage,
+        offload_optimizer=build.offload_optimizer,
+        offload_param=build.offload_param,
+        dtype=dtype,
+        shard_numel=build.layout.s,
+        trainable_shard_numel=build.layout.s_t,
+        device=build.device,
+        terms=tuple(build.terms),
+        nvme_fraction=build.host.split.nvme_fraction if nvme else None,
+        disk_bytes_per_step=build.host.split.disk_bytes_per_step() if nvme else 0,
+        host_budget=build.host.budget,
+    )
+
+
+def _model_layout(
+    model: nn.Module,
+    *,
+    stage: int,
+    num_gpus: int,
+    shards: int,
+    b: int,
+    prefetch_depth: int,
+    largest_layer_params: int | None,
+    reduce_bucket_size: int,
+) -> Layout:
+    """The engine's own layout (``plan_units``): units, each padded."""
+    plans = plan_units(model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size)
+    padded = [p.layout.padded_numel for p in plans]
+    full, largest = sum(padded), max(padded)
+    # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
+    window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
+    if stage == 3 and largest_layer_params is not None:
+        largest = padded_numel(largest_layer_params, shards)
+        window = gathered_units(prefetch_depth) * largest
+    # gradients are reduced, and stepped, for trainable units only
+    trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
+    largest_t = trained[0] if trained else 0
+    inflight = sum(trained[: reductions_alive()])
+    s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
+    # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
+    s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
+    return Layout(plans, full, largest, largest_t, window, inflight, s, s_t, s_files)
+
+
+def _count_layout(
+    shape: ModelShape,
+    *,
+    stage: int,
+    shards: int,
+    b: int,
+    prefetch_depth: int,
+    largest_layer_params: int | None,
+    reduce_bucket_size: int,
+) -> Layout:
+    """A parameter count: no padding, and the largest module assumed when not given."""
+    psi, psi_t = shape.num_params, shape.trainable_params
+    full = psi
+    largest = (
+        largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
+        if stage == 3
+        else min(reduce_bucket_size, psi)
+    )
+    largest_t = min(largest, psi_t)
+    inflight = reductions_alive() * largest_t
+    window = gathered_units(prefetch_depth) * largest
+    s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
+    s_files = b * s
+    return Layout(None, full, largest, largest_t, window, inflight, s, s_t, s_files)
+
+
+def _split_host(
+    layout: Layout,
+    *,
+    b: int,
+    shards: int,
+    prefetch_depth: int,
+    host_memory_limit: int | None,
+    host_available: int | None,
+    ranks: int,
+    offload_optimizer: str,
+    offload_param: str,
+    on_cpu: bool,
+    sub_group_size: int,
+    offload_optimizer_fraction: float | str | None,
+) -> HostSplit:
+    """One host budget per rank, split between the pools as the engine splits it."""
+    budget = host_memory_budget(host_memory_limit, available=host_available, ranks=ranks)
+    staging = (
+        staging_bytes(math.ceil(layout.largest_t / shards), b)
+        if offload_optimizer != "none" and not on_cpu
+        else 0
+    )
+    param_pool = _pool(
+        b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
+    )
+    param_budget, opt_budget = split_host_budget(
+        budget, param_pool, offload_param, offload_optimizer, staging
+    )
+    split = optimizer_split(
+        layout.s_t,
+        sub_group_size,
+        opt_budget,
+        b,
+        offload_optimizer_fraction if offload_optimizer == "nvme" else None,
+    )
+    return HostSplit(budget, staging, param_budget, split)

@@ -1,0 +1,465 @@
+"""Which ZeRO stage and offload choice fit a model on given GPUs, host memory and NVMe.
+
+``estimate_memory`` (in :mod:`zero_offload.planning.estimate`) computes what each rank holds per
+tier; :func:`plan` tries every stage × offload choice from the least offloaded (fastest) to the
+most, and returns the first that fits as keyword arguments for ``initialize`` — or, when none
+does, says why and what would (more GPU memory, host memory, NVMe space or GPUs).
+
+With the optimizer on NVMe, the host memory a choice leaves free is not wasted: the plan gives
+it to the optimizer (``offload_optimizer_fraction="auto"`` with a ``host_memory_limit`` that
+fills the node's usable host memory), so the leading sub-groups stay in host memory and the
+disk moves only the rest each step. The engine places them by the same rule
+(``update.nvme_sizing.optimizer_split``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..update.nvme_sizing import FULL_SPEED_GROUP
+from .estimate import (
+    MemoryEstimate,
+    ModelShape,
+    Term,
+    _dtype_name,
+    activation_memory,
+    describe_params,
+    estimate_memory,
+)
+
+__all__ = [
+    "estimate_memory",
+    "activation_memory",
+    "plan",
+    "Plan",
+    "Candidate",
+    "MemoryEstimate",
+    "Term",
+    "CHOICES",
+]
+
+# (stage, offload_optimizer, offload_param), least offloaded first. Param offload to host
+# memory comes before the optimizer on NVMe: moving 2 bytes/param over PCIe costs less per step
+# than reading and writing 24 bytes/param on a disk. Within one offload choice, the lowest
+# stage (least sharding, least communication) comes first.
+CHOICES: tuple[tuple[int, str, str], ...] = (
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (1, "cpu", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "none"),
+    (3, "cpu", "cpu"),
+    (1, "nvme", "none"),
+    (2, "nvme", "none"),
+    (3, "nvme", "none"),
+    (3, "nvme", "cpu"),
+    (3, "cpu", "nvme"),
+    (3, "nvme", "nvme"),
+)
+_TIER_LABEL = {"device": "GPU", "host": "host", "nvme": "NVMe"}
+_MAX_GPUS = 4096
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One stage × offload choice, its estimate, and whether (or why not) it fits."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    estimate: MemoryEstimate
+    fits: bool
+    reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
+    nvme_unchecked: bool = False  # it needs NVMe space that nobody measured
+    # the optimizer on NVMe with part of it in host memory: the host_memory_limit that
+    # gives it the node's spare host memory, and the disk traffic of the all-NVMe placement
+    host_memory_limit: int | None = None
+    all_nvme_disk_bytes: int = 0
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_param)
+
+    def needs(self) -> dict[str, int]:
+        """Bytes it needs: per GPU, host per node, NVMe per node."""
+        e = self.estimate
+        return {"device": e.gpu_bytes, "host": e.host_bytes_per_node, "nvme": e.nvme_bytes_per_node}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "fits": self.fits,
+            "reasons": list(self.reasons),
+            "nvme_unchecked": self.nvme_unchecked,
+            "gpu_bytes": self.estimate.gpu_bytes,
+            "host_bytes_per_node": self.estimate.host_bytes_per_node,
+            "nvme_bytes_per_node": self.estimate.nvme_bytes_per_node,
+            "offload_optimizer_fraction": self.estimate.nvme_fraction,
+            "host_memory_limit": self.host_memory_limit,
+            "disk_bytes_per_step_per_node": self.estimate.ranks_per_node
+            * self.estimate.disk_bytes_per_step,
+            "all_nvme_disk_bytes_per_step_per_node": self.estimate.ranks_per_node
+            * self.all_nvme_disk_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of :func:`plan`. ``kwargs``: pass to ``zo.initialize(model, **kwargs)``
+    (empty when nothing fits). ``explanation``: why this choice, or why none and what would."""
+
+    fits: bool
+    kwargs: dict[str, Any]
+    choice: Candidate | None
+    candidates: tuple[Candidate, ...]
+    explanation: str
+    gpu_memory: int
+    host_memory: int
+    nvme_bytes: int | None  # None: not measured (NVMe choices assumed to have room)
+    headroom: float
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "kwargs": self.kwargs,
+            "explanation": self.explanation,
+            "gpu_memory": self.gpu_memory,
+            "host_memory": self.host_memory,
+            "nvme_bytes": self.nvme_bytes,
+            "headroom": self.headroom,
+            "notes": list(self.notes),
+            "choice": self.choice.estimate.to_dict() if self.choice else None,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def _why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
+    """ "GPU 84.5 GB > 21.6 GB usable: optimizer state 39.0 GB, params 26.0 GB, ..." plus what
+    would remove the biggest obstacle."""
+    per_node = e.ranks_per_node if tier != "device" else 1
+    where = "/node" if tier != "device" else ""
+    top = ", ".join(f"{t.name} {_gb(t.bytes * per_node)}" for t in e.largest_terms(tier))
+    if usable <= 0:
+        return f"no {_TIER_LABEL[tier]} given: needs {_gb(need)}{where}"
+    text = f"{_TIER_LABEL[tier]} {_gb(need)}{where} > {_gb(usable)} usable: {top}"
+    by_name = {t.name: t.bytes * per_node for t in e.terms if t.tier == tier}
+    if tier == "device" and by_name.get("params", 0) > usable:
+        text += (
+            f"; the full {e.dtype} params alone ({_gb(by_name['params'])}) exceed it, "
+            "whatever is offloaded: only stage 3 shards them"
+        )
+    elif tier == "device" and "optimizer state" in by_name:
+        text += "; offload the optimizer state (offload_optimizer) or use more GPUs"
+    elif tier == "host" and "optimizer state" in by_name:
+        text += "; put the optimizer state on NVMe (offload_optimizer='nvme')"
+    return text
+
+
+def _within(need: float, usable: float | None) -> bool:
+    """Whether ``need`` fits; ``usable`` None: a tier not measured (NVMe space)."""
+    return usable is None or need <= usable
+
+
+def _fits(e: MemoryEstimate, limits: dict[str, float | None]) -> bool:
+    needs = {"device": e.gpu_bytes, "host": e.host_bytes_per_node, "nvme": e.nvme_bytes_per_node}
+    return all(_within(needs[t], limits[t]) for t in needs)
+
+
+def _fill_host(
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    stage: int,
+    par: str,
+    all_nvme: MemoryEstimate,
+) -> tuple[MemoryEstimate, int] | None:
+    """The optimizer on NVMe, with the node's spare usable host memory holding its leading
+    sub-groups: ``offload_optimizer_fraction="auto"`` under the largest ``host_memory_limit``
+    whose estimate still fits (found in a few steps: host use grows with the limit by whole
+    sub-groups). None when nothing moves to the host."""
+    usable = limits["host"]
+    if usable is None or not _fits(all_nvme, limits):
+        return None
+    ranks = all_nvme.ranks_per_node
+    limit, best, best_fraction = all_nvme.host_budget, None, 1.0
+    for _ in range(6):
+        e = estimate_memory(
+            shape,
+            num_gpus=num_gpus,
+            stage=stage,
+            offload_optimizer="nvme",
+            offload_param=par,
+            offload_optimizer_fraction="auto",
+            host_memory_limit=limit,
+            **est_kwargs,
+        )
+        fraction = e.nvme_fraction
+        assert fraction is not None  # an NVMe optimizer's estimate says its split
+        spare = int(usable // ranks) - e.host_bytes_per_rank
+        if spare >= 0 and _fits(e, limits) and (best is None or fraction < best_fraction):
+            best, best_fraction = (e, limit), fraction
+        if fraction == 0 or 0 <= spare < 12 * FULL_SPEED_GROUP:
+            break
+        # over: back off by a whole sub-group more, as the host part shrinks by sub-groups
+        limit = max(1, limit + spare - (12 * FULL_SPEED_GROUP if spare < 0 else 0))
+    if best is None or best_fraction >= 1.0:
+        return None
+    return best
+
+
+def _split_text(c: Candidate) -> str:
+    """ " The optimizer state: 64% on NVMe, ...; disk traffic ... (vs ... all on NVMe)"."""
+    e = c.estimate
+    if e.nvme_fraction is None:
+        return ""
+    per_node = e.ranks_per_node
+    text = (
+        f" Optimizer state {e.nvme_fraction:.0%} on NVMe, {1 - e.nvme_fraction:.0%} in "
+        f"host memory: {_gb(per_node * e.disk_bytes_per_step)} of disk traffic per step "
+        "per node"
+    )
+    if c.all_nvme_disk_bytes:
+        saved = 1 - e.disk_bytes_per_step / c.all_nvme_disk_bytes
+        text += f", {saved:.0%} less than all on NVMe ({_gb(per_node * c.all_nvme_disk_bytes)})"
+    return text + "."
+
+
+def _evaluate(
+    shape: ModelShape, limits: dict[str, float | None], num_gpus: int, est_kwargs: dict[str, Any]
+) -> list[Candidate]:
+    out = []
+    for stage, opt, par in CHOICES:
+        e = estimate_memory(
+            shape,
+            num_gpus=num_gpus,
+            stage=stage,
+            offload_optimizer=opt,
+            offload_param=par,
+            **est_kwargs,
+        )
+        extra: dict[str, Any] = {}
+        filled = (
+            _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e)
+            if opt == "nvme"
+            else None
+        )
+        if filled is not None:
+            extra = dict(host_memory_limit=filled[1], all_nvme_disk_bytes=e.disk_bytes_per_step)
+            e = filled[0]
+        cand = Candidate(stage, opt, par, e, True, ())
+        reasons = []
+        for tier, need in cand.needs().items():
+            usable = limits[tier]
+            if usable is None or need <= usable:  # None: NVMe space not measured
+                continue
+            reasons.append(_why_over(e, tier, need, usable))
+        unchecked = cand.uses_nvme and limits["nvme"] is None
+        out.append(Candidate(stage, opt, par, e, not reasons, tuple(reasons), unchecked, **extra))
+    return out
+
+
+def _what_would_fit(
+    cands: list[Candidate],
+    limits: dict[str, float | None],
+    headroom: float,
+    shape: ModelShape,
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+) -> list[str]:
+    """For each resource: the least of it that makes some choice fit, the others unchanged;
+    then the fewest GPUs (doubling) at which something fits."""
+    out = []
+    for tier, unit in (
+        ("device", "GPU memory per GPU"),
+        ("host", "host memory per node"),
+        ("nvme", "NVMe space per node"),
+    ):
+        best = None
+        for c in cands:
+            needs = c.needs()
+            others_fit = all(_within(needs[t], limits[t]) for t in needs if t != tier)
+            if others_fit and (best is None or needs[tier] < best.needs()[tier]):
+                best = c
+        if best is not None and best.needs()[tier] > 0:
+            total = best.needs()[tier] / (1 - headroom)
+            out.append(
+                f"{unit} >= {_gb(total)} would fit stage {best.stage}, optimizer "
+                f"{best.offload_optimizer}, params {best.offload_param}"
+            )
+    n = num_gpus * 2
+    while n <= _MAX_GPUS:
+        fitting = [c for c in _evaluate(shape, limits, n, est_kwargs) if c.fits]
+        if fitting:
+            c = fitting[0]
+            out.append(
+                f"{n} GPUs (same memory each) would fit stage {c.stage}, optimizer "
+                f"{c.offload_optimizer}, params {c.offload_param}"
+            )
+            break
+        n *= 2
+    return out
+
+
+def plan(
+    model_or_num_params: nn.Module | int | float | ModelShape,
+    *,
+    num_gpus: int,
+    gpu_memory: int,
+    host_memory: int,
+    nvme_bytes: int | None = None,
+    activation_bytes: int | None = None,
+    gpus_per_node: int | None = None,
+    dtype: torch.dtype | str = torch.bfloat16,
+    prefetch_depth: int = 2,
+    largest_layer_params: int | None = None,
+    nvme_path: str | os.PathLike | None = None,
+    headroom: float = 0.1,
+    trainable_params: int | float | None = None,
+) -> Plan:
+    """The least-offloaded stage × offload choice whose estimate fits, as ``initialize``
+    keyword arguments, or an explanation of why none fits and what would.
+
+    ``gpu_memory``: bytes per GPU; ``host_memory`` and ``nvme_bytes``: bytes per node.
+    ``nvme_bytes=None`` with an ``nvme_path``: its free space is measured; with neither, NVMe
+    space is not checked (NVMe choices are assumed to have room and say so); ``0``: no NVMe.
+    ``headroom``: the fraction of every tier kept free (CUDA context, allocator
+    fragmentation, the OS). ``activation_bytes`` per GPU; None leaves activations out.
+    ``trainable_params``: with a parameter count, how many train (a LoRA fine-tune: the
+    adapters; default all); only they have optimizer state and gradients. A model says it by
+    its parameters' ``requires_grad``.
+    """
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    for name, value in (("gpu_memory", gpu_memory), ("host_memory", host_memory)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    if nvme_bytes is None and nvme_path is not None:
+        nvme_bytes = shutil.disk_usage(nvme_path).free
+    shape = ModelShape.of(model_or_num_params, trainable_params)
+    keep = 1 - headroom
+    usable_gpu, usable_host = gpu_memory * keep, host_memory * keep
+    limits: dict[str, float | None] = {
+        "device": usable_gpu,
+        "host": usable_host,
+        "nvme": None if nvme_bytes is None else nvme_bytes * keep,
+    }
+    est_kwargs = dict(
+        gpus_per_node=gpus_per_node,
+        dtype=dtype,
+        prefetch_depth=prefetch_depth,
+        largest_layer_params=largest_layer_params,
+        activation_bytes=activation_bytes,
+        host_available=host_memory,
+    )
+    cands = _evaluate(shape, limits, num_gpus, est_kwargs)
+    notes = []
+    if activation_bytes is None:
+        notes.append(
+            "activations are not included: pass activation_bytes (rough rule with "
+            "activation checkpointing: 2 × seq × batch × width × layers × 2 bytes)"
+        )
+    choice = next((c for c in cands if c.fits), None)
+    trains = ""
+    if trainable_params is not None or shape.trainable_params != shape.num_params:
+        source = "trainable_params" if trainable_params is not None else "requires_grad"
+        trains = (
+            f" {describe_params(shape.num_params, shape.trainable_params, always=True)}"
+            f": only the trainable ones ({source}) have optimizer state and gradients; "
+            f"the frozen ones hold just their {_dtype_name(dtype)} copy."
+        )
+    outcome = functools.partial(
+        Plan,
+        candidates=tuple(cands),
+        gpu_memory=int(gpu_memory),
+        host_memory=int(host_memory),
+        nvme_bytes=None if nvme_bytes is None else int(nvme_bytes),
+        headroom=headroom,
+    )
+    if choice is None:
+        lines = [
+            f"nothing fits {num_gpus} × {_gb(gpu_memory)} GPUs with "
+            f"{_gb(host_memory)} host memory per node"
+            + (
+                f" and {_gb(nvme_bytes)} NVMe"
+                if nvme_bytes
+                else " and no NVMe"
+                if nvme_bytes == 0
+                else ""
+            )
+            + f" ({headroom:.0%} of each kept free)."
+        ]
+        last = cands[-1]
+        lines.append(
+            f"Even the most offloaded choice (stage 3, optimizer and params on NVMe) "
+            f"fails: {'; '.join(last.reasons)}."
+        )
+        would = _what_would_fit(cands, limits, headroom, shape, num_gpus, est_kwargs)
+        if would:
+            lines.append("What would fit: " + "; or ".join(would) + ".")
+        if trains:
+            lines.append(trains.strip())
+        return outcome(
+            fits=False, kwargs={}, choice=None, explanation="\n".join(lines), notes=tuple(notes)
+        )
+    kwargs: dict[str, Any] = {
+        "stage": choice.stage,
+        "offload_optimizer": choice.offload_optimizer,
+        "offload_param": choice.offload_param,
+        "dtype": _dtype_name(dtype),
+    }
+    if choice.stage == 3:
+        kwargs["prefetch_depth"] = prefetch_depth
+    if choice.host_memory_limit is not None:
+        kwargs["offload_optimizer_fraction"] = "auto"
+        kwargs["host_memory_limit"] = choice.host_memory_limit
+    if choice.uses_nvme:
+        need = _gb(choice.estimate.nvme_bytes_per_node)
+        if nvme_path is not None:
+            kwargs["nvme_path"] = os.fspath(nvme_path)
+        else:
+            notes.append(
+                f"add nvme_path=<a directory on a fast local disk> with {need} free "
+                "per node"
+                + (
+                    " (NVMe space was not checked: pass nvme_bytes or nvme_path to check)"
+                    if choice.nvme_unchecked
+                    else ""
+                )
+            )
+    skipped = [c for c in cands[: cands.index(choice)]]
+    why = ""
+    if skipped:
+        prev = skipped[-1]
+        why = (
+            f" Less offloaded choices do not fit; the nearest, stage {prev.stage} with "
+            f"optimizer {prev.offload_optimizer} and params {prev.offload_param}: "
+            f"{'; '.join(prev.reasons)}."
+        )
+    e = choice.estimate
+    explanation = (
+        f"stage {choice.stage}, optimizer {choice.offload_optimizer}, params "
+        f"{choice.offload_param} fits: GPU {_gb(e.gpu_bytes)} of "
+        f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} of "
+        f"{_gb(usable_host)} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
+        f"node.{_split_text(choice)}{why}{trains}"
+    )
+    return outcome(
+        fits=True, kwargs=kwargs, choice=choice, explanation=explanation, notes=tuple(notes)
+    )
