@@ -376,9 +376,9 @@ class ZeroConfig:
         if not policy.is_default and not _engine_carries(policy):
             raise ConfigError(
                 f"optimizer_type / moment_precision / master_precision = {policy.describe()}: "
-                "the engine steps fp32 Adam(W) state only for now (the other kinds and "
-                "precisions run in zero_offload.optim's step() for your own loop); use the "
-                "defaults with initialize()"
+                "the engine steps fp32 Adam(W) state only for now; the other kinds and "
+                "precisions run in zero_offload.optim's CPUOptimizer, CPUAdamW8bit, CPULion, "
+                "CPULion8bit, CPUAdagrad for your own loop; use the defaults with initialize()"
             )
         if self.offload.optimizer != "none" and self.stage == 0:
             raise ConfigError(

@@ -2,6 +2,13 @@
 fallback, and torch optimizer classes over them."""
 
 from zero_offload.optim.cpu_adam import CPUAdam, CPUAdamW
+from zero_offload.optim.cpu_optim import (
+    CPUAdagrad,
+    CPUAdamW8bit,
+    CPULion,
+    CPULion8bit,
+    CPUOptimizer,
+)
 from zero_offload.optim.hyper import StepHyper
 from zero_offload.optim.kernel import adam_update, default_num_threads, kernel_status
 from zero_offload.optim.layout import Piece, Span, StateLayout
@@ -10,8 +17,13 @@ from zero_offload.optim.state import MomentState, ShardState, buffer_bytes
 from zero_offload.optim.step import step
 
 __all__ = [
+    "CPUAdagrad",
     "CPUAdam",
     "CPUAdamW",
+    "CPUAdamW8bit",
+    "CPULion",
+    "CPULion8bit",
+    "CPUOptimizer",
     "MasterPrecision",
     "MomentPrecision",
     "MomentState",

@@ -110,8 +110,10 @@ def isa_flags(isa: str) -> tuple[str, ...]:
     return ()
 
 
+@functools.lru_cache(maxsize=1)
 def default_num_threads() -> int:
-    """Physical cores: the step is memory bound and SMT siblings share the same bandwidth."""
+    """Physical cores: the step is memory bound and SMT siblings share the same bandwidth.
+    (Read once: psutil scans sysfs on every call, ~2 ms, and every step asks.)"""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 

@@ -124,3 +124,62 @@ def dequantize_blocks(
         raise ValueError(f"{n} codes at phase {phase} span {blocks} blocks, got {absmax.numel()}")
     idx = (torch.arange(n) + front) // BLOCK
     return dynamic_map(signed)[codes.reshape(-1).long()] * absmax[idx]
+
+
+# The C kernel's lookup (kernels/cpu_optim.c, zo_qmap): magnitudes below 2**-23 fold into
+# bucket 0, larger ones are bucketed by their float bits >> shift; each bucket holds at most
+# one decision point, so an entry (base << 20 | t) gives the code as base + (low >= t).
+_MAG0 = 0x34000000  # bits of 2**-23
+_MAG1 = 0x3F800000  # bits of 1.0
+_NEVER = 0xFFFFF
+
+
+@functools.lru_cache(maxsize=None)
+def lookup_table(signed: bool) -> tuple[np.ndarray, int, int]:
+    """(lut uint32[2 * buckets], shift, buckets): the widest buckets (smallest table) whose
+    every bucket holds at most one decision point."""
+    t = _thresholds_np(signed)
+    tiny = np.float32(2.0**-23)
+    if np.any(np.abs(t) < tiny):
+        raise AssertionError("a decision point below 2**-23: the lookup cannot fold tiny values")
+    for shift in range(19, 9, -1):
+        lut = _try_lut(t, shift)
+        if lut is not None:
+            return lut, shift, lut.size // 2
+    raise AssertionError("no bucket width separates the decision points")
+
+
+def _try_lut(t: np.ndarray, shift: int) -> np.ndarray | None:
+    one = 1 << shift
+    top = _MAG1 - _MAG0 + one
+    buckets = (top >> shift) + 1
+    k = np.arange(buckets, dtype=np.int64)
+    lo_m = np.maximum(k << shift, 0)  # folded magnitudes covered by bucket k
+    hi_m = np.minimum(((k + 1) << shift) - 1, top)
+
+    def unfold(m: np.ndarray) -> np.ndarray:  # folded magnitude -> |x| (0 for bucket 0)
+        bits = np.where(m < one, 0, m - one + _MAG0).astype(np.uint32)
+        return bits.view(np.float32)
+
+    low_mask = one - 1
+    out = np.empty(2 * buckets, dtype=np.uint32)
+    for sign in (0, 1):
+        a, b = unfold(lo_m), unfold(hi_m)
+        x_lo, x_hi = (a, b) if sign == 0 else (-b, -a)
+        if sign == 0:
+            x_hi = np.where(k == 0, np.float32(0.0), x_hi)  # bucket 0: every tiny x acts as 0
+        else:
+            x_lo = np.where(k == 0, np.float32(-0.0), x_lo)
+        base = np.searchsorted(t, x_lo, side="right")  # decision points <= x_lo
+        inside = np.searchsorted(t, x_hi, side="right") - base
+        if np.any(inside > 1):
+            return None
+        thr = np.full(buckets, _NEVER, dtype=np.int64)
+        has = inside == 1
+        tb = t[np.minimum(base, t.size - 1)]
+        folded = tb.view(np.uint32).astype(np.int64) & 0x7FFFFFFF
+        folded = folded - _MAG0 + one
+        low = folded & low_mask
+        thr[has] = (low if sign == 0 else low_mask - low)[has]
+        out[sign * buckets : (sign + 1) * buckets] = ((base << 20) | thr).astype(np.uint32)
+    return out

@@ -10,8 +10,9 @@ import torch
 __all__ = ["fmix32", "stream_seed", "sr_bits", "round_bf16_stochastic", "STREAMS"]
 
 _M32 = 0xFFFFFFFF
-STREAMS = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "sum": 3}
-"""Which state a random stream rounds (each gets independent bits)."""
+STREAMS = {"master": 0, "moments": 1}
+"""Random streams: the master's, and the moments' (one 32-bit hash per element rounds both:
+the first moment takes its low 16 bits, the second its high 16)."""
 
 
 def _fmix32_int(x: int) -> int:
@@ -46,10 +47,12 @@ def fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_bits(index_base: int, n: int, key: int) -> torch.Tensor:
-    """16 random bits per element ``index_base + i`` (index mod 2**32) for stream ``key``."""
+def sr_bits(index_base: int, n: int, key: int, high: bool = False) -> torch.Tensor:
+    """16 random bits per element ``index_base + i`` (index mod 2**32) for stream ``key``:
+    the hash's low half, or its high half."""
     idx = (torch.arange(n, dtype=torch.int64) + index_base) & _M32
-    return fmix32(idx ^ key) & 0xFFFF
+    h = fmix32(idx ^ key)
+    return (h >> 16) if high else (h & 0xFFFF)
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

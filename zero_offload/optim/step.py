@@ -9,16 +9,21 @@ so the default configuration computes exactly what it always has.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.profiler import record_function
 
 from . import kernel as K
+from .optim_kernel import get_optim_kernel, native_step
 from .hyper import StepHyper
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
 from .state import ShardState
 from .torch_step import torch_step
 
 __all__ = ["step", "StepHyper"]
+
+logger = logging.getLogger(__name__)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,4 +107,15 @@ def step(
         )
         return
     base = state.span.lo if index_base is None else int(index_base)
+    k = get_optim_kernel()
+    if k is not None:
+        threads = K.default_num_threads() if num_threads is None else int(num_threads)
+        if threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        threads = max(1, min(threads, n // K.MIN_ELEMS_PER_THREAD))
+        rc = native_step(k, state, grad, hyper, out, threads, base)
+        if rc == 0:
+            return
+        # the kernel validates before touching memory: nothing was updated
+        logger.warning("CPU optimizer kernel returned %d; doing this step in torch", rc)
     torch_step(state, grad, hyper, out, base)

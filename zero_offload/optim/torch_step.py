@@ -32,7 +32,7 @@ def torch_step(
     signed = dict(zip(pol.moment_names, pol.kind.signed_moments))
     for seg in state.span.segments():
         e = slice(seg.start, seg.end)
-        g = grad[e].float() * torch.tensor(hyper.grad_scale, dtype=torch.float32)
+        g = grad[e].float() * hyper.grad_scale
         if state.compensation is not None:
             p = state.master[e].float() + state.compensation[e].float()
         else:
@@ -50,11 +50,12 @@ def torch_step(
                 moments[name] = m.side[seg.side : seg.side + seg.numel].clone()
         p = _update(pol.kind, p, g, moments, hyper)
         base = index_base + seg.start
-        for name, m in state.moments.items():
+        key = stream_seed(hyper.seed, hyper.step, STREAMS["moments"])
+        for which, (name, m) in enumerate(state.moments.items()):
             value = moments[name]
             if pol.moments is MomentPrecision.BF16:
-                key = stream_seed(hyper.seed, hyper.step, STREAMS[name])
-                m.values[e].copy_(round_bf16_stochastic(value, sr_bits(base, seg.numel, key)))
+                bits = sr_bits(base, seg.numel, key, high=which == 1)
+                m.values[e].copy_(round_bf16_stochastic(value, bits))
             elif not pol.quantized:
                 m.values[e].copy_(value)
             elif seg.quantized:
@@ -76,7 +77,13 @@ def torch_step(
             key = stream_seed(hyper.seed, hyper.step, STREAMS["master"])
             state.master[e].copy_(round_bf16_stochastic(p, sr_bits(base, seg.numel, key)))
         if out is not None:
-            out[e].copy_(state.master[e] if out.dtype == state.master.dtype else p)
+            if out.dtype == state.master.dtype:  # a bf16 master's own bits
+                out[e].copy_(state.master[e])
+            else:  # the value the master stands for, rounded to the out dtype
+                value = p if pol.master is MasterPrecision.FP32 else state.master[e].float()
+                if state.compensation is not None:
+                    value = value + state.compensation[e].float()
+                out[e].copy_(value)
 
 
 def _update(
@@ -86,32 +93,28 @@ def _update(
     moments: dict[str, torch.Tensor],
     h: StepHyper,
 ) -> torch.Tensor:
-    """One step of ``kind`` on fp32 values; moments updated in place, the new p returned."""
-    f32 = torch.float32
-
-    def c(x: float) -> torch.Tensor:
-        return torch.tensor(x, dtype=f32)
-
-    if kind is OptimizerKind.LION:
+    """One step of ``kind`` on fp32 values, written as torch's own optimizers write it (the
+    kernel fuses exactly where these ops do); moments in place, the new p returned."""
+    if kind is OptimizerKind.LION:  # Chen et al. 2023, Algorithm 2
         m = moments["exp_avg"]
-        direction = torch.sign(m * c(h.beta1) + g * c(1 - h.beta1))
-        p = p * c(1 - h.lr * h.weight_decay) - c(h.lr) * direction
-        m.mul_(c(h.beta2)).add_(g * c(1 - h.beta2))
+        direction = m.mul(h.beta1).add_(g, alpha=1 - h.beta1).sign_()
+        p = p.mul(1 - h.lr * h.weight_decay).add_(direction, alpha=-h.lr)
+        m.mul_(h.beta2).add_(g, alpha=1 - h.beta2)
         return p
-    if kind is OptimizerKind.ADAGRAD:
+    if kind is OptimizerKind.ADAGRAD:  # torch.optim.Adagrad, single-tensor
         s = moments["sum"]
-        g = g + c(h.weight_decay) * p
-        s.add_(g * g)
+        g = g.add(p, alpha=h.weight_decay)
+        s.addcmul_(g, g, value=1)
         clr = h.lr / (1 + (h.step - 1) * h.lr_decay)
-        return p - c(clr) * g / (s.sqrt() + c(h.eps))
-    m, v = moments["exp_avg"], moments["exp_avg_sq"]
+        return p.addcdiv(g, s.sqrt().add_(h.eps), value=-clr)
+    m, v = moments["exp_avg"], moments["exp_avg_sq"]  # torch.optim.Adam(W), single-tensor
     if kind is OptimizerKind.ADAMW:
-        p = p * c(1 - h.lr * h.weight_decay)
+        p = p.mul(1 - h.lr * h.weight_decay)
     else:
-        g = g + c(h.weight_decay) * p
-    m.lerp_(g, c(1 - h.beta1))
-    v.mul_(c(h.beta2)).add_(g * g * c(1 - h.beta2))
+        g = g.add(p, alpha=h.weight_decay)
+    m.lerp_(g, 1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
     bc1 = 1 - h.beta1**h.step
     bc2_sqrt = (1 - h.beta2**h.step) ** 0.5
-    denom = v.sqrt() / c(bc2_sqrt) + c(h.eps)
-    return p - c(h.lr / bc1) * m / denom
+    denom = (v.sqrt() / bc2_sqrt).add_(h.eps)
+    return p.addcdiv(m, denom, value=-(h.lr / bc1))

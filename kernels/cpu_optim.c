@@ -1,0 +1,677 @@
+/*
+ * CPU optimizer steps for every state precision: AdamW / Adam / Lion / Adagrad with fp32,
+ * bf16 or 8-bit blockwise moments and an fp32, bf16+Kahan or bf16 stochastically rounded
+ * master (zero_offload/optim/policy.py says what each is).
+ *
+ * Why it is written this way: the step is bound by memory bandwidth, so each state byte is
+ * read and written once. A work row (zero_offload/optim/layout.py) is a run of elements
+ * stored alike; an 8-bit row is processed a block (256 elements) at a time: codes are
+ * dequantized in registers, the block's new moments go to a 1 KiB scratch in L1 while the
+ * master and the low-precision param are written, then the block's new absmax is known and
+ * the scratch is quantized back to codes. Grads are widened and params narrowed in the same
+ * pass.
+ *
+ * Exactness: the vector path (AVX2 + FMA, 8 lanes; AVX-512 machines run it too) and the
+ * scalar reference perform the same IEEE operations in the same order (explicit fmaf where
+ * the vector path fuses; build with -ffp-contract=off), quantization uses the exact
+ * decision points computed by the binding, and stochastic rounding draws its bits from a
+ * hash of (stream key, element index): every path, thread split and row cut gives the same
+ * bits (NaN inputs aside).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ZO_BLOCK 256
+#define ZO_ROW_FIELDS 5
+#define ZO_PREFETCH 256
+
+enum { ZO_F32 = 0, ZO_BF16 = 1, ZO_F16 = 2, ZO_NONE = -1 };
+enum { K_ADAMW = 0, K_ADAM = 1, K_LION = 2, K_ADAGRAD = 3 };
+enum { MOM_F32 = 0, MOM_BF16 = 1, MOM_INT8 = 2 };
+enum { MA_F32 = 0, MA_KAHAN = 1, MA_SR = 2 };
+enum { NUM_SCALARS = 13 };
+/* pointer slots of one span's state (zo_ptrs in the binding) */
+enum { P_MASTER, P_COMP, P_GRAD, P_OUT, P_M, P_V, P_M_ABSMAX, P_V_ABSMAX, P_M_SIDE, P_V_SIDE, NUM_PTRS };
+
+int zo_optim_abi_version(void) { return 1; }
+int zo_optim_num_scalars(void) { return NUM_SCALARS; }
+int zo_optim_num_ptrs(void) { return NUM_PTRS; }
+
+int zo_optim_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* A quantization map: 256 values ascending, and the lookup that finds a value's code. The
+ * binding builds `lut`: for |x| bits folded into buckets of 2^shift (tiny magnitudes below
+ * 2^-23 into bucket 0), each entry is base << 20 | t; the code is base + (low >= t) where low
+ * is x's bits within the bucket (mirrored for negatives, so it grows with x). */
+typedef struct {
+    const float* values;
+    const uint32_t* lut;
+    int32_t shift;
+    int32_t buckets; /* per sign; negatives use lut[buckets + bucket] */
+} zo_qmap;
+
+#define ZO_MAG0 0x34000000u /* bits of 2^-23: smaller magnitudes are all "zero" */
+#define ZO_MAG1 0x3F800000u /* bits of 1.0: normalized values never exceed it */
+
+typedef struct {
+    int kind, moments, master, g_dtype, out_dtype, decoupled, lerp_small;
+    float decay, l2, w1, omw1, b1, omb1, b2, omb2, eps, nss, bc2s, rbc2s, gs;
+    uint32_t key_master, key_m;
+    int64_t index_base;
+    const zo_qmap* qm;
+    const zo_qmap* qv;
+} zo_cfg;
+
+/* ---------------------------------------------------------------- scalar building blocks */
+
+static inline __attribute__((always_inline)) uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline __attribute__((always_inline)) float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) uint32_t fmix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x85ebca6bu;
+    x ^= x >> 13;
+    x *= 0xc2b2ae35u;
+    x ^= x >> 16;
+    return x;
+}
+
+/* stochastic rounding: add 16 random bits r below bf16's mantissa, truncate */
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + (r & 0xffffu)) >> 16);
+}
+
+#ifndef __F16C__
+static float f16_to_f32_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400u));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    return u2f(u);
+}
+
+static uint16_t f32_to_f16_soft(float f) {
+    uint32_t u = f2u(f);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) {
+        float m = fabsf(f) * 16777216.0f;
+        return (uint16_t)(sign | (uint32_t)nearbyintf(m));
+    }
+    uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+#endif
+
+static inline __attribute__((always_inline)) float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32_soft(h);
+#endif
+}
+
+static inline __attribute__((always_inline)) uint16_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return f32_to_f16_soft(f);
+#endif
+}
+
+static inline __attribute__((always_inline)) float load_grad1(const void* g, int dt, int64_t i) {
+    if (dt == ZO_F32) return ((const float*)g)[i];
+    if (dt == ZO_BF16) return bf16_to_f32(((const uint16_t*)g)[i]);
+    return f16_to_f32(((const uint16_t*)g)[i]);
+}
+
+static inline __attribute__((always_inline)) uint8_t quantize1(float x, const zo_qmap* q) {
+    uint32_t b = f2u(x), sign = b >> 31, mag = b & 0x7fffffffu;
+    const uint32_t low_mask = (1u << q->shift) - 1u;
+    const uint32_t top = ZO_MAG1 - ZO_MAG0 + (1u << q->shift);
+    mag = mag < ZO_MAG0 ? 0u : mag - ZO_MAG0 + (1u << q->shift);
+    mag = mag > top ? top : mag;
+    uint32_t low = mag & low_mask, t = (mag >> q->shift) + (sign ? (uint32_t)q->buckets : 0u);
+    low = sign ? low_mask - low : low;
+    uint32_t e = q->lut[t];
+    return (uint8_t)((e >> 20) + (low >= (e & 0xfffffu)));
+}
+
+/* sqrt(v) / bc2_sqrt by reciprocal + one FMA correction (correctly rounded), as cpu_adam.c */
+static inline __attribute__((always_inline)) float div_bc2(float s, float c, float r) {
+    float q = s * r, e = fmaf(-q, c, s), q2 = fmaf(e, r, q);
+    return e != e ? q : q2;
+}
+
+/* One element's update on fp32 values; m, v (or Adagrad's sum in m) in and out. */
+static inline __attribute__((always_inline)) float update1(const zo_cfg* c, float p, float g, float* m, float* v) {
+    g = g * c->gs;
+    if (c->kind == K_LION) {
+        p = p * c->decay;
+        float u = fmaf(c->omb1, g, *m * c->b1);
+        float s = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+        p = fmaf(c->nss, s, p);
+        *m = fmaf(c->omb2, g, *m * c->b2);
+        return p;
+    }
+    if (c->kind == K_ADAGRAD) {
+        g = fmaf(c->l2, p, g);
+        float s = fmaf(g, g, *m);
+        *m = s;
+        return p + (c->nss * g) / (sqrtf(s) + c->eps);
+    }
+    if (c->decoupled) p = p * c->decay;
+    else g = fmaf(c->l2, p, g);
+    float mi = *m, d = g - mi;
+    mi = c->lerp_small ? fmaf(c->w1, d, mi) : fmaf(-c->omw1, d, g);
+    float vi = fmaf(c->omb2 * g, g, *v * c->b2);
+    *m = mi;
+    *v = vi;
+    return p + (c->nss * mi) / (div_bc2(sqrtf(vi), c->bc2s, c->rbc2s) + c->eps);
+}
+
+static inline __attribute__((always_inline)) float load_master1(const zo_cfg* c, void* const* P, int64_t i) {
+    if (c->master == MA_F32) return ((const float*)P[P_MASTER])[i];
+    float p = bf16_to_f32(((const uint16_t*)P[P_MASTER])[i]);
+    if (c->master == MA_KAHAN) p = p + bf16_to_f32(((const uint16_t*)P[P_COMP])[i]);
+    return p;
+}
+
+/* Store the new master (and compensation), and the param in the out dtype. */
+static inline __attribute__((always_inline)) void store_master1(const zo_cfg* c, void* const* P, int64_t i, float p) {
+    float val = p;
+    uint16_t hi = 0;
+    if (c->master == MA_F32) {
+        ((float*)P[P_MASTER])[i] = p;
+    } else {
+        if (c->master == MA_KAHAN) {
+            hi = f32_to_bf16(p);
+            float hf = bf16_to_f32(hi);
+            uint16_t lo = f32_to_bf16(p - hf);
+            ((uint16_t*)P[P_COMP])[i] = lo;
+            val = hf + bf16_to_f32(lo);
+        } else {
+            hi = f32_to_bf16_sr(p, fmix32((uint32_t)(c->index_base + i) ^ c->key_master));
+            val = bf16_to_f32(hi);
+        }
+        ((uint16_t*)P[P_MASTER])[i] = hi;
+    }
+    if (c->out_dtype == ZO_BF16)
+        ((uint16_t*)P[P_OUT])[i] = c->master == MA_F32 ? f32_to_bf16(val) : hi;
+    else if (c->out_dtype == ZO_F16)
+        ((uint16_t*)P[P_OUT])[i] = f32_to_f16(val);
+    else if (c->out_dtype == ZO_F32)
+        ((float*)P[P_OUT])[i] = val;
+}
+
+static inline __attribute__((always_inline)) float load_moment1(int prec, const void* a, int64_t i) {
+    return prec == MOM_F32 ? ((const float*)a)[i] : bf16_to_f32(((const uint16_t*)a)[i]);
+}
+
+static inline __attribute__((always_inline)) void store_moment1(int prec, void* a, int64_t i, float x, uint32_t r) {
+    if (prec == MOM_F32) ((float*)a)[i] = x;
+    else ((uint16_t*)a)[i] = f32_to_bf16_sr(x, r);
+}
+
+static inline __attribute__((always_inline)) int two_moments(const zo_cfg* c) { return c->kind == K_ADAMW || c->kind == K_ADAM; }
+
+/* Elements [a, b) of a row with dense (fp32 / bf16) moments, or an 8-bit layout's fp32 side
+ * moments (side: moment index of element a, or -1 for dense). */
+static inline __attribute__((always_inline)) void dense_scalar(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int64_t side) {
+    const int two = two_moments(c);
+    const int prec = side >= 0 ? MOM_F32 : c->moments;
+    void* ma = side >= 0 ? (void*)((float*)P[P_M_SIDE] + side - a) : P[P_M];
+    void* va = !two ? NULL : side >= 0 ? (void*)((float*)P[P_V_SIDE] + side - a) : P[P_V];
+    for (int64_t i = a; i < b; i++) {
+        float m = load_moment1(prec, ma, i), v = two ? load_moment1(prec, va, i) : 0.0f;
+        float p = update1(c, load_master1(c, P, i), load_grad1(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master1(c, P, i, p);
+        /* one hash per element rounds both moments: m takes its low half, v its high */
+        uint32_t r = prec == MOM_BF16 ? fmix32((uint32_t)(c->index_base + i) ^ c->key_m) : 0u;
+        store_moment1(prec, ma, i, m, r);
+        if (two) store_moment1(prec, va, i, v, r >> 16);
+    }
+}
+
+/* Pass 1 of an 8-bit block, elements [a, b) (j0: a's position in the block's scratch,
+ * which holds the map values of the old codes and receives the new moments). */
+static inline __attribute__((always_inline)) void block_scalar(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int j0,
+                         float am_m, float am_v, float* sm, float* sv, float* mx_m, float* mx_v) {
+    const int two = two_moments(c);
+    for (int64_t i = a; i < b; i++) {
+        int j = j0 + (int)(i - a);
+        float m = sm[j] * am_m;
+        float v = two ? sv[j] * am_v : 0.0f;
+        float p = update1(c, load_master1(c, P, i), load_grad1(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master1(c, P, i, p);
+        sm[j] = m;
+        float am = fabsf(m);
+        *mx_m = am > *mx_m ? am : *mx_m;
+        if (two) {
+            sv[j] = v;
+            float av = fabsf(v);
+            *mx_v = av > *mx_v ? av : *mx_v;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void quantize_scalar(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
+    for (int j = 0; j < n; j++) out[j] = quantize1(s[j] * inv, q);
+}
+
+/* ---------------------------------------------------------------- the vector path (AVX2) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ZO_SCALAR)
+#define ZO_VECTOR 1
+
+static inline __attribute__((always_inline)) __m256i iota8(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+
+static inline __attribute__((always_inline)) __m256i fmix32_v(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x85ebca6bu));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0xc2b2ae35u));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* 8 x u32 (each <= 0xffff) -> 8 x u16 */
+static inline __attribute__((always_inline)) __m128i pack16(__m256i x) {
+    __m256i p = _mm256_packus_epi32(x, x);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
+
+static inline __attribute__((always_inline)) __m256i nan_to_bf16(__m256 x, __m256i r) {
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+}
+
+static inline __attribute__((always_inline)) __m128i bf16_rne_v(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return pack16(nan_to_bf16(x, r));
+}
+
+static inline __attribute__((always_inline)) __m128i bf16_sr_v(__m256 x, __m256i h) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), 16);
+    return pack16(nan_to_bf16(x, r));
+}
+
+static inline __attribute__((always_inline)) __m256 widen_bf16_v(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) __m256 load_grad_v(const void* g, int dt, int64_t i) {
+    if (dt == ZO_F32) return _mm256_loadu_ps((const float*)g + i);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)g + i));
+    return dt == ZO_BF16 ? widen_bf16_v(h) : _mm256_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) __m256 load_master_v(const zo_cfg* c, void* const* P, int64_t i) {
+    if (c->master == MA_F32) return _mm256_loadu_ps((const float*)P[P_MASTER] + i);
+    __m256 p = widen_bf16_v(_mm_loadu_si128((const __m128i*)((const uint16_t*)P[P_MASTER] + i)));
+    if (c->master == MA_KAHAN)
+        p = _mm256_add_ps(p, widen_bf16_v(_mm_loadu_si128((const __m128i*)((const uint16_t*)P[P_COMP] + i))));
+    return p;
+}
+
+static inline __attribute__((always_inline)) void store_master_v(const zo_cfg* c, void* const* P, int64_t i, __m256 p) {
+    __m256 val = p;
+    __m128i hi = _mm_setzero_si128();
+    if (c->master == MA_F32) {
+        _mm256_storeu_ps((float*)P[P_MASTER] + i, p);
+    } else {
+        if (c->master == MA_KAHAN) {
+            hi = bf16_rne_v(p);
+            __m256 hf = widen_bf16_v(hi);
+            __m128i lo = bf16_rne_v(_mm256_sub_ps(p, hf));
+            _mm_storeu_si128((__m128i*)((uint16_t*)P[P_COMP] + i), lo);
+            val = _mm256_add_ps(hf, widen_bf16_v(lo));
+        } else {
+            __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
+            hi = bf16_sr_v(p, fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_master))));
+            val = widen_bf16_v(hi);
+        }
+        _mm_storeu_si128((__m128i*)((uint16_t*)P[P_MASTER] + i), hi);
+    }
+    if (c->out_dtype == ZO_BF16)
+        _mm_storeu_si128((__m128i*)((uint16_t*)P[P_OUT] + i), c->master == MA_F32 ? bf16_rne_v(val) : hi);
+    else if (c->out_dtype == ZO_F16)
+        _mm_storeu_si128((__m128i*)((uint16_t*)P[P_OUT] + i), _mm256_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
+    else if (c->out_dtype == ZO_F32)
+        _mm256_storeu_ps((float*)P[P_OUT] + i, val);
+}
+
+/* update1 for 8 lanes: the same operations in the same order */
+static inline __attribute__((always_inline)) __m256 update_v(const zo_cfg* c, __m256 p, __m256 g, __m256* m, __m256* v) {
+    g = _mm256_mul_ps(g, _mm256_set1_ps(c->gs));
+    if (c->kind == K_LION) {
+        p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+        __m256 u = _mm256_fmadd_ps(_mm256_set1_ps(c->omb1), g, _mm256_mul_ps(*m, _mm256_set1_ps(c->b1)));
+        __m256 z = _mm256_setzero_ps();
+        __m256 s = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(u, z, _CMP_GT_OQ), _mm256_set1_ps(1.0f)),
+                                _mm256_and_ps(_mm256_cmp_ps(u, z, _CMP_LT_OQ), _mm256_set1_ps(-1.0f)));
+        p = _mm256_fmadd_ps(_mm256_set1_ps(c->nss), s, p);
+        *m = _mm256_fmadd_ps(_mm256_set1_ps(c->omb2), g, _mm256_mul_ps(*m, _mm256_set1_ps(c->b2)));
+        return p;
+    }
+    if (c->kind == K_ADAGRAD) {
+        g = _mm256_fmadd_ps(_mm256_set1_ps(c->l2), p, g);
+        __m256 s = _mm256_fmadd_ps(g, g, *m);
+        *m = s;
+        __m256 den = _mm256_add_ps(_mm256_sqrt_ps(s), _mm256_set1_ps(c->eps));
+        return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->nss), g), den));
+    }
+    if (c->decoupled) p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+    else g = _mm256_fmadd_ps(_mm256_set1_ps(c->l2), p, g);
+    __m256 mi = *m, d = _mm256_sub_ps(g, mi);
+    mi = c->lerp_small ? _mm256_fmadd_ps(_mm256_set1_ps(c->w1), d, mi)
+                       : _mm256_fnmadd_ps(_mm256_set1_ps(c->omw1), d, g);
+    __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c->omb2), g), g,
+                                _mm256_mul_ps(*v, _mm256_set1_ps(c->b2)));
+    *m = mi;
+    *v = vi;
+    __m256 root = _mm256_sqrt_ps(vi), r = _mm256_set1_ps(c->rbc2s);
+    __m256 q = _mm256_mul_ps(root, r);
+    __m256 e = _mm256_fnmadd_ps(q, _mm256_set1_ps(c->bc2s), root);
+    q = _mm256_blendv_ps(q, _mm256_fmadd_ps(e, r, q), _mm256_cmp_ps(e, e, _CMP_ORD_Q));
+    __m256 den = _mm256_add_ps(q, _mm256_set1_ps(c->eps));
+    return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->nss), mi), den));
+}
+
+static inline __attribute__((always_inline)) __m256 load_moment_v(int prec, const void* a, int64_t i) {
+    if (prec == MOM_F32) return _mm256_loadu_ps((const float*)a + i);
+    return widen_bf16_v(_mm_loadu_si128((const __m128i*)((const uint16_t*)a + i)));
+}
+
+static inline __attribute__((always_inline)) void store_moment_v(int prec, void* a, int64_t i, __m256 x, __m256i r) {
+    if (prec == MOM_F32) _mm256_storeu_ps((float*)a + i, x);
+    else _mm_storeu_si128((__m128i*)((uint16_t*)a + i), bf16_sr_v(x, r));
+}
+
+static inline __attribute__((always_inline)) void dense_range(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int64_t side) {
+    const int two = two_moments(c);
+    const int prec = side >= 0 ? MOM_F32 : c->moments;
+    void* ma = side >= 0 ? (void*)((float*)P[P_M_SIDE] + side - a) : P[P_M];
+    void* va = !two ? NULL : side >= 0 ? (void*)((float*)P[P_V_SIDE] + side - a) : P[P_V];
+    int64_t i = a;
+    for (; i + 8 <= b; i += 8) {
+        __m256 m = load_moment_v(prec, ma, i);
+        __m256 v = two ? load_moment_v(prec, va, i) : _mm256_setzero_ps();
+        __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master_v(c, P, i, p);
+        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
+        __m256i r = _mm256_setzero_si256();
+        if (prec == MOM_BF16) r = fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_m)));
+        store_moment_v(prec, ma, i, m, r);
+        if (two) store_moment_v(prec, va, i, v, _mm256_srli_epi32(r, 16));
+    }
+    dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
+}
+
+static inline __attribute__((always_inline)) __m256 abs_v(__m256 x) {
+    return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+}
+
+/* max as the scalar path computes it: x > acc ? x : acc */
+static inline __attribute__((always_inline)) __m256 max_v(__m256 acc, __m256 x) {
+    return _mm256_blendv_ps(acc, x, _mm256_cmp_ps(x, acc, _CMP_GT_OQ));
+}
+
+static inline __attribute__((always_inline)) void block_range(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int j0,
+                        float am_m, float am_v, float* sm, float* sv, float* mx_m, float* mx_v) {
+    const int two = two_moments(c);
+    __m256 amm = _mm256_set1_ps(am_m), amv = _mm256_set1_ps(am_v);
+    __m256 xm = _mm256_setzero_ps(), xv = _mm256_setzero_ps();
+    int64_t i = a;
+    for (; i + 8 <= b; i += 8) {
+        int j = j0 + (int)(i - a);
+        __m256 m = _mm256_mul_ps(_mm256_loadu_ps(sm + j), amm);
+        __m256 v = two ? _mm256_mul_ps(_mm256_loadu_ps(sv + j), amv) : _mm256_setzero_ps();
+        __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master_v(c, P, i, p);
+        _mm256_storeu_ps(sm + j, m);
+        xm = max_v(xm, abs_v(m));
+        if (two) {
+            _mm256_storeu_ps(sv + j, v);
+            xv = max_v(xv, abs_v(v));
+        }
+    }
+    float lm[8], lv[8];
+    _mm256_storeu_ps(lm, xm);
+    _mm256_storeu_ps(lv, xv);
+    for (int k = 0; k < 8; k++) {
+        *mx_m = lm[k] > *mx_m ? lm[k] : *mx_m;
+        *mx_v = lv[k] > *mx_v ? lv[k] : *mx_v;
+    }
+    block_scalar(c, P, i, b, j0 + (int)(i - a), am_m, am_v, sm, sv, mx_m, mx_v);
+}
+
+/* The lookup's bucket index (returned) and x's mirrored bits within the bucket (*low). */
+static inline __attribute__((always_inline)) __m256i bucket_v(__m256 x, const zo_qmap* q, __m256i* low_out) {
+    const __m256i low_mask = _mm256_set1_epi32((int)((1u << q->shift) - 1u));
+    const __m256i top = _mm256_set1_epi32((int)(ZO_MAG1 - ZO_MAG0 + (1u << q->shift)));
+    __m256i b = _mm256_castps_si256(x);
+    __m256i sign = _mm256_srai_epi32(b, 31); /* all ones for negatives */
+    __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)ZO_MAG0), mag);
+    mag = _mm256_add_epi32(mag, _mm256_set1_epi32((int)((1u << q->shift) - ZO_MAG0)));
+    mag = _mm256_andnot_si256(small, mag);
+    mag = _mm256_min_epu32(mag, top);
+    __m256i low = _mm256_and_si256(mag, low_mask);
+    *low_out = _mm256_xor_si256(low, _mm256_and_si256(sign, low_mask)); /* low_mask - low */
+    __m256i t = _mm256_srli_epi32(mag, q->shift);
+    return _mm256_add_epi32(t, _mm256_and_si256(sign, _mm256_set1_epi32(q->buckets)));
+}
+
+/* code = base + (low >= threshold) from a lookup entry */
+static inline __attribute__((always_inline)) __m256i code_v(__m256i e, __m256i low) {
+    __m256i thr = _mm256_and_si256(e, _mm256_set1_epi32(0xfffff));
+    __m256i ge = _mm256_cmpgt_epi32(thr, low); /* thr > low: not past the decision point */
+    return _mm256_sub_epi32(_mm256_add_epi32(_mm256_srli_epi32(e, 20), _mm256_set1_epi32(1)),
+                            _mm256_and_si256(ge, _mm256_set1_epi32(1)));
+}
+
+static inline __attribute__((always_inline)) void store_codes_v(uint8_t* out, __m256i k) {
+    __m256i w = _mm256_packus_epi32(k, k);
+    __m256i bts = _mm256_packus_epi16(w, w);
+    bts = _mm256_permutevar8x32_epi32(bts, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    _mm_storel_epi64((__m128i*)out, _mm256_castsi256_si128(bts));
+}
+
+/* A block's codes in three sweeps over L1: bucket indices (vector), the table entries
+ * (scalar loads: cheaper than a vpgatherdd on Zen 2/3), codes (vector). */
+static inline __attribute__((always_inline)) void quantize_range(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
+    uint32_t t[ZO_BLOCK] __attribute__((aligned(32)));
+    uint32_t lows[ZO_BLOCK] __attribute__((aligned(32)));
+    __m256 iv = _mm256_set1_ps(inv);
+    int n8 = n & ~7, j;
+    for (j = 0; j < n8; j += 8) {
+        __m256i low;
+        __m256i k = bucket_v(_mm256_mul_ps(_mm256_loadu_ps(s + j), iv), q, &low);
+        _mm256_store_si256((__m256i*)(t + j), k);
+        _mm256_store_si256((__m256i*)(lows + j), low);
+    }
+    const uint32_t* lut = q->lut;
+    for (j = 0; j < n8; j++) t[j] = lut[t[j]];
+    for (j = 0; j < n8; j += 8)
+        store_codes_v(out + j, code_v(_mm256_load_si256((const __m256i*)(t + j)),
+                                      _mm256_load_si256((const __m256i*)(lows + j))));
+    quantize_scalar(s + n8, n - n8, inv, q, out + n8);
+}
+
+#if defined(__AVX512F__)
+#define ZO_VEC_PATH "avx512"
+#else
+#define ZO_VEC_PATH "avx2"
+#endif
+
+#else /* the portable path: the scalar reference (or what the compiler makes of it) */
+#define dense_range dense_scalar
+#define block_range block_scalar
+#define quantize_range quantize_scalar
+#if defined(ZO_SCALAR)
+#define ZO_VEC_PATH "scalar"
+#else
+#define ZO_VEC_PATH "generic"
+#endif
+#endif
+
+const char* zo_optim_vec_path(void) { return ZO_VEC_PATH; }
+
+/* ---------------------------------------------------------------- rows and entry points */
+
+/* An 8-bit row: [off, off + n), first element at `phase` in its block, absmax from `blk`. */
+static inline __attribute__((always_inline)) void quantized_row(const zo_cfg* c, void* const* P, int64_t off, int64_t n, int phase,
+                          int64_t blk) {
+    float sm[ZO_BLOCK] __attribute__((aligned(64)));
+    float sv[ZO_BLOCK] __attribute__((aligned(64)));
+    const int two = two_moments(c);
+    float* am_m = (float*)P[P_M_ABSMAX];
+    float* am_v = (float*)P[P_V_ABSMAX];
+    int64_t i = off, end = off + n;
+    int len = ZO_BLOCK - phase;
+    while (i < end) {
+        if (len > end - i) len = (int)(end - i);
+        float mx_m = 0.0f, mx_v = 0.0f;
+        /* the old codes' map values, by scalar loads (cheaper than gathers on Zen 2/3) */
+        const uint8_t* cm = (const uint8_t*)P[P_M] + i;
+        for (int j = 0; j < len; j++) sm[j] = c->qm->values[cm[j]];
+        if (two) {
+            const uint8_t* cv = (const uint8_t*)P[P_V] + i;
+            for (int j = 0; j < len; j++) sv[j] = c->qv->values[cv[j]];
+        }
+        block_range(c, P, i, i + len, 0, am_m[blk], two ? am_v[blk] : 0.0f, sm, sv, &mx_m, &mx_v);
+        quantize_range(sm, len, mx_m > 0.0f ? 1.0f / mx_m : 0.0f, c->qm, (uint8_t*)P[P_M] + i);
+        am_m[blk] = mx_m;
+        if (two) {
+            quantize_range(sv, len, mx_v > 0.0f ? 1.0f / mx_v : 0.0f, c->qv, (uint8_t*)P[P_V] + i);
+            am_v[blk] = mx_v;
+        }
+        i += len;
+        blk++;
+        len = ZO_BLOCK;
+    }
+}
+
+/* One row with the kind fixed: the local copies (whose address never escapes) let the
+ * compiler keep every scalar in a register and fold those branches away
+ * (the precisions' and dtypes' branches stay: loop-invariant, and fewer copies build faster). */
+static inline __attribute__((always_inline)) void row_as(const zo_cfg* cp, void* const* P,
+                                                         const int64_t* row, const int kind) {
+    zo_cfg c = *cp;
+    void* L[NUM_PTRS];
+    memcpy(L, P, sizeof(L));
+    c.kind = kind;
+    const int moments = c.moments;
+    int64_t off = row[0], n = row[1], phase = row[2], side = row[3], blk = row[4];
+    if (moments == MOM_INT8 && phase >= 0) quantized_row(&c, L, off, n, (int)phase, blk);
+    else dense_range(&c, L, off, off + n, moments == MOM_INT8 ? side : -1);
+}
+
+static void run_row(const zo_cfg* c, void* const* P, const int64_t* row) {
+    switch (c->kind) {
+        case K_ADAMW: row_as(c, P, row, K_ADAMW); break;
+        case K_ADAM: row_as(c, P, row, K_ADAM); break;
+        case K_LION: row_as(c, P, row, K_LION); break;
+        default: row_as(c, P, row, K_ADAGRAD); break;
+    }
+}
+
+static int make_cfg(zo_cfg* c, const int32_t* modes, const float* hp, const uint32_t* keys,
+                    int64_t index_base, const zo_qmap* qm, const zo_qmap* qv) {
+    c->kind = modes[0];
+    c->moments = modes[1];
+    c->master = modes[2];
+    c->g_dtype = modes[3];
+    c->out_dtype = modes[4];
+    if (c->kind < K_ADAMW || c->kind > K_ADAGRAD) return 1;
+    if (c->moments < MOM_F32 || c->moments > MOM_INT8) return 2;
+    if (c->master < MA_F32 || c->master > MA_SR) return 3;
+    if (c->g_dtype < ZO_F32 || c->g_dtype > ZO_F16) return 4;
+    if (c->out_dtype < ZO_NONE || c->out_dtype > ZO_F16) return 5;
+    if (c->moments == MOM_INT8 && (!qm || (two_moments(c) && !qv))) return 6;
+    if (c->kind == K_ADAGRAD && c->moments != MOM_F32) return 7;
+    c->decoupled = c->kind == K_ADAMW || c->kind == K_LION;
+    c->decay = hp[0]; c->l2 = hp[1]; c->w1 = hp[2]; c->omw1 = hp[3];
+    c->b1 = hp[4]; c->omb1 = hp[5]; c->b2 = hp[6]; c->omb2 = hp[7];
+    c->eps = hp[8]; c->nss = hp[9]; c->bc2s = hp[10]; c->rbc2s = hp[11]; c->gs = hp[12];
+    c->lerp_small = c->w1 < 0.5f;
+    c->key_master = keys[0]; c->key_m = keys[1]; /* keys[2]: reserved */
+    c->index_base = index_base;
+    c->qm = qm;
+    c->qv = qv;
+    return 0;
+}
+
+/* Rows [row_begin, row_end) of `rows` (int64 x 5: offset, numel, phase, side, block).
+ * modes: kind, moments, master, grad dtype, out dtype. Returns 0 or a nonzero code for bad
+ * arguments (nothing touched then). Safe on disjoint rows from several threads. */
+int zo_optim_rows(void* const* ptrs, const int64_t* rows, int64_t row_begin, int64_t row_end,
+                  const int32_t* modes, const float* hp, const uint32_t* keys,
+                  int64_t index_base, const zo_qmap* qm, const zo_qmap* qv) {
+    zo_cfg c;
+    int rc = make_cfg(&c, modes, hp, keys, index_base, qm, qv);
+    if (rc) return rc;
+    for (int64_t r = row_begin; r < row_end; r++) run_row(&c, ptrs, rows + r * ZO_ROW_FIELDS);
+    return 0;
+}
+
+/* All rows, split across `num_threads` OpenMP threads (contiguous runs of rows). */
+int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const int32_t* modes,
+                 const float* hp, const uint32_t* keys, int64_t index_base, const zo_qmap* qm,
+                 const zo_qmap* qv, int num_threads) {
+    zo_cfg c;
+    int rc = make_cfg(&c, modes, hp, keys, index_base, qm, qv);
+    if (rc) return rc;
+#ifdef _OPENMP
+    int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < nrows; r++) run_row(&c, ptrs, rows + r * ZO_ROW_FIELDS);
+#else
+    (void)num_threads;
+    for (int64_t r = 0; r < nrows; r++) run_row(&c, ptrs, rows + r * ZO_ROW_FIELDS);
+#endif
+    return 0;
+}
+
+/* Codes of n values under map q (tests compare the lookup with the binding's rule). */
+void zo_optim_quantize(const float* x, int64_t n, const zo_qmap* q, uint8_t* out) {
+    for (int64_t i = 0; i < n; i++) out[i] = quantize1(x[i], q);
+}
