@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..native import KernelBuildError, cache_dir, compiler
+from .native import KernelBuildError, cache_dir, compiler
 from . import kernel as K
 from .hyper import NUM_SCALARS, StepHyper, fold_scalars
 from .layout import ROW_FIELDS
