@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -28,22 +27,11 @@ import torch
 from zero_offload.optim.native import KernelBuildError, load_library
 from zero_offload.optim import kernel as K
 
+from .adam_states import POLICIES, Variant, state_variants
+
 DEFAULT_PARAMS = 100_000_000
 DEFAULT_ROUNDS = 5
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
-
-
-@dataclass
-class Variant:
-    """One timed thing: a callable plus what it moves and what it is compared with."""
-
-    path: str
-    name: str
-    fn: Callable[[], None]
-    bytes_per_param: int
-    baseline: str | None = None  # name of the torch-fused variant on the same path
-    ours: bool = False
-    seconds: list[float] = field(default_factory=list)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ROUNDS,
         help="timed rounds; each runs every variant once, interleaved",
     )
+    parser.add_argument(
+        "--states",
+        default="all",
+        help="optimizer-state variants to add: 'all' (default), 'none', or comma-separated "
+        f"labels from: {', '.join(label for label, _ in POLICIES)}; 'all' also runs torchao's "
+        "and bitsandbytes' AdamW8bit when installed",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -78,7 +73,7 @@ def _torch_opt(
     return opt
 
 
-def _variants(n: int, threads: int) -> list[Variant]:
+def _variants(n: int, threads: int, states: str = "none") -> list[Variant]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g32 = torch.randn(n, generator=gen)
@@ -148,6 +143,9 @@ def _variants(n: int, threads: int) -> list[Variant]:
             "bf16", "zero_offload CPUAdam, fused out", ours(g16, out16), 28, fused16_name, True
         ),
     ]
+    if states != "none":
+        kinds = None if states == "all" else [k.strip() for k in states.split(",")]
+        out += state_variants(p, g32, g16, threads, kinds)
     if native is not None and native.openmp:  # the measurement behind choosing OpenMP
         out.insert(
             4,
@@ -171,6 +169,11 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
+def _paired(v: Variant, base: Variant) -> float:
+    """Median over rounds of base time / v time: v's speed-up, paired within each round."""
+    return statistics.median(b / s for s, b in zip(v.seconds, base.seconds))
+
+
 def _summarize(variants: list[Variant], n: int) -> list[dict]:
     by_name = {v.name: v for v in variants}
     ceiling = next((v for v in variants if v.path == "mem"), None)
@@ -189,11 +192,12 @@ def _summarize(variants: list[Variant], n: int) -> list[dict]:
         }
         base = by_name.get(v.baseline or "") if v.baseline else None
         if v.path != "mem" and v.baseline is None:
-            row["ratio_vs_torch_fused"] = 1.0
+            row["ratio"], row["baseline"] = 1.0, v.name
         if base is not None:  # paired within each round
-            row["ratio_vs_torch_fused"] = statistics.median(
-                b / s for s, b in zip(v.seconds, base.seconds)
-            )
+            row["ratio"], row["baseline"] = _paired(v, base), base.name
+        found = {k: by_name[b] for k, b in v.targets.items() if b in by_name}
+        if found:
+            row["targets"] = {k: _paired(v, b) for k, b in found.items()}
         if ceiling is not None:
             cg = [n * 28 / s / 1e9 for s in ceiling.seconds]
             row["fraction_of_ceiling"] = statistics.median(x / c for x, c in zip(gbs, cg))
@@ -205,24 +209,32 @@ def _table(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        f"{'path':5} {'variant':38} {'ms min/med/max':>20} {'Mparam/s':>9} "
-        f"{'GB/s min/med/max':>17} {'B/p':>4} {'x torch fused':>13} {'of ceiling':>10}",
+        f"{'path':5} {'variant':42} {'ms min/med/max':>20} {'Mparam/s':>9} "
+        f"{'GB/s min/med/max':>17} {'B/p':>5} {'x baseline':>10} {'of ceiling':>10}",
     ]
     for r in rows:
         s, gb = r["seconds"], r["gb_per_s"]
         ms = f"{s['min'] * 1e3:.1f}/{s['median'] * 1e3:.1f}/{s['max'] * 1e3:.1f}"
         gbs = f"{gb['min']:.1f}/{gb['median']:.1f}/{gb['max']:.1f}"
-        ratio = f"{r['ratio_vs_torch_fused']:.2f}x" if "ratio_vs_torch_fused" in r else "-"
+        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
         frac = f"{r['fraction_of_ceiling'] * 100:.0f}%" if "fraction_of_ceiling" in r else "-"
         lines.append(
-            f"{r['path']:5} {r['variant']:38} {ms:>20} "
-            f"{r['params_per_s']['median'] / 1e6:9.0f} {gbs:>17} {r['bytes_per_param']:4d} "
-            f"{ratio:>13} {frac:>10}"
+            f"{r['path']:5} {r['variant'][:42]:42} {ms:>20} "
+            f"{r['params_per_s']['median'] / 1e6:9.0f} {gbs:>17} {r['bytes_per_param']:5.1f} "
+            f"{ratio:>10} {frac:>10}"
         )
+    targets = [r for r in rows if r.get("targets")]
+    if targets:
+        lines += ["", "speed-ups (params/s), medians of per-round pairs:"]
+        for r in targets:
+            pairs = ", ".join(f"{k} {x:.2f}x" for k, x in r["targets"].items())
+            lines.append(f"  {r['path']:5} {r['variant']:42} {pairs}")
     lines.append("")
     lines.append(
-        "ratios and fractions: medians of per-round pairs (variants interleaved in each "
-        "round); GB/s counts the bytes each variant must move (B/p)."
+        "x baseline: against torch's fused AdamW on the path (our new kinds: against our fp32 "
+        "kernel); ratios and fractions are medians of per-round pairs (variants interleaved "
+        "in each round); GB/s counts the bytes each variant must move (B/p); of ceiling: that "
+        "GB/s over the memory-traffic kernel's."
     )
     return "\n".join(lines)
 
@@ -234,20 +246,30 @@ def run(args: argparse.Namespace) -> int:
     if n < 1 or rounds < 1 or threads < 1:
         print("--params, --rounds and --threads must be >= 1", file=sys.stderr)
         return 2
+    labels = [label for label, _ in POLICIES]
+    wanted = (
+        [k.strip() for k in args.states.split(",")] if args.states not in ("all", "none") else []
+    )
+    unknown = [k for k in wanted if k not in labels]
+    if unknown:
+        print(
+            f"--states: unknown {unknown}; choose from {labels}, 'all' or 'none'", file=sys.stderr
+        )
+        return 2
     torch.set_num_threads(threads)
-    print(f"allocating and touching {n:,} params ({n * 20 / 2**30:.1f} GiB)...", file=sys.stderr)
-    variants = _variants(n, threads)
+    print(f"allocating and touching {n:,} params...", file=sys.stderr)
+    variants = _variants(n, threads, args.states)
     load_before = os.getloadavg()[0]
     for v in variants:  # warm-up: builds, first-call costs, torch's lazy state
         v.fn()
     for r in range(rounds):
         for v in variants:
-            sys.stderr.write(f"\rround {r + 1}/{rounds}: {v.path} {v.name:<40}")
+            sys.stderr.write(f"\rround {r + 1}/{rounds}: {v.path} {v.name:<50}")
             sys.stderr.flush()
             t0 = time.perf_counter()
             v.fn()
             v.seconds.append(time.perf_counter() - t0)
-    sys.stderr.write("\r" + " " * 70 + "\r")
+    sys.stderr.write("\r" + " " * 80 + "\r")
     rows = _summarize(variants, n)
     kernel = K.kernel_status()
     load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"  # others running skew absolutes
