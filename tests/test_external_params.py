@@ -275,3 +275,35 @@ def test_recomputed_attention_gathers_out_proj_again(reentrant):
     engine.close()
     worst = max((sd[k] - v).abs().max().item() for k, v in ref.items())
     assert worst <= 0.03 * LR, f"max |diff| = {worst / LR:.4f} lr"
+
+
+class CheckpointedFLinearHead(FLinearHead):
+    """The tied head recomputed in backward: the recomputation reads ``embed.weight``
+    without calling ``embed``, in the backward pass, where it was released."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.embed(idx)))
+        return torch.utils.checkpoint.checkpoint(
+            lambda t: F.linear(t, self.embed.weight), h, use_reentrant=self.reentrant
+        )
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recomputation_reading_a_released_parameter_gathers_it(reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedFLinearHead(reentrant)
+    ref = _reference(copy.deepcopy(model), "flinear")
+    engine = zo.initialize(model, stage=3, lr=LR, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x, y = _batch("flinear", gen)
+        engine.backward(_loss("flinear", engine(x), y))
+        engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    worst = max((sd[k] - v).abs().max().item() for k, v in ref.items())
+    assert worst <= 0.03 * LR, f"max |diff| = {worst / LR:.4f} lr"

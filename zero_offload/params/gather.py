@@ -38,6 +38,7 @@ import torch.nn as nn
 from ..swap.budget import FreedMemory
 from .external import ReleasedAccess, declared_external
 from .order import MODULE, UNIT, OrderCheck
+from .released import gather_when_missing
 from .store import ParamStore
 from .unit_state import GatherState, UnitStates
 from .units import FlatUnit
@@ -200,6 +201,8 @@ class ParamGatherer:
         self._module_id = {m: i for i, m in enumerate(model.modules())}
         self._modules = list(model.modules())
         self.order = OrderCheck(states.comm, self.streams.device, self._describe)
+        self._sharded = [p for u in units if u.sharded_params for p in u.params]
+        gather_when_missing(self._sharded, weak_hook(self._gather_in_backward))
         self._hooks = []
         for module in hooked:  # weak: a hook must not keep the engine alive
             self._hooks.append(
@@ -349,6 +352,16 @@ class ParamGatherer:
             self._access.__exit__(None, None, None)
             self._access_on = False
 
+    @contextlib.contextmanager
+    def hold(self, module: nn.Module) -> Iterator[None]:
+        """Inside a forward: ``module``'s units gathered for the block, as while it runs, for
+        code that uses its parameters without calling it (the tiled loss's tiles)."""
+        self._pre_forward(module, (), {})
+        try:
+            yield
+        finally:
+            self._post_forward(module, (), None)
+
     # -- parameters used outside their module ------------------------------------------------
     def _is_released(self, key: int) -> bool:
         unit = self._param_unit.get(key)
@@ -377,6 +390,14 @@ class ParamGatherer:
         self._fetch(unit, wait=True)
         if frame is not None and not self.states.in_backward:
             frame.borrowed.append(unit)
+
+    def _gather_in_backward(self, param: nn.Parameter) -> bool:
+        """A released parameter read outside the access mode: gathered while a backward runs
+        (see ``released``), refused otherwise."""
+        if not self.states.in_backward:
+            return False
+        self._on_access(param)
+        return True
 
     def _warn_external(self, module: nn.Module, param: nn.Parameter) -> None:
         user, name = self._module_name[module], self._param_name[id(param)]
@@ -454,6 +475,7 @@ class ParamGatherer:
         self.store.drop_prefetched()
 
     def remove_hooks(self) -> None:
+        gather_when_missing(self._sharded, None)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -11,7 +11,11 @@ memory, that its storage holds its elements, and otherwise raises
 ``dtype``, ``requires_grad``, ``grad``) stays readable.
 
 Inside a forward this never fires: the gatherer's :class:`~.external.ReleasedAccess` mode
-runs before any subclass and gathers the parameter first. ``close()`` (or the engine's
+runs before any subclass and gathers the parameter first. A backward runs outside that mode
+(torch leaves a mode while it handles a call, and ``loss.backward()`` is one), yet autograd
+runs Python there — recomputation, custom backward functions — that may read a released
+parameter without calling its module: the check then asks the gatherer
+(:func:`gather_when_missing`), which gathers it while a backward runs. ``close()`` (or the engine's
 collection) gives the parameters back their ``nn.Parameter`` class.
 """
 
@@ -24,7 +28,15 @@ import torch.nn as nn
 
 from .external import reads_memory
 
-__all__ = ["ParameterNotGatheredError", "ShardedParameter", "guard", "unguard"]
+__all__ = [
+    "ParameterNotGatheredError",
+    "ShardedParameter",
+    "gather_when_missing",
+    "guard",
+    "unguard",
+]
+
+_ON_MISSING = "_zo_gather_when_missing"  # on a guarded parameter: (param) -> gathered?
 
 
 class ParameterNotGatheredError(RuntimeError):
@@ -45,7 +57,8 @@ def _check(value: Any) -> None:
     elif isinstance(value, ShardedParameter):
         with torch._C.DisableTorchFunctionSubclass():
             missing = _missing(value)
-        if missing:
+        gather = value.__dict__.get(_ON_MISSING) if missing else None
+        if missing and not (gather is not None and gather(value)):
             raise ParameterNotGatheredError(
                 f"this stage-3 parameter (shape {tuple(value.shape)}, {value.dtype}) was used "
                 "outside the engine's forward, where its values are sharded across the ranks "
@@ -100,8 +113,21 @@ def guard(params: Iterable[nn.Parameter]) -> None:
             _retype(p, ShardedParameter)
 
 
+def gather_when_missing(params: Iterable[nn.Parameter], gather: Any) -> None:
+    """``gather(param) -> bool``: asked before a read of a released guarded parameter finds
+    no memory; True when it gathered the parameter (the read goes on), False to raise.
+    ``None`` removes it."""
+    for p in params:
+        if gather is None:
+            p.__dict__.pop(_ON_MISSING, None)
+        else:
+            p.__dict__[_ON_MISSING] = gather
+
+
 def unguard(params: Iterable[nn.Parameter]) -> None:
     """Give guarded parameters back the ``nn.Parameter`` class."""
+    params = list(params)
+    gather_when_missing(params, None)
     for p in params:
         if type(p) is ShardedParameter:
             _retype(p, nn.Parameter)
