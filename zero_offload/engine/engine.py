@@ -11,10 +11,11 @@ live in ``engine.lifecycle``, the accessors checkpoints and users read in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -321,15 +322,26 @@ class Engine(EngineLifecycle, EngineState):
         """Run the model's forward on this rank's micro-batch (tensors inside any containers
         go to the device, floating ones in the compute dtype). While training, every rank
         first takes rank 0's buffers (``broadcast_buffers``)."""
-        self._check_open(settle=False)  # an update left running goes on unit by unit
+        # an update left running goes on unit by unit
+        return self.run(self._module, *args, **kwargs)
+
+    forward = __call__
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
+        model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
+        self._check_open(settle=False)
         args = move_inputs(args, self.device, self.dtype)
         kwargs = move_inputs(kwargs, self.device, self.dtype)
         if self.config.broadcast_buffers and self._module.training:
             broadcast_buffers(self._module, self.comm)
         with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
-            return self._module(*args, **kwargs)
+            return fn(*args, **kwargs)
 
-    forward = __call__
+    def gathered(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Inside :meth:`run`: ``module``'s parameters gathered for the block (stage 3; a
+        no-op otherwise), for code that reads them without calling the module."""
+        return self.gatherer.hold(module) if self.gatherer else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss

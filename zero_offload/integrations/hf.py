@@ -27,6 +27,11 @@ How it plugs in (the Trainer methods overridden, and why):
   skipped on an fp16 overflow does not advance Trainer's lr scheduler (as with DeepSpeed).
 - ``_clip_grad_norm`` / ``_get_grad_norm``: the engine clips at its step, over all shards; the
   norm is logged after the step (``grad_norm``) with the engine's step stats.
+- ``compute_loss``: with ``tiled_loss`` (tokens per tile) a causal LM's training loss is the
+  tiled one (``zero_offload.activations.tiled_loss``: the full logits never exist), run as a
+  forward of the engine; Trainer still adds what it adds (``num_items_in_batch``, the
+  scaling for ``average_tokens_across_devices``). Where ``compute_loss`` is asked for the
+  outputs too (evaluation; TRL's SFTTrainer, which reads the logits), the plain loss runs.
 - Checkpoints: ``save_model`` writes consolidated safetensors (``engine.full_state_dict()``);
   a Trainer checkpoint also holds ``zero_offload/`` (``engine.save_checkpoint``: fp32
   masters and optimizer state, any tier) from which ``resume_from_checkpoint`` restores.
@@ -42,6 +47,7 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 
+from ..activations.tiled_loss import check_tiled_model, tiled_causal_lm_loss
 from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
@@ -232,6 +238,24 @@ def deepspeed_schedule(
     return lr_scheduler(optimizer, config, auto)
 
 
+class _TiledLoss:
+    """What ``compute_loss`` calls in place of the model when the loss is tiled: the model's
+    inputs in, ``{"loss": ...}`` out."""
+
+    def __init__(self, engine: Engine, tile_tokens: int) -> None:
+        self.engine, self.tile_tokens = engine, tile_tokens
+
+    def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
+        loss = self.engine.run(
+            tiled_causal_lm_loss,
+            self.engine.module,
+            tile_tokens=self.tile_tokens,
+            gather=self.engine.gathered,
+            **inputs,
+        )
+        return {"loss": loss}
+
+
 class _PreparedEngineOptimizer(EngineOptimizer):
     """Accelerate takes it as it is (no ``AcceleratedOptimizer`` around it) and asks it
     ``step_was_skipped``: Trainer's lr scheduler then does not advance on a step skipped on an
@@ -287,6 +311,8 @@ class ZeroOffloadMixin(_TrainerBase):
                 self.get_decay_parameter_names(self.model),
             )
             self.engine = initialize(self.model, **kw)
+            if self.engine.config.activations.tiled_loss:
+                check_tiled_model(self.model)  # a clear error now, not at the first step
             self._engine_module = EngineModule(self.engine)
             if self.engine.dtype == torch.float16:  # the engine scales the loss itself
                 self.accelerator.scaler = None
@@ -341,6 +367,30 @@ class ZeroOffloadMixin(_TrainerBase):
             loss = loss / self.current_gradient_accumulation_steps
         self.engine.backward(loss, final=self.accelerator.sync_gradients)
         return loss.detach()
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        tiles = self.engine.config.activations.tiled_loss if self.engine is not None else 0
+        if tiles and model is self._engine_module and model.training and "labels" in inputs:
+            if return_outputs or self.label_smoother is not None or self.compute_loss_func:
+                if not getattr(self, "_warned_untiled", False):
+                    self._warned_untiled = True
+                    log.warning(
+                        "tiled_loss: this Trainer's compute_loss needs the model's outputs "
+                        "(return_outputs, a label smoother or compute_loss_func), which the "
+                        "tiled loss does not make; the plain loss runs"
+                    )
+            else:
+                assert self.engine is not None
+                model = _TiledLoss(self.engine, tiles)  # type: ignore[assignment]
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         return None  # the engine clips at its step, over every rank's shard
