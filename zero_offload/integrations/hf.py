@@ -47,13 +47,14 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 
-from ..activations.tiled_loss import check_tiled_model, tiled_causal_lm_loss
+from ..activations.tiled_loss import check_tiled_model
 from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..ds_schedules import lr_scheduler
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
+from .hf_tiled import tiled_loss_model
 from .stats import step_stats
 
 __all__ = [
@@ -238,24 +239,6 @@ def deepspeed_schedule(
     return lr_scheduler(optimizer, config, auto)
 
 
-class _TiledLoss:
-    """What ``compute_loss`` calls in place of the model when the loss is tiled: the model's
-    inputs in, ``{"loss": ...}`` out."""
-
-    def __init__(self, engine: Engine, tile_tokens: int) -> None:
-        self.engine, self.tile_tokens = engine, tile_tokens
-
-    def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
-        loss = self.engine.run(
-            tiled_causal_lm_loss,
-            self.engine.module,
-            tile_tokens=self.tile_tokens,
-            gather=self.engine.gathered,
-            **inputs,
-        )
-        return {"loss": loss}
-
-
 class _PreparedEngineOptimizer(EngineOptimizer):
     """Accelerate takes it as it is (no ``AcceleratedOptimizer`` around it) and asks it
     ``step_was_skipped``: Trainer's lr scheduler then does not advance on a step skipped on an
@@ -375,19 +358,8 @@ class ZeroOffloadMixin(_TrainerBase):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
-        tiles = self.engine.config.activations.tiled_loss if self.engine is not None else 0
-        if tiles and model is self._engine_module and model.training and "labels" in inputs:
-            if return_outputs or self.label_smoother is not None or self.compute_loss_func:
-                if not getattr(self, "_warned_untiled", False):
-                    self._warned_untiled = True
-                    log.warning(
-                        "tiled_loss: this Trainer's compute_loss needs the model's outputs "
-                        "(return_outputs, a label smoother or compute_loss_func), which the "
-                        "tiled loss does not make; the plain loss runs"
-                    )
-            else:
-                assert self.engine is not None
-                model = _TiledLoss(self.engine, tiles)  # type: ignore[assignment]
+        if self.engine is not None and model is self._engine_module:
+            model = tiled_loss_model(self, model, inputs, return_outputs)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
