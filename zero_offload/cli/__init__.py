@@ -19,6 +19,11 @@ _COMMANDS = [
         "zero_offload.bench.step",
         "one training step: I/O, Adam, overlap; prefetch-depth sweep",
     ),
+    (
+        ("bench", "activations"),
+        "zero_offload.bench.activations",
+        "step time and peak RSS with activation offload and the tiled loss, beside without",
+    ),
     (("plan",), "zero_offload.cli.plan", "which stage and offload fit your model and GPUs"),
     (
         ("rehearse",),
