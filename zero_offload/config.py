@@ -14,7 +14,7 @@ import json
 import numbers
 import os
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +24,7 @@ from .activations.config import ActivationConfig
 from .ds_config import is_deepspeed, keyword_autos, translate
 from .ds_schedules import check_schedule
 from .errors import ConfigError
+from .fields import keyword
 from .optim.policy import StatePolicy
 
 
@@ -48,6 +49,7 @@ __all__ = [
     "ZeroConfig",
     "build_config",
     "config_keys",
+    "keyword_fields",
 ]
 
 _DTYPES = {
@@ -128,23 +130,47 @@ class OptimizerConfig:
     """The optimizer: its kind and state precisions (:class:`~.optim.policy.StatePolicy`),
     hyperparameters (same meaning as the matching torch optimizer) and gradient clipping."""
 
-    # "adamw" (default), "adam" (L2 weight decay), "lion", "adagrad"
-    optimizer_type: str = "adamw"
-    # Adam's m and v, Lion's momentum: "fp32" (default), "bf16" (stochastic rounding),
-    # "8bit" (blockwise, bitsandbytes' maps; tensors under 4096 elements stay fp32)
-    moment_precision: str = "fp32"
-    # the optimizer's copy of the parameters: "fp32" (default), "bf16_kahan" (bf16 + a bf16
-    # compensation term), "bf16_sr" (bf16, stochastic rounding)
-    master_precision: str = "fp32"
-    lr: float = 1e-3
-    # None: the kind's default, (0.9, 0.999) for Adam(W), (0.9, 0.99) for Lion (its paper's)
-    betas: tuple[float, float] | None = None
-    eps: float | None = None  # None: 1e-8 (Adam), 1e-10 (Adagrad, as torch); Lion has none
-    weight_decay: float = 1e-2
-    max_grad_norm: float | None = None  # clip by the global norm over all shards; None: off
-    # names (as in model.named_parameters()) of parameters stepped without weight decay:
-    # biases and norm weights, the no-decay group Hugging Face Trainer builds
-    no_decay: tuple[str, ...] = ()
+    optimizer_type: str = keyword(
+        "adamw",
+        'the update rule: "adamw", "adam" (L2 weight decay added to the gradient, as '
+        '`torch.optim.Adam`), "lion" (one momentum, sign update), "adagrad"; see '
+        "[optimizer_states.md](optimizer_states.md)",
+    )
+    moment_precision: str = keyword(
+        "fp32",
+        'Adam\'s m and v, Lion\'s momentum: "fp32", "bf16" (stochastically rounded), "8bit" '
+        "(blockwise, bitsandbytes' maps; tensors under 4096 elements stay fp32)",
+    )
+    master_precision: str = keyword(
+        "fp32",
+        'the optimizer\'s copy of the parameters: "fp32", "bf16_kahan" (bf16 + a bf16 '
+        'compensation term), "bf16_sr" (bf16, stochastic rounding)',
+    )
+    lr: float = keyword(1e-3, "the learning rate, as the matching torch optimizer's")
+    betas: tuple[float, float] | None = keyword(
+        None,
+        "as the matching torch optimizer's; None: the kind's default, (0.9, 0.999) for Adam(W), "
+        "(0.9, 0.99) for Lion (its paper's)",
+    )
+    eps: float | None = keyword(
+        None, "None: 1e-8 for Adam(W), 1e-10 for Adagrad (as torch); Lion has none"
+    )
+    weight_decay: float = keyword(
+        1e-2,
+        "decoupled for AdamW and Lion (`p *= 1 - lr * wd`), added to the gradient for Adam and "
+        "Adagrad (as torch)",
+    )
+    max_grad_norm: float | None = keyword(
+        None,
+        "clip by the global norm over all shards (= `clip_grad_norm_` on the full model); "
+        "None: no clipping",
+    )
+    no_decay: tuple[str, ...] = keyword(
+        (),
+        "names (as in `model.named_parameters()`) of parameters stepped without weight decay: "
+        "biases and norm weights, the no-decay group of Hugging Face Trainer; an unknown name "
+        "is a `ConfigError`",
+    )
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -199,14 +225,28 @@ class PrecisionConfig:
     """Compute dtype of params/grads (the optimizer's master copy is ``master_precision``,
     float32 by default) and the dynamic loss scaler used with float16."""
 
-    dtype: torch.dtype = torch.float32
-    initial_loss_scale: float = 2.0**16
-    loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
-    min_loss_scale: float = 1.0
-    loss_scale_hysteresis: int = 1  # overflows the scale absorbs before it halves
-    consecutive_hysteresis: bool = False  # each overflow-free step refills the hysteresis
-    # bfloat16 / float32: skip a step whose gradients hold inf or NaN (float16 always does)
-    skip_nonfinite_steps: bool = False
+    dtype: torch.dtype = keyword(
+        torch.float32,
+        "compute dtype of the parameters and gradients: float32, bfloat16 or float16 (a torch "
+        "dtype or its name). The optimizer's master copy is `master_precision`: with float32 "
+        "at stage 0, or at stage 3 with the shards beside the optimizer, the parameters "
+        "themselves",
+    )
+    initial_loss_scale: float = keyword(2.0**16, "float16: the dynamic loss scale's start")
+    loss_scale_window: int = keyword(1000, "float16: overflow-free steps before the scale doubles")
+    min_loss_scale: float = keyword(1.0, "float16: the scale never halves below this")
+    loss_scale_hysteresis: int = keyword(
+        1, "float16: overflows the scale absorbs before it halves (DeepSpeed's `hysteresis`)"
+    )
+    consecutive_hysteresis: bool = keyword(
+        False, "float16: each overflow-free step refills the hysteresis"
+    )
+    skip_nonfinite_steps: bool = keyword(
+        False,
+        "bfloat16 / float32: skip a step whose gradients hold inf or NaN (counted in "
+        "`engine.skipped_steps`; float16 always does). DeepSpeed configs with `bf16` turn it "
+        "on, as DeepSpeed's `check_grad_overflow`",
+    )
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -224,18 +264,53 @@ class PrecisionConfig:
 class OffloadConfig:
     """Where the optimizer state and (stage 3) the parameter shards live."""
 
-    optimizer: str = "none"  # key: offload_optimizer
-    param: str = "none"  # key: offload_param
-    nvme_path: str | None = None
-    host_memory_limit: int | None = None  # bytes of pinned host buffers; None: sized from free RAM
-    sub_group_size: int = 100_000_000  # params stepped at a time when the optimizer is on NVMe
-    # key: offload_optimizer_fraction. With offload_optimizer="nvme": the share of the
-    # optimizer state in files (0..1), the leading sub-groups staying in host memory; "auto"
-    # fills the host budget first; None: all of it (1.0)
-    optimizer_fraction: float | str | None = None
-    # key: offload_param_fraction. Stage 3 with offload_param="nvme": the share of the
-    # parameter shards in files (0..1), whole units, the leading ones staying in host memory
-    param_fraction: float | None = None
+    # key: offload_optimizer
+    optimizer: str = keyword(
+        "none",
+        '"cpu" or "nvme": where the fp32 master and the optimizer\'s moments live (stages 1-3); '
+        "see [offload.md](offload.md)",
+    )
+    # key: offload_param
+    param: str = keyword(
+        "none", '"cpu" or "nvme": where stage 3\'s parameter shards live between uses'
+    )
+    nvme_path: str | None = keyword(
+        None, 'a directory on a fast local disk, needed with "nvme"; run files go under it'
+    )
+    host_memory_limit: int | None = keyword(
+        None,
+        "bytes of host memory this rank's pools and staging buffers share (NVMe parameter "
+        "pool, NVMe optimizer buffers, the fp32 gradient shard or its swap buffers); the "
+        "default is taken once per rank so that the ranks of a node share half of its "
+        "available RAM. When the fp32 gradient shard does not fit beside the optimizer's "
+        "buffers, gradients go to NVMe beside the optimizer state. See "
+        "[host_memory.md](host_memory.md)",
+        shown="the node's available RAM × 0.5 / `LOCAL_WORLD_SIZE`",
+    )
+    sub_group_size: int = keyword(
+        100_000_000,
+        "most parameters stepped at a time with the optimizer on NVMe; the sub-group used is "
+        "8M parameters (a quarter of a smaller shard), shrunk to fit `host_memory_limit`",
+    )
+    # key: offload_optimizer_fraction
+    optimizer_fraction: float | str | None = keyword(
+        None,
+        'with `offload_optimizer="nvme"`: the share of the optimizer state kept in files, 0 '
+        "to 1; the leading sub-groups of each rank's shard keep their fp32 master and moments "
+        'in host memory and are stepped while the first file is read. "auto": as much in host '
+        "memory as this rank's share of `host_memory_limit` holds beside the NVMe buffers, the "
+        "rest in files (what `zero-offload plan` picks). Results are bit for bit those of any "
+        "other split. See [tiers.md](tiers.md)",
+        shown="1.0 (all in files)",
+    )
+    # key: offload_param_fraction
+    param_fraction: float | None = keyword(
+        None,
+        'stage 3 with `offload_param="nvme"`: the share of the rank\'s parameter shards kept in '
+        "files, 0 to 1, by whole units; the leading units keep their shards in host memory and "
+        "are gathered without a disk read. See [tiers.md](tiers.md)",
+        shown="1.0 (all in files)",
+    )
 
     def __post_init__(self) -> None:
         _whole_numbers(self)
@@ -313,22 +388,81 @@ class OffloadConfig:
 class ZeroConfig:
     """The whole configuration. Build it with :func:`build_config`."""
 
-    stage: int = 0
-    gradient_accumulation_steps: int = 1
-    reduce_bucket_size: int = 25_000_000  # elements per gradient bucket (stages 0-2)
-    prefetch_depth: int = 2  # stage 3: modules gathered ahead of the one running
-    prefetch_bytes: int | None = None  # stage 3: cap on bytes gathered ahead; None: no cap
-    param_persistence_threshold: int = 0  # stage 3: modules with fewer params stay gathered
-    process_group: Any = None  # a torch.distributed ProcessGroup; None: the default group
-    device: torch.device | None = None  # None: cuda:LOCAL_RANK when CUDA is there, else cpu
-    init_weights: str | None = None  # safetensors file or Hugging Face folder to start from
-    broadcast_buffers: bool = True  # rank 0's module buffers to every rank before each forward
-    overlap_step: bool = True  # stage 3, optimizer on NVMe: step sub-groups under the next forward
-    # stages 2-3, optimizer on NVMe, no clipping: step sub-groups during the final backward
-    step_during_backward: bool = True
-    # a DeepSpeed config's scheduler section ({"type": "WarmupLR", "params": {...}}):
-    # engine.lr_scheduler, stepped after each applied update (zero_offload.ds_schedules)
-    lr_schedule: Mapping[str, Any] | None = None
+    stage: int = keyword(
+        0,
+        "0: data parallel; 1: the optimizer state sharded across ranks; 2: the gradients too; "
+        "3: the parameters too",
+    )
+    gradient_accumulation_steps: int = keyword(
+        1,
+        "micro-steps per update: `engine.backward` scales the loss by its inverse and "
+        "`engine.step()` applies the update on the last one",
+    )
+    reduce_bucket_size: int = keyword(
+        25_000_000, "stages 0-2: elements per gradient bucket reduced at once"
+    )
+    prefetch_depth: int = keyword(
+        2,
+        "stage 3: modules gathered ahead of the one running (from NVMe the reads run this many "
+        "modules ahead and the all-gathers one less)",
+    )
+    prefetch_bytes: int | None = keyword(
+        None, "stage 3: a cap on the bytes gathered ahead; None: no cap"
+    )
+    param_persistence_threshold: int = keyword(
+        0, "stage 3: modules with fewer parameters stay gathered throughout"
+    )
+    process_group: Any = keyword(
+        None, "the data-parallel `torch.distributed` process group; None: the default (world)"
+    )
+    device: torch.device | None = keyword(
+        None,
+        "the compute device (a `torch.device` or a string); a CUDA device is made current "
+        "(`torch.cuda.set_device`)",
+        shown="cuda:(LOCAL_RANK mod visible GPUs), else cpu",
+    )
+    init_weights: str | None = keyword(
+        None,
+        "a safetensors file or a Hugging Face folder (with its index) to start from, streamed "
+        "tensor by tensor; persistent buffers in it are loaded (the model keeps its own where "
+        "the file has none), so a saved `state_dict()` and the file `zero-offload consolidate` "
+        "writes both work",
+    )
+    broadcast_buffers: bool = keyword(
+        True,
+        "module buffers (BatchNorm statistics) follow rank 0's: broadcast at `initialize` and "
+        "before each training forward, as `DistributedDataParallel` does",
+    )
+    overlap_step: bool = keyword(
+        True,
+        'stage 3 with `offload_optimizer="nvme"`: `step()` agrees on the gradients and starts '
+        "the update, and the sub-groups are stepped while the next forward runs, each before "
+        "the first module that reads its parameters, so the optimizer's disk traffic runs under "
+        "the forward's compute. Results are bit for bit those of `overlap_step=False`; every "
+        "engine method but the forward (and `engine.finish_step()`) first waits for the update "
+        "to end. Applies when every trained unit is sharded (`param_persistence_threshold` "
+        "leaves none whole). See [bench_step.md](bench_step.md)",
+    )
+    step_during_backward: bool = keyword(
+        True,
+        'stages 2-3 with `offload_optimizer="nvme"`, gradients in host memory, no clipping '
+        "(`max_grad_norm=None`) and no float16 loss scaling: during the backward that ends an "
+        "accumulation window, each sub-group whose gradients are complete is stepped by a "
+        "thread of its own, its new state written beside the old and its new values to a file; "
+        "`step()` adopts what it finished when it computed exactly what the step computes "
+        "(same hyperparameters, step counts, every parameter with a gradient, no late piece) "
+        "and steps the rest, or drops it. Parameters never change before `step()`; results are "
+        "bit for bit those of `step_during_backward=False`. Needs room on `nvme_path` for 12 "
+        "more bytes a parameter of the sub-groups in files, plus their new values (2 bytes in "
+        'bf16, 4 in fp32); a full disk drops the pass. `engine.last_step["early_groups"]` says '
+        "how many sub-groups a step adopted. See [bench_step.md](bench_step.md)",
+    )
+    lr_schedule: Mapping[str, Any] | None = keyword(
+        None,
+        'a DeepSpeed `scheduler` section (`{"type": "WarmupLR", "params": {...}}`: '
+        "WarmupLR, WarmupDecayLR, WarmupCosineLR): `engine.lr_scheduler`, stepped after each "
+        "applied update and saved with checkpoints, as DeepSpeed runs it",
+    )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -422,6 +556,16 @@ def _flat_keys() -> dict[str, tuple[str | None, str]]:
 def config_keys() -> list[str]:
     """Every keyword ``initialize`` accepts."""
     return sorted(_flat_keys())
+
+
+def keyword_fields() -> list[tuple[str, type, Field[Any]]]:
+    """Every keyword with the dataclass that declares it and its field, in declaration order
+    (the top level first): what ``zero-offload keywords`` writes the reference from."""
+    out = []
+    for key, (section, name) in _flat_keys().items():
+        cls: type = _SECTIONS[section] if section else ZeroConfig
+        out.append((key, cls, next(f for f in fields(cls) if f.name == name)))
+    return out
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:

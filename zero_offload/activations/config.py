@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..fields import keyword
 
 __all__ = ["ActivationConfig", "MODES", "DEFAULT_MIN_BYTES", "DEFAULT_TILE_TOKENS"]
 
@@ -40,10 +41,30 @@ class ActivationConfig:
     """Activation offload (saved tensors to host buffers during forward, back ahead of use
     during backward) and the tiled loss (LM head + cross-entropy in tiles of the sequence)."""
 
-    mode: str = "none"  # key: offload_activations ("none", "checkpoints" or True, "all")
-    min_bytes: int = DEFAULT_MIN_BYTES  # key: offload_activations_min_bytes
-    prefetch: int = 2  # key: offload_activations_prefetch: copies in flight each way
-    tiled_loss: int = 0  # tokens per tile (True: DEFAULT_TILE_TOKENS); 0: the plain loss
+    # key: offload_activations
+    mode: str = keyword(
+        "none",
+        '"checkpoints" (or True): the inputs activation checkpointing keeps go to host memory '
+        'during forward and come back ahead of use in backward; "all": every saved tensor; '
+        '"none" (or False): nothing',
+    )
+    # key: offload_activations_min_bytes
+    min_bytes: int = keyword(
+        DEFAULT_MIN_BYTES,
+        "saved tensors smaller than this stay on the device",
+        shown="1 MiB",
+    )
+    # key: offload_activations_prefetch
+    prefetch: int = keyword(
+        2,
+        "copies in flight each way (device-to-host in forward, inputs brought back ahead in "
+        "backward)",
+    )
+    tiled_loss: int = keyword(
+        0,
+        "tokens per tile of the tiled loss (True: 4096), used by `ZeroOffloadTrainer` for causal "
+        "LMs; 0: the plain loss (the engine itself computes no loss)",
+    )
 
     def __post_init__(self) -> None:
         mode = self.mode

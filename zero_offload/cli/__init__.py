@@ -40,6 +40,11 @@ _COMMANDS = [
         "zero_offload.cli.convert",
         "the zero_offload keywords equivalent to a DeepSpeed JSON config",
     ),
+    (
+        ("keywords",),
+        "zero_offload.cli.keywords",
+        "every initialize keyword with its default and meaning (docs/keywords.md)",
+    ),
 ]
 
 

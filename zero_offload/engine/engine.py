@@ -502,7 +502,7 @@ def initialize(
 ) -> Engine:
     """Wrap ``model`` for ZeRO training. Keywords (or the same keys in ``config``, a dict or a
     JSON file path) are listed by :func:`zero_offload.config.config_keys` and documented in
-    the README; a bad one raises :class:`zero_offload.ConfigError`."""
+    ``docs/keywords.md``; a bad one raises :class:`zero_offload.ConfigError`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize needs a torch.nn.Module, got {type(model).__name__}")
     return Engine(model, build_config(config, **kwargs))
