@@ -12,7 +12,11 @@ import logging
 
 # (command path, module, help)
 _COMMANDS = [
-    (("bench", "adam"), "zero_offload.bench.adam", "CPU Adam kernel vs torch's fused AdamW"),
+    (
+        ("bench", "adam"),
+        "zero_offload.bench.adam",
+        "CPU optimizer kernels (every kind and state precision) vs torch, torchao, bitsandbytes",
+    ),
     (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
     (
         ("bench", "step"),
@@ -23,6 +27,11 @@ _COMMANDS = [
         ("bench", "activations"),
         "zero_offload.bench.activations",
         "step time and peak RSS with activation offload and the tiled loss, beside without",
+    ),
+    (
+        ("bench", "state-quality"),
+        "zero_offload.bench.state_quality",
+        "GPT training runs per optimizer-state precision: loss against fp32 AdamW",
     ),
     (("plan",), "zero_offload.cli.plan", "which stage and offload fit your model and GPUs"),
     (
