@@ -16,7 +16,7 @@ import torch
 from ..progress import Progress
 from .format import load_plain, pieces, read_manifest, verify_rank_file
 from .tags import checkpoint_root, resolve_tag, tag_folder
-from .load import _Reader
+from .source import _Reader
 
 __all__ = ["consolidate_checkpoint"]
 

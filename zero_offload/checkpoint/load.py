@@ -1,10 +1,12 @@
 """Load: every rank rebuilds its own shards, unit by unit, from whichever stored ranks hold
 those elements — so a checkpoint saved on N ranks loads on M ranks, in any stage.
 
-Nothing is used before it is checked: the manifest's version, the parameter names and shapes,
-and each stored file's size and checksums (the ranks split that work). The state then streams
-one unit at a time into the optimizer's tier (device, host or NVMe) and the compute-dtype
-parameters are recomputed from the master.
+The folder may be this library's checkpoint, a DeepSpeed ZeRO checkpoint (``deepspeed``) or a
+``torch.distributed.checkpoint`` folder (``dcp``): each is a :class:`~.source.Source`, and the
+rest is the same. Nothing is used before it is checked: the parameter names and shapes, and
+(this library's format) the manifest's version and each stored file's size and checksums (the
+ranks split that work). The state then streams one unit at a time into the optimizer's tier
+(device, host or NVMe) and the compute-dtype parameters are recomputed from the master.
 """
 
 from __future__ import annotations
@@ -20,41 +22,17 @@ import torch
 
 from ..progress import Progress
 from ..params.units import persistent_buffers
-from ..partition import mismatch_message
-from .format import (
-    CheckpointError,
-    Manifest,
-    load_plain,
-    pieces,
-    read_manifest,
-    section_offset,
-    verify_rank_file,
-)
+from . import dcp, deepspeed
+from .format import CheckpointError, Manifest, verify_rank_file
+from .source import OwnSource, Source, match_names
 from .tags import resolve_tag, tag_folder
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
 
-__all__ = ["load_checkpoint", "check_names"]
+__all__ = ["load_checkpoint", "open_source"]
 
 log = logging.getLogger(__name__)
-
-
-def check_names(manifest: Manifest, expected: dict[str, tuple[int, ...]], where: Path) -> None:
-    """The stored parameters must be exactly the model's, with the same shapes."""
-    stored = {name: tuple(slot.shape) for name, (_, slot) in manifest.slots_by_name().items()}
-    problem = mismatch_message(
-        "checkpoint",
-        set(expected) - set(stored),
-        set(stored) - set(expected),
-        [
-            f"{n}: stored {stored[n]}, model {expected[n]}"
-            for n in set(stored) & set(expected)
-            if stored[n] != expected[n]
-        ],
-    )
-    if problem:
-        raise CheckpointError(f"{where}: {problem}")
 
 
 def _verify(engine: "Engine", folder: Path, manifest: Manifest) -> None:
@@ -72,29 +50,18 @@ def _verify(engine: "Engine", folder: Path, manifest: Manifest) -> None:
         raise CheckpointError(errors[0])
 
 
-class _Reader:
-    """Positioned reads from the stored rank files into tensors."""
-
-    def __init__(self, folder: Path, manifest: Manifest) -> None:
-        self.folder, self.manifest = folder, manifest
-        self._fds: dict[int, int] = {}
-
-    def read(self, rank: int, section: int, element: int, out: torch.Tensor) -> None:
-        record = self.manifest.ranks[rank]
-        if rank not in self._fds:
-            self._fds[rank] = os.open(self.folder / record.file, os.O_RDONLY)
-        view = out.numpy().data.cast("B")
-        offset = section_offset(record.numel, section, element)
-        while view:
-            got = os.preadv(self._fds[rank], [view], offset)
-            if got <= 0:
-                raise CheckpointError(f"{self.folder / record.file}: ends early at byte {offset}")
-            view, offset = view[got:], offset + got
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+def open_source(directory: str | os.PathLike, tag: str | None = None) -> Source:
+    """The checkpoint in ``directory``: a DeepSpeed one (``latest`` naming a folder of
+    ``*_model_states.pt``, or that folder), a DCP folder (``.metadata``), or this library's
+    (``tag`` or ``latest``)."""
+    root = Path(directory)
+    found = deepspeed.find_deepspeed(root, tag)
+    if found is not None:
+        return deepspeed.DeepSpeedSource(found)
+    if dcp.is_dcp(root):
+        return dcp.DcpSource(root)
+    tag = resolve_tag(root, tag)
+    return OwnSource(tag_folder(root, tag), tag)
 
 
 def _set_rng(rng: dict[str, Any]) -> None:
@@ -108,43 +75,50 @@ def _set_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def _restore_extra(engine: "Engine", folder: Path, lr_scheduler: Any) -> None:
-    comm = engine.comm
-    own = folder / f"rank{comm.rank}.extra.pt"
-    path = own if own.exists() else folder / "rank0.extra.pt"
-    extra = load_plain(path)
-    first = extra if path.name == "rank0.extra.pt" else load_plain(folder / "rank0.extra.pt")
+def _restore_extra(engine: "Engine", source: Source, lr_scheduler: Any) -> None:
+    extra, own = source.extra(engine.comm.rank)
     engine.load_training_state(extra)
-    if path == own:  # RNG streams belong to a rank; a new rank keeps its own
+    if (
+        own and extra.get("rng") is not None
+    ):  # RNG streams belong to a rank; a new one keeps its own
         _set_rng(extra["rng"])
-    if lr_scheduler is not None and first.get("lr_scheduler") is not None:
-        lr_scheduler.load_state_dict(first["lr_scheduler"])
-    buffers = persistent_buffers(engine.module)
-    for name, value in first.get("buffers", {}).items():
-        if name in buffers:
-            buffers[name].copy_(value)
+    if lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+        try:
+            lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{source.where}: the stored lr scheduler state does not fit "
+                f"{type(lr_scheduler).__name__} ({exc}); build the scheduler the run used, or "
+                "pass lr_scheduler=None and set it up yourself"
+            ) from exc
+    stored = extra.get("buffers", {})  # a DCP folder's are read one by one, when asked for
+    for name, buffer in persistent_buffers(engine.module).items():
+        if name in stored:
+            buffer.copy_(stored[name])
 
 
-def load_checkpoint(
-    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
-) -> str:
-    """Restore params, optimizer state, step counts, loss scaler and RNG; returns the tag.
-    Collective: every rank must call it."""
-    root = Path(directory)
-    tag = resolve_tag(root, tag)
-    folder = tag_folder(root, tag)
-    manifest = read_manifest(folder)
-    check_names(
-        manifest,
+def _tied_names(engine: "Engine") -> dict[str, list[str]]:
+    """Stored name -> the other names of the same (tied) parameter."""
+    stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
+    out: dict[str, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if stored[id(p)] != name:
+            out.setdefault(stored[id(p)], []).append(name)
+    return out
+
+
+def restore(engine: "Engine", source: Source, lr_scheduler: Any = None) -> None:
+    """Fill every unit of ``engine`` from ``source``, then the counters. Collective."""
+    names = match_names(
+        source,
         {n: tuple(s.shape) for u in engine.units for n, s in zip(u.names, u.layout.slots)},
-        folder / "manifest.json",
+        _tied_names(engine),
     )
-    _verify(engine, folder, manifest)
-    stored = manifest.slots_by_name()
+    if isinstance(source, OwnSource):  # sizes and checksums before any use
+        _verify(engine, source.where, source.manifest)
     rank = engine.comm.rank
-    reader = _Reader(folder, manifest)
     progress = Progress(
-        f"loading checkpoint {folder}",
+        f"loading checkpoint {source.where}",
         sum(u.shard_numel for u in engine.units),
         "parameters",
         show=rank == 0,
@@ -155,18 +129,26 @@ def load_checkpoint(
             arrays = [torch.zeros(unit.shard_numel, dtype=torch.float32) for _ in range(3)]
             shard = 0 if unit.layout.num_shards == 1 else rank
             for o in unit.layout.overlaps(shard):
-                old_unit, old_slot = stored[unit.layout.slots[o.slot].name]
-                for src_rank, element, count, at in pieces(
-                    old_unit, old_slot, o.slot_start, o.slot_end
-                ):
-                    dst = o.shard_start + at
-                    for section, array in enumerate(arrays):
-                        reader.read(src_rank, section, element, array[dst : dst + count])
+                dst = slice(o.shard_start, o.shard_start + o.slot_end - o.slot_start)
+                name = names[unit.layout.slots[o.slot].name]
+                source.read(name, o.slot_start, o.slot_end, [a[dst] for a in arrays])
             engine.load_unit_state(unit, *arrays)
             progress.update(unit.shard_numel)
         engine.finish_load()
     finally:
         progress.close()
-        reader.close()
-    _restore_extra(engine, folder, lr_scheduler)
-    return tag
+    _restore_extra(engine, source, lr_scheduler)
+
+
+def load_checkpoint(
+    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+) -> str:
+    """Restore params, optimizer state, step counts, loss scaler and RNG; returns the tag
+    (a DeepSpeed checkpoint's folder name, or the DCP folder's name). Collective: every rank
+    must call it."""
+    source = open_source(directory, tag)
+    try:
+        restore(engine, source, lr_scheduler)
+    finally:
+        source.close()
+    return source.tag

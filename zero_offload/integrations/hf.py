@@ -34,13 +34,15 @@ How it plugs in (the Trainer methods overridden, and why):
   outputs too (evaluation; TRL's SFTTrainer, which reads the logits), the plain loss runs.
 - Checkpoints: ``save_model`` writes consolidated safetensors (``engine.full_state_dict()``);
   a Trainer checkpoint also holds ``zero_offload/`` (``engine.save_checkpoint``: fp32
-  masters and optimizer state, any tier) from which ``resume_from_checkpoint`` restores.
+  masters and optimizer state, any tier) from which ``resume_from_checkpoint`` restores;
+  it also resumes a checkpoint that Trainer saved with DeepSpeed (``global_stepN/``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -394,23 +396,28 @@ class ZeroOffloadMixin(_TrainerBase):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_DIR)):
+        if _engine_checkpoint(resume_from_checkpoint) is not None:
             return  # the engine checkpoint holds the fp32 masters: restored with the optimizer
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.engine is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        directory = os.path.join(checkpoint, ENGINE_DIR)
-        if not os.path.isdir(directory):
+        directory = _engine_checkpoint(checkpoint)
+        if directory is None:
             raise ConfigError(
-                f"resume_from_checkpoint={checkpoint!r} holds no {ENGINE_DIR}/ "
-                "engine checkpoint: resume from a ZeroOffloadTrainer checkpoint"
+                f"resume_from_checkpoint={checkpoint!r} holds no {ENGINE_DIR}/ engine "
+                "checkpoint and no DeepSpeed one (latest, global_step*/): resume from a "
+                "ZeroOffloadTrainer or DeepSpeed Trainer checkpoint"
             )
         self.engine.load_checkpoint(directory)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            from ..checkpoint.deepspeed_state import fit_scheduler_state
+
+            state = torch.load(path, weights_only=True)  # a DeepSpeed run's may have 2 groups
+            groups = len(self.lr_scheduler.optimizer.param_groups)
+            self.lr_scheduler.load_state_dict(fit_scheduler_state(state, groups, path))
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's engine state (parameters, fp32
@@ -440,6 +447,17 @@ class ZeroOffloadMixin(_TrainerBase):
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self.engine is None:
             super()._load_scaler(checkpoint)
+
+
+def _engine_checkpoint(checkpoint: str) -> str | None:
+    """What a Trainer checkpoint folder resumes from: its ``zero_offload/`` engine checkpoint,
+    or the folder itself when a DeepSpeed run saved it (``latest`` naming ``global_stepN/``,
+    read by ``engine.load_checkpoint``; Trainer's own ``scheduler.pt`` holds the lr schedule)."""
+    if os.path.isdir(os.path.join(checkpoint, ENGINE_DIR)):
+        return os.path.join(checkpoint, ENGINE_DIR)
+    from ..checkpoint.deepspeed import find_deepspeed
+
+    return checkpoint if find_deepspeed(Path(checkpoint)) is not None else None
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):

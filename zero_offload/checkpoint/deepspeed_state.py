@@ -1,0 +1,120 @@
+"""A DeepSpeed checkpoint's counters and hyperparameters in this library's extra-state layout
+(``save._extra_state``): step counts, Adam hyperparameters, loss scale, lr scheduler state and
+module buffers. DeepSpeed stores no RNG streams; a Hugging Face Trainer checkpoint keeps them
+in its own files, which the Trainer restores itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .format import CheckpointError
+
+if TYPE_CHECKING:
+    from .deepspeed import DeepSpeedSource
+
+__all__ = ["training_state"]
+
+log = logging.getLogger(__name__)
+
+
+def _param_steps(src: "DeepSpeedSource") -> dict[str, int]:
+    """Each trainable parameter's Adam step count: its group's (stages 1-2) or sub-group's."""
+    r0 = src.rank(0)
+    steps = list(r0.steps)
+    if r0.param_groups and not any(steps):  # optimizers that keep the count in the group
+        steps = [int(g.get("step", 0)) for g in r0.param_groups for _ in g["params"]]
+    out = {}
+    for name, where in src._where.items():
+        if where[0] == "flat":
+            out[name] = steps[where[1]]
+        elif where[0] == "part":
+            starts = src._starts
+            k = max(i for i in range(len(starts) - 1) if starts[i] <= where[1])
+            out[name] = steps[k]
+    return out
+
+
+def _hyperparameters(src: "DeepSpeedSource") -> list[dict[str, Any]]:
+    """The one param group of the engine from DeepSpeed's groups: lr, betas and eps must be
+    the same in all (the engine steps every parameter with one lr); weight decay is the
+    groups' nonzero value (the zero ones are the no-decay group)."""
+    groups = src.rank(0).param_groups
+    if not groups:
+        log.warning(
+            "%s: the optimizer state has no param groups (DeepSpeed's elastic layout): lr, "
+            "betas, eps and weight decay stay as the engine was configured",
+            src.where,
+        )
+        return []
+    out: dict[str, Any] = {}
+    for key in ("lr", "betas", "eps"):
+        values = {tuple(g[key]) if isinstance(g[key], (list, tuple)) else g[key] for g in groups}
+        if len(values) > 1:
+            raise CheckpointError(
+                f"{src.where}: the DeepSpeed run's param groups have different {key} "
+                f"({sorted(values)}); the engine steps all parameters with one {key}"
+            )
+        value = values.pop()
+        out[key] = tuple(value) if isinstance(value, tuple) else value
+    decays = {g["weight_decay"] for g in groups if g.get("weight_decay")}
+    if len(decays) > 1:
+        raise CheckpointError(
+            f"{src.where}: the DeepSpeed run's param groups decay by {sorted(decays)}; the "
+            "engine has one weight decay (and no_decay for parameters without)"
+        )
+    out["weight_decay"] = decays.pop() if decays else 0.0
+    return [out]
+
+
+def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
+    record = src.rank(0).osd.get("loss_scaler")
+    if record is None or not getattr(record, "dynamic", False):
+        return None  # static scale (bf16, fp32): nothing for a dynamic scaler to resume
+    cur_iter = int(getattr(record, "cur_iter", 0))
+    last_overflow = int(getattr(record, "last_overflow_iter", -1))
+    return {
+        "scale": float(record.cur_scale),
+        "good_steps": max(0, cur_iter - last_overflow - 1),
+        "skipped_steps": int(src.model.get("skipped_steps", 0)),
+    }
+
+
+def training_state(src: "DeepSpeedSource") -> dict[str, Any]:
+    model = src.model
+    steps = _param_steps(src)
+    adam_steps = max(steps.values(), default=0)
+    ds_steps = int(model.get("global_steps", 0))
+    gas = int(src.config.get("gradient_accumulation_steps", 1) or 1)
+    buffer_names = set(model.get("buffer_names") or ())
+    module = model.get("module") or {}
+    return {
+        "micro_steps": ds_steps * gas,
+        # DeepSpeed counts the steps skipped on fp16 overflow too; the engine counts applied ones
+        "global_steps": ds_steps - int(model.get("skipped_steps", 0)),
+        "optimizer_steps": adam_steps,
+        "param_groups": _hyperparameters(src),
+        "loss_scaler": _loss_scaler(src),
+        "missed_updates": {n: adam_steps - k for n, k in steps.items() if k != adam_steps},
+        "lr_scheduler": model.get("lr_scheduler"),
+        "buffers": {n: t for n, t in module.items() if n in buffer_names},
+    }
+
+
+def fit_scheduler_state(state: dict[str, Any], groups: int, where: str) -> dict[str, Any]:
+    """An lr scheduler's state saved for a run with more param groups (Trainer's decay and
+    no-decay groups under DeepSpeed or DDP) for the engine's ``groups``: every per-group list
+    (``base_lrs``, ``_last_lr``, ``lr_lambdas``...) must hold one value, which each group takes."""
+    saved = len(state.get("base_lrs") or ()) or groups
+    if saved == groups:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        if isinstance(value, list) and len(value) == saved:
+            if any(v != value[0] for v in value):
+                raise CheckpointError(
+                    f"{where}: the lr scheduler drove {saved} param groups with different "
+                    f"{key} ({value}); the engine has {groups} (one lr for all parameters)"
+                )
+            out[key] = value[:1] * groups
+    return out
