@@ -6,7 +6,7 @@ under ``<optim prefix>state.<name>.{exp_avg, exp_avg_sq, step}``, hyperparameter
 ``<optim prefix>param_groups.<i>.<key>`` (torchtitan keeps the model's keys at the top level
 and the optimizer under ``optimizer.``). :class:`DcpSource` finds the prefixes from the
 metadata and reads one parameter at a time in fp32, resharded by DCP from however many ranks
-saved it; :func:`export_dcp` writes any checkpoint (this library's, DeepSpeed's) in that
+saved it; ``dcp_export.export_dcp`` writes any checkpoint (this library's, DeepSpeed's) in that
 layout, one tensor in memory at a time, so ``dcp.load`` into an FSDP2 model's
 ``get_state_dict`` and ``set_state_dict`` continues the run. The export has one param group
 (the engine's: one lr, betas, eps and weight decay), so the FSDP2 optimizer must have one too.
@@ -19,22 +19,22 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .format import CheckpointError
+from .format import CheckpointError, refusal_reason
+from .source import one_param_group
 
-__all__ = ["is_dcp", "DcpSource", "export_dcp"]
+__all__ = ["is_dcp", "DcpSource", "ADAMW_GROUP", "MOMENTS"]
 
 log = logging.getLogger(__name__)
 
 _STATE = re.compile(r"(.*?)state\.(.+)\.exp_avg")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-_ADAMW = dict(
+MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAMW_GROUP = dict(
     amsgrad=False,
     maximize=False,
     foreach=None,
@@ -49,8 +49,8 @@ def is_dcp(root: Path) -> bool:
     return (root / ".metadata").is_file()
 
 
-def _planners() -> tuple[type, type]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+def _load_planner() -> type:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class PlainLoadPlanner(DefaultLoadPlanner):
         """Non-tensor values read as plain data only (``weights_only=True``)."""
@@ -62,23 +62,10 @@ def _planners() -> tuple[type, type]:
             except Exception as exc:  # noqa: BLE001 - whatever weights_only refuses
                 raise CheckpointError(
                     f"DCP value {fqn!r} is not plain data (loading it could run code from the "
-                    f"file): {str(exc).strip().splitlines()[0]}"
+                    f"file): {refusal_reason(exc)}"
                 ) from exc
 
-    class LazySavePlanner(DefaultSavePlanner):
-        """Tensors given as meta tensors are read from ``fill`` only when written."""
-
-        def __init__(self, fill: Any) -> None:
-            super().__init__()
-            self.fill = fill
-
-        def resolve_data(self, write_item: Any) -> Any:
-            obj = self.lookup_object(write_item.index)
-            if isinstance(obj, torch.Tensor) and obj.is_meta:
-                return self.fill(write_item.index.fqn, obj)
-            return super().resolve_data(write_item)
-
-    return PlainLoadPlanner, LazySavePlanner
+    return PlainLoadPlanner
 
 
 class DcpSource:
@@ -120,9 +107,10 @@ class DcpSource:
 
     def _load(self, keys: Sequence[str]) -> dict[str, Any]:
         from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        load_planner, _ = _planners()
+        load_planner = _load_planner()
         state: dict[str, Any] = {}
         for k in keys:
             m = self._meta[k]
@@ -132,7 +120,16 @@ class DcpSource:
                 else None
             )
         planner = load_planner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        try:
+            load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        except CheckpointException as exc:  # DCP wraps what each rank raised
+            causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+            ours = next((c for c in causes if isinstance(c, CheckpointError)), None)
+            if ours is not None:
+                raise CheckpointError(f"{self.where}: {ours}") from exc
+            raise CheckpointError(
+                f"{self.where}: {refusal_reason(causes[0] if causes else exc)}"
+            ) from exc
         return state
 
     def _nested(self, prefix: str) -> Any:
@@ -155,12 +152,13 @@ class DcpSource:
             self._cached = None  # the previous parameter's memory first
             keys = [self._model + name]
             if name in self._trained:
-                keys += [f"{self._opt}state.{name}.{m}" for m in _MOMENTS]
+                keys += [f"{self._opt}state.{name}.{m}" for m in MOMENTS]
             got = self._load(keys)
             values = [got[k].reshape(-1).float() for k in keys]
             self._cached = (name, values + [None] * (3 - len(values)))
         return self._cached[1]
 
+    @torch.no_grad()
     def read(self, name: str, start: int, end: int, out: Sequence[torch.Tensor | None]) -> None:
         for array, values in zip(out, self._tensors(name)):
             if array is not None and values is not None:
@@ -187,7 +185,7 @@ class DcpSource:
             "micro_steps": counters.get("micro_steps", adam),
             "global_steps": counters.get("global_steps", adam),
             "optimizer_steps": adam,
-            "param_groups": _one_group([groups[i] for i in sorted(groups)], self.where),
+            "param_groups": one_param_group([groups[i] for i in sorted(groups)], self.where),
             "loss_scaler": None,
             "missed_updates": {n: adam - k for n, k in steps.items() if k != adam},
             "lr_scheduler": self._nested("lr_scheduler"),
@@ -225,93 +223,3 @@ class _LazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def _one_group(groups: list[dict[str, Any]], where: Path) -> list[dict[str, Any]]:
-    """The engine's one param group from the saved ones (same lr, betas and eps in each)."""
-    if not groups:
-        return []
-    out: dict[str, Any] = {}
-    for key in ("lr", "betas", "eps"):
-        values = {
-            tuple(g[key]) if isinstance(g.get(key), (list, tuple)) else g.get(key) for g in groups
-        }
-        if len(values) > 1:
-            raise CheckpointError(
-                f"{where}: the param groups have different {key} ({values}); "
-                "the engine steps all parameters with one"
-            )
-        value = values.pop()
-        if value is not None:
-            out[key] = float(value) if key != "betas" else tuple(float(b) for b in value)
-    decays = {float(g["weight_decay"]) for g in groups if g.get("weight_decay")}
-    if len(decays) > 1:
-        raise CheckpointError(
-            f"{where}: the param groups decay by {sorted(decays)}; the "
-            "engine has one weight decay (and no_decay for the others)"
-        )
-    out["weight_decay"] = decays.pop() if decays else 0.0
-    return [out]
-
-
-def export_dcp(
-    directory: str | os.PathLike,
-    out: str | os.PathLike,
-    tag: str | None = None,
-    model_key: str = "model",
-    optim_key: str = "optim",
-) -> Path:
-    """Write the checkpoint in ``directory`` (this library's, or DeepSpeed's) to the DCP folder
-    ``out`` as FSDP2's ``get_state_dict`` lays it out: ``{model_key: {name: fp32},
-    optim_key: {"state": {name: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]}}``, tied
-    names under each of their names, plus the counters and lr scheduler state. Streams one
-    tensor at a time; needs no process group."""
-    from torch.distributed.checkpoint import FileSystemWriter, save
-
-    from .load import open_source
-
-    source = open_source(directory, tag)
-    try:
-        extra, _ = source.extra(0)
-        names = list(source.shapes)
-        steps = extra["optimizer_steps"]
-        missed = extra.get("missed_updates") or {}
-        model: dict[str, Any] = {n: torch.empty(source.shapes[n], device="meta") for n in names}
-        model.update({a: model[n] for a, n in source.aliases.items()})
-        state = {
-            n: {
-                "step": torch.tensor(float(steps - missed.get(n, 0))),
-                **{m: torch.empty(source.shapes[n], device="meta") for m in _MOMENTS},
-            }
-            for n in names
-        }
-        group = {**_ADAMW, **(extra["param_groups"] or [{}])[0], "params": names}
-        sd: dict[str, Any] = {
-            model_key: model,
-            optim_key: {"state": state, "param_groups": [group]},
-            "zero_offload": {k: extra[k] for k in ("micro_steps", "global_steps")},
-        }
-        if extra.get("lr_scheduler") is not None:
-            sd["lr_scheduler"] = extra["lr_scheduler"]
-        section_of = {f"{model_key}.{n}": (n, 0) for n in names}
-        section_of.update({f"{model_key}.{a}": (n, 0) for a, n in source.aliases.items()})
-        for n in names:
-            for s, m in enumerate(_MOMENTS, 1):
-                section_of[f"{optim_key}.state.{n}.{m}"] = (n, s)
-
-        def fill(fqn: str, meta: torch.Tensor) -> torch.Tensor:
-            name, section = section_of[fqn]
-            values = torch.zeros(meta.shape, dtype=torch.float32)
-            wanted: list[torch.Tensor | None] = [None, None, None]
-            wanted[section] = values.view(-1)
-            source.read(name, 0, values.numel(), wanted)
-            return values
-
-        _, lazy_planner = _planners()
-        Path(out).mkdir(parents=True, exist_ok=True)
-        save(
-            sd, storage_writer=FileSystemWriter(str(out)), planner=lazy_planner(fill), no_dist=True
-        )
-    finally:
-        source.close()
-    return Path(out)

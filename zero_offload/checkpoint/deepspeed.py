@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from ..partition import split_range
-from .format import CheckpointError
+from .format import CheckpointError, refusal_reason
 
 __all__ = ["find_deepspeed", "DeepSpeedSource", "load_deepspeed_file"]
 
@@ -61,7 +61,7 @@ def _stage(value: int) -> int:
     return int(value)
 
 
-_SAFE = [
+_SAFE: list[Any] = [
     (_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_Record, "deepspeed.utils.tensor_fragment.fragment_address"),
@@ -83,11 +83,10 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     except Exception as exc:  # noqa: BLE001 - every way a foreign file can fail
-        lines = str(exc).strip().splitlines()
         raise CheckpointError(
             f"{path}: refused, it holds objects other than tensors, plain data and the "
             "DeepSpeed records zero_offload reads (loading it could run code from the file): "
-            f"{lines[0] if lines else type(exc).__name__}"
+            f"{refusal_reason(exc)}"
         ) from exc
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path}: holds a {type(loaded).__name__}, not a dict")
@@ -289,6 +288,7 @@ class DeepSpeedSource:
         return load_deepspeed_file(path)["frozen_param_fragments"][name].reshape(-1)
 
     # -- Source --------------------------------------------------------------------------------
+    @torch.no_grad()  # stored tensors may require grad (frozen parameters' fragments)
     def read(self, name: str, start: int, end: int, out: Sequence[torch.Tensor | None]) -> None:
         where = self._where[name]
         kind = where[0]

@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .format import CheckpointError
+from .source import one_param_group
 
 if TYPE_CHECKING:
     from .deepspeed import DeepSpeedSource
@@ -36,9 +37,6 @@ def _param_steps(src: "DeepSpeedSource") -> dict[str, int]:
 
 
 def _hyperparameters(src: "DeepSpeedSource") -> list[dict[str, Any]]:
-    """The one param group of the engine from DeepSpeed's groups: lr, betas and eps must be
-    the same in all (the engine steps every parameter with one lr); weight decay is the
-    groups' nonzero value (the zero ones are the no-decay group)."""
     groups = src.rank(0).param_groups
     if not groups:
         log.warning(
@@ -46,25 +44,7 @@ def _hyperparameters(src: "DeepSpeedSource") -> list[dict[str, Any]]:
             "betas, eps and weight decay stay as the engine was configured",
             src.where,
         )
-        return []
-    out: dict[str, Any] = {}
-    for key in ("lr", "betas", "eps"):
-        values = {tuple(g[key]) if isinstance(g[key], (list, tuple)) else g[key] for g in groups}
-        if len(values) > 1:
-            raise CheckpointError(
-                f"{src.where}: the DeepSpeed run's param groups have different {key} "
-                f"({sorted(values)}); the engine steps all parameters with one {key}"
-            )
-        value = values.pop()
-        out[key] = tuple(value) if isinstance(value, tuple) else value
-    decays = {g["weight_decay"] for g in groups if g.get("weight_decay")}
-    if len(decays) > 1:
-        raise CheckpointError(
-            f"{src.where}: the DeepSpeed run's param groups decay by {sorted(decays)}; the "
-            "engine has one weight decay (and no_decay for parameters without)"
-        )
-    out["weight_decay"] = decays.pop() if decays else 0.0
-    return [out]
+    return one_param_group(groups or [], src.where)
 
 
 def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:

@@ -45,6 +45,7 @@ __all__ = [
     "fsync_dir",
     "SECTIONS",
     "load_plain",
+    "refusal_reason",
 ]
 
 FORMAT_VERSION = 1
@@ -199,6 +200,14 @@ def _numpy_rng_types() -> list[Any]:
     ]
 
 
+def refusal_reason(exc: BaseException) -> str:
+    """The line of a ``torch.load(weights_only=True)`` error that names what it refused (the
+    global), else its first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "global" in line.lower() or "unpickler" in line.lower()]
+    return (named or lines or [type(exc).__name__])[0]
+
+
 def load_plain(path: Path) -> dict[str, Any]:
     """A ``.pt`` file of tensors and plain data (``torch.load(weights_only=True)``). A file
     holding anything else is refused: unpickling it could run code from whoever made it."""
@@ -208,10 +217,9 @@ def load_plain(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     except Exception as exc:  # noqa: BLE001 - every way a foreign file can fail
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path}: refused, it is not a file of tensors and plain data (loading it could "
-            f"run code from the file; re-save it with zero_offload): {first}"
+            f"run code from the file; re-save it with zero_offload): {refusal_reason(exc)}"
         ) from exc
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path}: holds a {type(loaded).__name__}, not a dict")

@@ -19,7 +19,7 @@ import torch
 from ..partition import mismatch_message
 from .format import CheckpointError, Manifest, load_plain, pieces, read_manifest, section_offset
 
-__all__ = ["Source", "OwnSource", "match_names"]
+__all__ = ["Source", "OwnSource", "match_names", "one_param_group"]
 
 
 class Source(Protocol):
@@ -67,6 +67,41 @@ def match_names(
     if problem:
         raise CheckpointError(f"{source.where}: {problem}")
     return mapping
+
+
+def one_param_group(groups: list[dict[str, Any]], where: Path) -> list[dict[str, Any]]:
+    """The engine's one param group from another optimizer's groups (Trainer's decay and
+    no-decay groups, say): lr, betas and eps must be the same in all, since the engine steps
+    every parameter with one; weight decay is the groups' nonzero value (the groups with
+    none are the no-decay ones, which the engine takes from its ``no_decay`` keyword)."""
+    if not groups:
+        return []
+    out: dict[str, Any] = {}
+    for key in ("lr", "betas", "eps"):
+        values = {_number(g.get(key)) for g in groups}
+        if len(values) > 1:
+            raise CheckpointError(
+                f"{where}: the saved param groups have different {key} ({sorted(values)}); "
+                f"the engine steps all parameters with one {key}"
+            )
+        value = values.pop()
+        if value is not None:
+            out[key] = value
+    decays = {float(g["weight_decay"]) for g in groups if g.get("weight_decay")}
+    if len(decays) > 1:
+        raise CheckpointError(
+            f"{where}: the saved param groups decay by {sorted(decays)}; the engine has one "
+            "weight decay (and no_decay for the parameters without)"
+        )
+    out["weight_decay"] = decays.pop() if decays else 0.0
+    return [out]
+
+
+def _number(value: Any) -> Any:
+    """A hyperparameter as plain floats (a tensor lr, a list of betas)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    return None if value is None else float(value)
 
 
 class _Reader:

@@ -45,6 +45,16 @@ _COMMANDS = [
         "one full-precision state dict from a sharded checkpoint",
     ),
     (
+        ("import-deepspeed",),
+        "zero_offload.checkpoint.import_cli",
+        "a DeepSpeed ZeRO checkpoint (stages 1-3, any world size) as a zero_offload checkpoint",
+    ),
+    (
+        ("export-dcp",),
+        "zero_offload.checkpoint.export_cli",
+        "a checkpoint as a torch.distributed.checkpoint folder for FSDP2 / torchtitan",
+    ),
+    (
         ("convert-config",),
         "zero_offload.cli.convert",
         "the zero_offload keywords equivalent to a DeepSpeed JSON config",

@@ -418,6 +418,12 @@ class ZeroOffloadMixin(_TrainerBase):
             state = torch.load(path, weights_only=True)  # a DeepSpeed run's may have 2 groups
             groups = len(self.lr_scheduler.optimizer.param_groups)
             self.lr_scheduler.load_state_dict(fit_scheduler_state(state, groups, path))
+        elif self.lr_scheduler is not None and directory == checkpoint:
+            log.warning(
+                "%s: a DeepSpeed checkpoint without Trainer's scheduler.pt (DeepSpeed's own "
+                "config 'scheduler' drove the lr): lr_scheduler_type starts from its first step",
+                checkpoint,
+            )
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's engine state (parameters, fp32
