@@ -32,7 +32,7 @@ from zero_offload.checkpoint import CheckpointError
 from zero_offload.checkpoint.deepspeed import load_deepspeed_file
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
-FIXTURES = [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)]
+FIXTURES = [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + ["s3w2-cpu"]  # -cpu: ZeRO-Offload
 OFFLOAD = {1: "none", 2: "cpu", 4: "nvme"}
 
 
@@ -193,7 +193,13 @@ def test_fp16_dynamic_loss_scale_comes_back(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         scaler = _fake_deepspeed_scaler(patch)()
         scaler.__dict__.update(
-            cur_scale=512.0, cur_iter=3, last_overflow_iter=1, scale_window=1000, dynamic=True
+            cur_scale=512.0,
+            cur_iter=3,
+            last_overflow_iter=1,
+            scale_window=1000,
+            delayed_shift=2,
+            cur_hysteresis=1,  # the overflow at iteration 1 used one of delayed_shift 2
+            dynamic=True,
         )
         osd["loss_scaler"] = scaler
         _rewrite(optim, state)
@@ -204,6 +210,7 @@ def test_fp16_dynamic_loss_scale_comes_back(tmp_path, monkeypatch):
         "scale": 512.0,
         "good_steps": 1,
         "skipped_steps": 0,
+        "hysteresis_left": 1,
     }
     engine.close()
 

@@ -8,16 +8,21 @@ from the checkpoint then, so memory is one tensor whatever the model's size.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..progress import Progress
 from .dcp import ADAMW_GROUP, MOMENTS
 from .load import open_source
 
 __all__ = ["export_dcp"]
+
+log = logging.getLogger(__name__)
 
 
 def _lazy_planner(fill: Any) -> Any:
@@ -80,18 +85,28 @@ def export_dcp(
             for s, m in enumerate(MOMENTS, 1):
                 section_of[f"{optim_key}.state.{n}.{m}"] = (n, s)
 
+        total = sum(math.prod(source.shapes[n]) for n in names)
+        progress = Progress(f"exporting {source.where} to {out}", 3 * total, "values", logger=log)
+
         def fill(fqn: str, meta: torch.Tensor) -> torch.Tensor:
             name, section = section_of[fqn]
             values = torch.zeros(meta.shape, dtype=torch.float32)
             wanted: list[torch.Tensor | None] = [None, None, None]
             wanted[section] = values.view(-1)
             source.read(name, 0, values.numel(), wanted)
+            progress.update(values.numel())
             return values
 
         Path(out).mkdir(parents=True, exist_ok=True)
-        save(
-            sd, storage_writer=FileSystemWriter(str(out)), planner=_lazy_planner(fill), no_dist=True
-        )
+        try:
+            save(
+                sd,
+                storage_writer=FileSystemWriter(str(out)),
+                planner=_lazy_planner(fill),
+                no_dist=True,
+            )
+        finally:
+            progress.close()
     finally:
         source.close()
     return Path(out)

@@ -53,11 +53,14 @@ def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
         return None  # static scale (bf16, fp32): nothing for a dynamic scaler to resume
     cur_iter = int(getattr(record, "cur_iter", 0))
     last_overflow = int(getattr(record, "last_overflow_iter", -1))
-    return {
+    out = {
         "scale": float(record.cur_scale),
         "good_steps": max(0, cur_iter - last_overflow - 1),
         "skipped_steps": int(src.model.get("skipped_steps", 0)),
     }
+    if getattr(record, "cur_hysteresis", None) is not None:  # overflows left before halving
+        out["hysteresis_left"] = int(record.cur_hysteresis)
+    return out
 
 
 def training_state(src: "DeepSpeedSource") -> dict[str, Any]:

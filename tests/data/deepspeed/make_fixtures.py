@@ -5,7 +5,8 @@ repository on its path, e.g.
 
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD:$PWD/tests python tests/data/deepspeed/make_fixtures.py
 
-For each ZeRO stage (1, 2, 3) and world size (1, 2) it trains the tests' tiny GPT
+For each ZeRO stage (1, 2, 3) and world size (1, 2), and stage 3 on 2 ranks with the optimizer
+offloaded to the CPU (``s3w2-cpu``: ZeRO-Offload's DeepSpeedCPUAdam), it trains the tests' tiny GPT
 (``models.TinyGPT(width=16)``: tied embeddings, ``wpe.weight`` frozen, AdamW with a no-decay
 group for biases and norms, gradients clipped at ``CLIP`` on both sides) for ``SAVE_AT`` steps,
 saves a DeepSpeed checkpoint, trains ``CONTINUE`` more steps and records where DeepSpeed got to:
@@ -54,7 +55,10 @@ def param_groups(model):
     ]
 
 
-def ds_config(stage: int, world: int) -> dict:
+def ds_config(stage: int, world: int, offload: bool) -> dict:
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:  # ZeRO-Offload: DeepSpeedCPUAdam on the host
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -62,7 +66,7 @@ def ds_config(stage: int, world: int) -> dict:
         "gradient_clipping": CLIP,  # DeepSpeed 0.19 clips at 1.0 unless told otherwise
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
     }
 
 
@@ -79,7 +83,7 @@ def masters(save_dir: Path, tag: str) -> dict:
     return out
 
 
-def train_rank(rank: int, world: int, stage: int, port: int, out: str) -> None:
+def train_rank(rank: int, world: int, stage: int, offload: bool, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -101,8 +105,13 @@ def train_rank(rank: int, world: int, stage: int, port: int, out: str) -> None:
     torch.manual_seed(0)
     model = TinyGPT(width=WIDTH)
     model.get_parameter(FROZEN).requires_grad_(False)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=LR, weight_decay=WD)
-    config = ds_config(stage, world)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(param_groups(model), lr=LR, weight_decay=WD, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(param_groups(model), lr=LR, weight_decay=WD)
+    config = ds_config(stage, world, offload)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     per = GLOBAL_BATCH // world
     losses, norms = [], []
@@ -139,6 +148,7 @@ def train_rank(rank: int, world: int, stage: int, port: int, out: str) -> None:
             torch=torch.__version__,
             stage=stage,
             world_size=world,
+            optimizer=type(optimizer).__name__,
             config=config,
             lr=LR,
             weight_decay=WD,
@@ -162,14 +172,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ds_case(stage: int, world: int) -> None:
+def ds_case(name: str) -> None:
+    """``s<stage>w<world>``, or with ``-cpu`` the optimizer offloaded (DeepSpeedCPUAdam)."""
     import torch.multiprocessing as mp
 
-    out = HERE / f"s{stage}w{world}"
+    stage, world, offload = int(name[1]), int(name[3]), name.endswith("-cpu")
+    out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     mp.start_processes(
         train_rank,
-        args=(world, stage, free_port(), str(out)),
+        args=(world, stage, offload, free_port(), str(out)),
         nprocs=world,
         join=True,
         start_method="spawn",
@@ -178,14 +190,14 @@ def ds_case(stage: int, world: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    cases = argv or [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + ["hf"]
+    cases = argv or [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + ["s3w2-cpu", "hf"]
     for case in cases:
         if case == "hf":
             from hf_fixture import hf_case
 
             hf_case(HERE / "hf")
         else:
-            ds_case(int(case[1]), int(case[3]))
+            ds_case(case)
     return 0
 
 
