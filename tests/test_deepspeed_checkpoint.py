@@ -215,7 +215,10 @@ def test_fp16_dynamic_loss_scale_comes_back(tmp_path, monkeypatch):
     engine.close()
 
 
-def test_trainer_resumes_a_checkpoint_saved_by_a_deepspeed_trainer_run(tmp_path):
+@pytest.mark.parametrize("case", ["hf", "hf-dsched"])
+def test_trainer_resumes_a_checkpoint_saved_by_a_deepspeed_trainer_run(case, tmp_path):
+    """``hf``: Trainer's own lr schedule (its scheduler.pt); ``hf-dsched``: the config's
+    WarmupDecayLR, which DeepSpeed ran and kept in its checkpoint."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(DATA))
     try:
@@ -224,22 +227,28 @@ def test_trainer_resumes_a_checkpoint_saved_by_a_deepspeed_trainer_run(tmp_path)
         sys.path.remove(str(DATA))
     from zero_offload.integrations.hf import ZeroOffloadTrainer
 
-    shutil.copytree(DATA / "hf" / f"checkpoint-{hf.SAVE_AT}", tmp_path / "checkpoint")
+    ds = json.loads((DATA / case / "run.json").read_text())
+    shutil.copytree(DATA / case / f"checkpoint-{hf.SAVE_AT}", tmp_path / "checkpoint")
     trainer = ZeroOffloadTrainer(
         model=hf.make_model(),
         args=hf.arguments(tmp_path / "out", save_strategy="no"),
         train_dataset=hf.dataset(),
-        zero_offload=hf.CONFIG,  # the DeepSpeed run's own config file
+        zero_offload=ds["config"],  # the DeepSpeed run's own config file
     )
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint"))
+    assert trainer.lr_scheduler.last_epoch == hf.STEPS  # the schedule went on from step 3
     got = trainer.engine.full_state_dict()
     trainer.engine.close()
-    expected = load_file(DATA / "hf" / "expected.safetensors")
+    expected = load_file(DATA / case / "expected.safetensors")
     worst = max((got[n] - v).abs().max().item() for n, v in expected.items()) / hf.LR
     assert worst <= 0.03, f"max |diff| = {worst:.4f} lr"
-    ds = json.loads((DATA / "hf" / "run.json").read_text())
     logged = [h for h in trainer.state.log_history if "loss" in h and h["step"] > hf.SAVE_AT]
     assert [h["step"] for h in logged] == list(range(hf.SAVE_AT + 1, hf.STEPS + 1))
-    for h, loss, norm in zip(logged, ds["losses"][hf.SAVE_AT :], ds["grad_norms"][hf.SAVE_AT :]):
+    after = slice(hf.SAVE_AT, None)
+    for h, loss, norm, lr in zip(
+        logged, ds["losses"][after], ds["grad_norms"][after], ds["learning_rates"][after]
+    ):
         assert h["loss"] == pytest.approx(loss, abs=1e-3)  # Trainer logs 4 significant digits
         assert h["grad_norm"] == pytest.approx(norm, rel=1e-3)
+        if case == "hf":  # under DeepSpeed, Trainer logs a DeepSpeed schedule's next lr
+            assert h["learning_rate"] == pytest.approx(lr, rel=1e-6)

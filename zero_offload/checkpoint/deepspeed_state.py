@@ -63,6 +63,20 @@ def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
     return out
 
 
+def _scheduler(state: Any, groups: list[dict[str, Any]]) -> Any:
+    """DeepSpeed's own schedules save only ``last_batch_iteration`` (-1 before the first
+    step): as a torch scheduler's state that is ``last_epoch``, the steps taken (what
+    ``ds_schedules.DeepSpeedSchedule`` counts), and the last lr is the groups' (the engine has
+    one group). A torch scheduler's state passes as it is."""
+    if isinstance(state, dict) and set(state) == {"last_batch_iteration"}:
+        taken = int(state["last_batch_iteration"]) + 1
+        out: dict[str, Any] = {"last_epoch": taken, "_step_count": taken + 1}
+        if groups and "lr" in groups[0]:
+            out["_last_lr"] = [groups[0]["lr"]]
+        return out
+    return state
+
+
 def training_state(src: "DeepSpeedSource") -> dict[str, Any]:
     model = src.model
     steps = _param_steps(src)
@@ -71,15 +85,16 @@ def training_state(src: "DeepSpeedSource") -> dict[str, Any]:
     gas = int(src.config.get("gradient_accumulation_steps", 1) or 1)
     buffer_names = set(model.get("buffer_names") or ())
     module = model.get("module") or {}
+    groups = _hyperparameters(src)
     return {
         "micro_steps": ds_steps * gas,
         # DeepSpeed counts the steps skipped on fp16 overflow too; the engine counts applied ones
         "global_steps": ds_steps - int(model.get("skipped_steps", 0)),
         "optimizer_steps": adam_steps,
-        "param_groups": _hyperparameters(src),
+        "param_groups": groups,
         "loss_scaler": _loss_scaler(src),
         "missed_updates": {n: adam_steps - k for n, k in steps.items() if k != adam_steps},
-        "lr_scheduler": model.get("lr_scheduler"),
+        "lr_scheduler": _scheduler(model.get("lr_scheduler"), groups),
         "buffers": {n: t for n, t in module.items() if n in buffer_names},
     }
 

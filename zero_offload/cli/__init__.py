@@ -46,12 +46,12 @@ _COMMANDS = [
     ),
     (
         ("import-deepspeed",),
-        "zero_offload.checkpoint.import_cli",
+        "zero_offload.cli.import_deepspeed",
         "a DeepSpeed ZeRO checkpoint (stages 1-3, any world size) as a zero_offload checkpoint",
     ),
     (
         ("export-dcp",),
-        "zero_offload.checkpoint.export_cli",
+        "zero_offload.cli.export_dcp",
         "a checkpoint as a torch.distributed.checkpoint folder for FSDP2 / torchtitan",
     ),
     (

@@ -410,20 +410,19 @@ class ZeroOffloadMixin(_TrainerBase):
                 "checkpoint and no DeepSpeed one (latest, global_step*/): resume from a "
                 "ZeroOffloadTrainer or DeepSpeed Trainer checkpoint"
             )
-        self.engine.load_checkpoint(directory)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
+        # Trainer saves scheduler.pt for its own schedules; a DeepSpeed run whose config's
+        # "scheduler" drove the lr kept that schedule's state in its checkpoint instead
+        from_engine = directory == checkpoint and not os.path.isfile(path)
+        self.engine.load_checkpoint(
+            directory, lr_scheduler=self.lr_scheduler if from_engine else None
+        )
         if self.lr_scheduler is not None and os.path.isfile(path):
             from ..checkpoint.deepspeed_state import fit_scheduler_state
 
             state = torch.load(path, weights_only=True)  # a DeepSpeed run's may have 2 groups
             groups = len(self.lr_scheduler.optimizer.param_groups)
             self.lr_scheduler.load_state_dict(fit_scheduler_state(state, groups, path))
-        elif self.lr_scheduler is not None and directory == checkpoint:
-            log.warning(
-                "%s: a DeepSpeed checkpoint without Trainer's scheduler.pt (DeepSpeed's own "
-                "config 'scheduler' drove the lr): lr_scheduler_type starts from its first step",
-                checkpoint,
-            )
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's engine state (parameters, fp32

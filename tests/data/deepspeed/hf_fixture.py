@@ -26,6 +26,19 @@ CONFIG: dict[str, Any] = {
     "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
     "steps_per_print": 10**9,
 }
+# the same with DeepSpeed's own lr schedule (the config's "scheduler", stepped by DeepSpeed)
+CONFIG_DS_SCHEDULE: dict[str, Any] = {
+    **CONFIG,
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+}
 
 
 def make_model() -> Any:
@@ -83,7 +96,7 @@ def arguments(out: str | os.PathLike, **kw: Any) -> Any:
     return TrainingArguments(output_dir=str(out), **base)
 
 
-def hf_case(out: Path) -> None:
+def hf_case(out: Path, config: dict[str, Any]) -> None:
     """Train with DeepSpeed, keep ``checkpoint-SAVE_AT``, record where the run ended."""
     import socket
 
@@ -112,11 +125,12 @@ def hf_case(out: Path) -> None:
     torch.set_num_threads(1)
     trainer = Trainer(
         model=make_model(),
-        args=arguments(work, deepspeed=CONFIG),
+        args=arguments(work, deepspeed=config),
         train_dataset=dataset(),
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     end = work / "end"
     trainer.model_wrapped.save_checkpoint(str(end), tag="end")
@@ -131,11 +145,12 @@ def hf_case(out: Path) -> None:
         deepspeed=deepspeed.__version__,
         torch=torch.__version__,
         transformers=__import__("transformers").__version__,
-        config=CONFIG,
+        config=config,
         save_at=SAVE_AT,
         steps=STEPS,
         losses=losses,
         grad_norms=norms,
+        learning_rates=lrs,
     )
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"wrote {out}", flush=True)

@@ -17,7 +17,8 @@ saves a DeepSpeed checkpoint, trains ``CONTINUE`` more steps and records where D
     s<stage>w<world>/run.json               the DeepSpeed config, versions, step sizes, losses
 
 The ``hf`` case runs ``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)``
-(ZeRO 2, 1 rank), saving ``hf/checkpoint-<SAVE_AT>`` and recording where that run ends.
+(ZeRO 2, 1 rank), saving ``hf/checkpoint-<SAVE_AT>`` and recording where that run ends;
+``hf-dsched`` is the same with the config's own ``scheduler`` (WarmupDecayLR, run by DeepSpeed).
 
 The tests read only these files (CI has no DeepSpeed). Each rank of a world-2 case is a process
 of its own, joined by gloo; the data of every step is ``models.batch("gpt", GLOBAL_BATCH, ...)``
@@ -190,12 +191,16 @@ def ds_case(name: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    cases = argv or [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + ["s3w2-cpu", "hf"]
+    cases = argv or [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + [
+        "s3w2-cpu",
+        "hf",
+        "hf-dsched",
+    ]
     for case in cases:
-        if case == "hf":
-            from hf_fixture import hf_case
+        if case.startswith("hf"):
+            from hf_fixture import CONFIG, CONFIG_DS_SCHEDULE, hf_case
 
-            hf_case(HERE / "hf")
+            hf_case(HERE / case, CONFIG_DS_SCHEDULE if case == "hf-dsched" else CONFIG)
         else:
             ds_case(case)
     return 0

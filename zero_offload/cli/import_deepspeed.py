@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .convert import import_deepspeed
-from .format import CheckpointError
+from ..checkpoint.convert import import_deepspeed
+from ..checkpoint.format import CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

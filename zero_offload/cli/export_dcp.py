@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .dcp_export import export_dcp
-from .format import CheckpointError
+from ..checkpoint.dcp_export import export_dcp
+from ..checkpoint.format import CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
