@@ -12,7 +12,7 @@ time went, and exits non-zero if the loss does not fall.
 Set MALLOC_MMAP_THRESHOLD_=131072 to have glibc return large freed blocks at once, so that
 peak RSS shows what the engine holds rather than what the allocator keeps for reuse. On a CPU,
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 makes the fresh gather and gradient buffers fault in
-2 MiB pages, which shortens forward/backward (see the README).
+2 MiB pages, which shortens forward/backward (docs/benchmarks.md, "Huge pages on a CPU device").
 """
 
 from __future__ import annotations
