@@ -1,4 +1,4 @@
-"""The ``zero-offload`` command: benchmarks (and, as they land, planning and consolidation).
+"""The ``zero-offload`` command: benchmarks, planning and rehearsal, checkpoints, configs.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing a module when it is used.

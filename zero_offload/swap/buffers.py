@@ -2,11 +2,13 @@
 
 Why this shape:
 - O_DIRECT needs 4096-aligned addresses and sizes, and the disk takes at most ~254 segments
-  per request, so physically contiguous (huge-page backed) buffers double read bandwidth.
+  per request, so physically contiguous (huge-page backed) buffers let it take its largest
+  requests (docs/swap_io.md measures both kinds of buffer).
   Each buffer is an anonymous mmap, 2 MiB aligned, ``madvise(MADV_HUGEPAGE)`` (THP in
   ``madvise`` mode is enough).
-- Touching fresh memory costs 4-5 us per 4 KiB page here, so buffers are touched once at
-  creation (``MADV_POPULATE_WRITE`` when the kernel has it) and reused: the pool is fixed.
+- Touching fresh memory faults it in page by page (docs/swap_io.md, "Host buffers", has the
+  cost), so buffers are touched once at creation (``MADV_POPULATE_WRITE`` when the kernel has
+  it) and reused: the pool is fixed.
 - With CUDA the buffers are page-locked with ``cudaHostRegister`` so host<->device copies are
   asynchronous DMA.
 - Closing never unmaps memory a tensor still points to: ``torch.frombuffer`` holds a reference
@@ -101,11 +103,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back the whole 2 MiB pages inside a fresh host tensor with huge
     pages, before anything writes it; True if it took the advice.
 
-    For memory the allocator hands out anew every pass (a gathered stage-3 unit): 4 KiB pages
-    fault in at 1.5-2.6 GB/s on the hosts measured, 2 MiB ones at 5-16 GB/s. The advice
-    stays with the addresses: glibc unmaps a block from 32 MiB when it is freed; a smaller
-    one goes back to the heap, whose freed pages :func:`~.budget.return_freed_memory`
-    returns."""
+    For memory the allocator hands out anew every pass (a gathered stage-3 unit): 2 MiB pages
+    fault in several times faster than 4 KiB ones (docs/host_memory.md, "Gathered units in
+    huge pages"). The advice stays with the addresses: glibc unmaps a block from 32 MiB when
+    it is freed; a smaller one goes back to the heap, whose freed pages
+    :func:`~.budget.return_freed_memory` returns."""
     nbytes = tensor.untyped_storage().nbytes()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     madvise = _libc_madvise() if nbytes >= 2 * HUGE_PAGE and advice is not None else None

@@ -18,25 +18,11 @@ byte size and file offset are multiples of 4096. Pad sizes up (``buffers.round_u
 :class:`~zero_offload.swap.buffers.HostBuffer` always qualifies and, being huge-page backed,
 lets the disk take its largest requests.
 
-Mechanism chosen by measurement (4 GiB file, O_DIRECT, 512 MiB host buffer reused, 2-core VM,
-ext4 on virtio, 3 interleaved rounds; GB/s min / median / max; all in one run):
-
-=========================================================  ==================  ==================
-mechanism                                                  read                write
-=========================================================  ==================  ==================
-raw: one thread, sequential 64 MiB preadv/pwritev, huge    2.33 / 2.33 / 2.36  3.01 / 3.11 / 3.17
-this engine (thread pool, 8 MiB blocks, 8 in flight), huge 2.26 / 2.28 / 2.35  2.98 / 3.10 / 3.17
-aiofiles, 8 tasks, 8 MiB readinto/write, huge              2.26 / 2.30 / 2.32  2.95 / 3.07 / 3.07
-raw, 4 KiB-page buffer                                     2.11 / 2.16 / 2.18  2.79 / 2.85 / 2.94
-this engine, 4 KiB-page buffer                             2.10 / 2.20 / 2.21  2.90 / 2.98 / 3.00
-=========================================================  ==================  ==================
-
-Every mechanism reaches the disk's ceiling with huge-page buffers; block sizes 4-32 MiB and
-8-64 MiB raw requests, queue depths 4-8 all landed within 5% of each other. The thread pool
-is kept: ~98-100% of the raw baseline (and of fio libaio with hugetlb buffers, see
-docs/swap_io.md), futures without an event loop, no C extension. aiofiles is itself a thread
-pool behind an event loop, without positioned reads/writes, and adds nothing here (measured
-again in docs/swap_io.md; not a dependency); a C AIO/io_uring kernel is not needed.
+Why a thread pool: with huge-page buffers every mechanism compared (one thread of large
+sequential requests, this pool, aiofiles; 4-32 MiB blocks, 4-8 in flight) reaches the disk's
+ceiling, so the simplest one is kept: futures without an event loop, no C extension. aiofiles
+is itself a thread pool behind an event loop, without positioned reads/writes, and adds
+nothing; a C AIO/io_uring kernel is not needed. The measurements are in docs/swap_io.md.
 """
 
 from __future__ import annotations
