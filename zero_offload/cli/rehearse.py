@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from ..planning.estimate import activation_memory
+from ..rehearsal.attention import KERNELS
 from .plan import parse_size
 
 __all__ = ["add_arguments", "run", "parse_micro_batch"]
@@ -70,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpointing",
         action="store_true",
         help="activation checkpointing (the model recomputes its layers)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=KERNELS,
+        default="auto",
+        help="how scaled_dot_product_attention is counted: auto (default), the kernel a "
+        "GPU picks (flash / memory-efficient: no s^2 scores); math, the math path "
+        "(s^2 scores kept); flash or efficient to force one; eager, a named model's "
+        "eager attention code",
     )
     parser.add_argument(
         "--stage",
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stage is None:
         try:
-            kwargs = _recommended(args, build_model(args.model))
+            kwargs = _recommended(args, build_model(args.model, attention=args.attention))
         except (ValueError, RuntimeError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -180,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory=args.gpu_memory,
             micro_batch=args.micro_batch,
             checkpointing=args.checkpointing,
+            attention=args.attention,
             iterations=args.iterations,
             headroom=args.headroom,
             host_memory=args.host_memory,

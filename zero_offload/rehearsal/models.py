@@ -46,9 +46,14 @@ _LLAMA_COMMON: dict[str, Any] = dict(
 )
 
 
-def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
+def build_model(
+    name_or_path: str, *, checkpointing: bool = False, attention: str = "auto"
+) -> nn.Module:
     """A causal LM on the meta device from a built-in name or a folder with ``config.json``;
-    ``checkpointing`` turns on the model's activation checkpointing."""
+    ``checkpointing`` turns on the model's activation checkpointing. Its attention is
+    Hugging Face's SDPA, as it runs on a GPU (the rehearsal then counts the GPU's kernel:
+    ``rehearsal.attention``), or the model's eager code with ``attention="eager"``; a model
+    that has no SDPA implementation keeps its eager one."""
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - an optional dependency
@@ -67,8 +72,16 @@ def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
             f"{', '.join(PRESETS)} or a folder holding a config.json"
         )
     config.use_cache = False
+    implementation = "eager" if attention == "eager" else _sdpa_without_mask(transformers)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=implementation
+            )
+        except ValueError:  # this architecture has no SDPA attention: it runs eager on a GPU
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager"
+            )
     if checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:  # transformers >= 5
@@ -79,6 +92,32 @@ def build_model(name_or_path: str, *, checkpointing: bool = False) -> nn.Module:
             )
     model.train()
     return model
+
+
+_SDPA = "zero_offload_rehearsal_sdpa"
+
+
+def _sdpa_without_mask(transformers: Any) -> str:
+    """Hugging Face's own SDPA attention, under a name whose mask function passes no mask
+    for a batch without a padding mask.
+
+    On a GPU, HF gives SDPA no mask for a batch without padding or packing (``is_causal``
+    instead), so that the flash kernel can run. Under fake tensors it cannot read the
+    position ids that tell it the batch is not packed, and builds an ``s × s`` boolean
+    mask, which would send SDPA to the memory-efficient kernel with an ``s²`` bias. A
+    rehearsal's batch (``causal_lm_batch``) has neither padding nor packing. A batch with
+    an ``attention_mask`` gets HF's SDPA mask, as a padded batch does on a GPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attention_mask") is None:
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    transformers.AttentionInterface.register(_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(_SDPA, mask)
+    return _SDPA
 
 
 def _no_values() -> None:

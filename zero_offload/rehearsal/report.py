@@ -114,6 +114,8 @@ class Rehearsal:
     wall_s: float = 0.0
     max_rss_bytes: int = 0
     nvme_simulated: bool = False
+    attention: str = ""  # which attention kernel was counted (``attention.describe_kernels``)
+    attention_calls: dict[str, int] = field(default_factory=dict)
 
     # -- figures ----------------------------------------------------------------------------
     @property
@@ -252,6 +254,8 @@ class Rehearsal:
             },
             "micro_batch": list(self.micro_batch) if self.micro_batch else None,
             "checkpointing": self.checkpointing,
+            "attention": self.attention,
+            "attention_calls": dict(self.attention_calls),
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "verdict": self.verdict(),
@@ -280,6 +284,7 @@ class Rehearsal:
             f", rank 0 of {self.world_size}, {_gb(self.gpu_memory)} GB GPUs{mb}"
             f"{', activation checkpointing' if self.checkpointing else ''}",
             f"  initialize({kw})",
+            f"  attention: {self.attention or 'not recorded'}",
             "",
             "GPU GB per phase (peak, and what it held then):",
             f"  {'phase':<10} {'peak':>7}  "

@@ -28,6 +28,7 @@ from ..device.streams import Streams
 from ..update.api import adam_kwargs
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
+from .attention import KERNELS, GpuAttention, describe_kernels, kernel_scratch
 from .disk import SimulatedDisk
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
@@ -132,6 +133,7 @@ def rehearse(
     batch: Callable[[], Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     checkpointing: bool = False,
+    attention: str = "auto",
     iterations: int = 2,
     headroom: float = 0.1,
     host_memory: int | None = None,
@@ -149,6 +151,10 @@ def rehearse(
     ``batch``, a function returning the model's inputs (called under fake tensors: their
     shapes matter, not values) and ``loss_fn`` (output -> scalar loss; default ``.loss`` or
     the output's mean). ``checkpointing``: a named model recomputes its layers in backward.
+    ``attention``: how ``scaled_dot_product_attention`` is counted: ``"auto"``, the kernel a
+    GPU picks for those inputs (flash / memory-efficient: no s² scores); ``"math"``, the
+    math path; ``"flash"`` / ``"efficient"`` force one; ``"eager"`` builds a named model
+    with its eager attention code (see ``rehearsal.attention``).
     ``host_memory`` (bytes per node): the target node's host memory, from which each rank's
     default ``host_memory_limit`` is taken as on that node (it sizes the NVMe pipeline), and
     the planner's advice. Other keywords go to ``initialize`` (stage, offload_optimizer,
@@ -156,9 +162,11 @@ def rehearse(
     swap files keep their sizes, not their bytes, on a disk of ``nvme_bytes`` for this rank
     (default: unlimited); ``nvme_path`` need not exist on this machine.
     """
+    if attention not in KERNELS:
+        raise ValueError(f"attention={attention!r}: expected one of {', '.join(KERNELS)}")
     name = model if isinstance(model, str) else type(model).__name__
     if isinstance(model, str):
-        model = build_model(model, checkpointing=checkpointing)
+        model = build_model(model, checkpointing=checkpointing, attention=attention)
     if batch is None:
         if micro_batch is None:
             raise ValueError("give micro_batch=(sequences, tokens) or a batch function")
@@ -191,6 +199,7 @@ def rehearse(
             batch=batch,
             loss_fn=loss_fn or _default_loss,
             checkpointing=checkpointing,
+            attention=attention,
             iterations=iterations,
             headroom=headroom,
             host_memory=host_memory,
@@ -210,6 +219,7 @@ def _rehearse(
     batch: Callable[[], Any],
     loss_fn: Callable[[Any], torch.Tensor],
     checkpointing: bool,
+    attention: str,
     iterations: int,
     headroom: float,
     host_memory: int | None,
@@ -219,7 +229,8 @@ def _rehearse(
 ) -> Rehearsal:
     shape = ModelShape.of(model)
     holder: dict[str, Engine] = {}
-    tracker = MemoryTracker(DEVICE.type, _identify(holder), disk=disk)
+    tracker = MemoryTracker(DEVICE.type, _identify(holder), disk=disk, scratch=kernel_scratch)
+    kernels = GpuAttention(attention)
     problems: list[str] = []
     failure: str | None = None
     start = time.perf_counter()
@@ -227,7 +238,7 @@ def _rehearse(
         # the engine compares storages by data_ptr(), which fake tensors answer with 0
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         prepare_meta_model(model)
-        with tracker:
+        with kernels, tracker:
             try:
                 tracker.begin("initialize")
                 engine = _engine_class(tracker)(model, config)
@@ -297,6 +308,8 @@ def _rehearse(
         engine_kwargs={k: v for k, v in engine_kwargs.items()},
         micro_batch=micro_batch,
         checkpointing=checkpointing,
+        attention=describe_kernels(attention, dict(kernels.calls)),
+        attention_calls=dict(kernels.calls),
         phases=measured,
         activation_bytes=acts,
         estimate=estimate,

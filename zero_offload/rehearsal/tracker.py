@@ -10,6 +10,10 @@ peak, the live bytes are broken down by kind (parameters, gathered units, gradie
 who holds the storage when the engine can say (``identify``), else by the engine module that
 allocated it, else by phase (forward/backward: activations).
 
+What a kernel allocates and frees inside itself (a fused attention backward's fp32
+accumulators) is not an operation's output; ``scratch(func, args)`` gives its bytes, held as
+a device storage while the operation runs.
+
 Scalar reads (``.item()``) have no value under fake tensors; they read 0 (True for a flag),
 so norms read 0 and no overflow is seen: values are not simulated, only sizes.
 """
@@ -123,16 +127,19 @@ class PhaseMemory:
 class MemoryTracker(TorchDispatchMode):
     """Live and peak bytes per device of the fake tensors made while it is active.
     ``device_type``: the simulated accelerator's device type; everything on ``cpu`` is host.
-    ``disk``: the simulated NVMe tier (a :class:`~.disk.SimulatedDisk`), when there is one."""
+    ``disk``: the simulated NVMe tier (a :class:`~.disk.SimulatedDisk`), when there is one.
+    ``scratch``: (operation, arguments) -> device bytes the kernel uses inside itself."""
 
     def __init__(
         self,
         device_type: str,
         identify: Callable[[], dict[int, str]] | None = None,
         disk: Any = None,
+        scratch: Callable[[Any, tuple], int] | None = None,
     ) -> None:
         super().__init__()
         self.disk = disk
+        self.scratch = scratch
         self._disk_io = (0, 0)  # the disk's (read, written) when the phase began
         self.device_type = device_type
         self.identify = identify or dict
@@ -196,6 +203,7 @@ class MemoryTracker(TorchDispatchMode):
             return True if args[0].dtype == torch.bool else 0
         if func in _COPIES:
             self._count_copy(func, args, kwargs)
+        held = self._hold_scratch(func, args)  # noqa: F841 - alive until the peak is read
         out = func(*args, **kwargs)
         for t in _fakes((out, args, tuple(kwargs.values()))):
             self._register(t)
@@ -217,6 +225,15 @@ class MemoryTracker(TorchDispatchMode):
                 grew_host and self._host_now > self._snap_host * (1 + _SNAPSHOT_STEP),
             )
         return out
+
+    def _hold_scratch(self, func: Any, args: tuple) -> torch.Tensor | None:
+        nbytes = self.scratch(func, args) if self.scratch is not None else 0
+        if not nbytes:
+            return None
+        held = torch.empty(nbytes, dtype=torch.uint8, device=self.device_type)
+        self._register(held)
+        self.tag(held, ACTIVATIONS)
+        return held
 
     def _count_copy(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func is torch.ops.aten.copy_.default:
