@@ -38,6 +38,7 @@ from .terms import (
     BUFFER,
     FORWARD_BACKWARD,
     INITIALIZE,
+    LOSS,
     MODEL_STATE,
     PHASES,
     REDUCE,
@@ -55,8 +56,9 @@ from ..grads.host import staging_bytes
 from ..update.nvme_sizing import optimizer_split
 from ..params.store import param_pool_buffers
 from ..params.units import owning_modules, plan_units, trainable_numel
-from ..swap.budget import host_memory_budget, split_host_budget
+from ..swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from ..swap.buffers import ALIGNMENT, round_up
+from .activations import ActivationEstimate
 
 __all__ = [
     "Term",
@@ -66,6 +68,7 @@ __all__ = [
     "activation_memory",
     "RESIDENT",
     "FORWARD_BACKWARD",
+    "LOSS",
     "REDUCE",
     "STEP",
     "INITIALIZE",
@@ -294,6 +297,7 @@ def estimate_memory(
     prefetch_depth: int = 2,
     largest_layer_params: int | None = None,
     activation_bytes: int | None = None,
+    activations: ActivationEstimate | None = None,
     reduce_bucket_size: int = 25_000_000,
     sub_group_size: int = 100_000_000,
     host_memory_limit: int | None = None,
@@ -311,8 +315,13 @@ def estimate_memory(
     are reproduced exactly) or a parameter count (no padding). ``largest_layer_params``:
     stage 3's largest module, gathered ``prefetch_depth + 1`` at a time (default: read from
     the model, else Ψ/50). ``gpus_per_node``: default min(num_gpus, 8). ``activation_bytes``:
-    per GPU; None leaves activations out. ``device="cpu"`` models the engine on a CPU-only
-    machine, where the CPU is the "device" tier (as ``memory_report`` names it).
+    per GPU, alive with everything else of forward/backward; None leaves activations out.
+    ``activations``: instead, ``planning.activations.estimate_activations``'s figures: those
+    of the layers and the head beside the gathered window and the reductions in flight,
+    those of the loss without them, and activation offload's host buffers (which then come
+    out of the host budget first, as the engine takes them). ``device="cpu"`` models the
+    engine on a CPU-only machine, where the CPU is the "device" tier (as ``memory_report``
+    names it).
     ``trainable_params``: with a parameter count, how many train (default: all; a LoRA run
     trains a few million of billions); a model says it by ``requires_grad``. Only those have
     optimizer state and gradients; frozen ones keep their compute-dtype params.
@@ -330,6 +339,8 @@ def estimate_memory(
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
     _check_choice(stage, offload_optimizer, offload_param)
+    if activation_bytes and activations is not None:
+        raise ValueError("give activation_bytes or activations, not both")
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     if device not in ("cuda", "cpu"):
@@ -372,6 +383,7 @@ def estimate_memory(
         on_cpu=device == "cpu",
         sub_group_size=sub_group_size,
         offload_optimizer_fraction=offload_optimizer_fraction,
+        offload_activations=activations is not None and activations.offload,
     )
     build = TermBuilder(
         num_params=shape.num_params,
@@ -395,6 +407,10 @@ def estimate_memory(
     build.add_early_update()
     if activation_bytes:
         build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
+    if activations is not None:
+        # stage 3 gathers the head for its backward: the largest unit, for Llama and GPT
+        head = b * layout.largest if stage == 3 else 0
+        build.terms.extend(activations.terms(head_gathered=head))
     return _estimate(build, num_gpus, gpus_per_node, _dtype_name(dtype))
 
 
@@ -490,8 +506,10 @@ def _split_host(
     on_cpu: bool,
     sub_group_size: int,
     offload_optimizer_fraction: float | str | None,
+    offload_activations: bool = False,
 ) -> HostSplit:
-    """One host budget per rank, split between the pools as the engine splits it."""
+    """One host budget per rank, split between the pools as the engine splits it (offloaded
+    activations' share first: ``swap.budget.activation_host_share``)."""
     budget = host_memory_budget(host_memory_limit, available=host_available, ranks=ranks)
     staging = (
         staging_bytes(math.ceil(layout.largest_t / shards), b)
@@ -501,8 +519,13 @@ def _split_host(
     param_pool = _pool(
         b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
     )
+    acts = (
+        activation_host_share(budget, offload_param, offload_optimizer, staging)
+        if offload_activations
+        else 0
+    )
     param_budget, opt_budget = split_host_budget(
-        budget, param_pool, offload_param, offload_optimizer, staging
+        budget - acts, param_pool, offload_param, offload_optimizer, staging
     )
     split = optimizer_split(
         layout.s_t,

@@ -26,6 +26,7 @@ __all__ = [
     "HostSplit",
     "RESIDENT",
     "FORWARD_BACKWARD",
+    "LOSS",
     "REDUCE",
     "STEP",
     "INITIALIZE",
@@ -38,10 +39,13 @@ __all__ = [
 # When a term is alive.
 RESIDENT = "resident"  # held between steps: what memory_report() shows after a step
 FORWARD_BACKWARD = "forward/backward"  # only while the model runs
+# the loss's log-softmax (the forward's end, the backward's start): the largest logits alive,
+# but nothing of stage 3 gathered and no gradient reduced yet
+LOSS = "loss"
 REDUCE = "reduce"  # stages 0-1: autograd's gradients, from late in backward until reduced
 STEP = "step"  # only inside engine.step(), once the gradients are reduced
 INITIALIZE = "initialize"  # only inside initialize()
-PHASES = (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)
+PHASES = (RESIDENT, FORWARD_BACKWARD, LOSS, REDUCE, STEP, INITIALIZE)
 # What a term is.
 MODEL_STATE = "model state"  # params, grads, optimizer state (ZeRO paper, Table 1)
 BUFFER = "buffer"  # engine working memory on top of the model states

@@ -11,6 +11,7 @@ import torch
 from ..planning.estimate import (
     FORWARD_BACKWARD,
     INITIALIZE,
+    LOSS,
     REDUCE,
     RESIDENT,
     STEP,
@@ -18,6 +19,7 @@ from ..planning.estimate import (
     ModelShape,
     describe_params,
 )
+from ..planning.activations import ActivationEstimate
 from .tracker import KINDS, PhaseMemory
 
 __all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY", "tiers_note"]
@@ -116,6 +118,10 @@ class Rehearsal:
     nvme_simulated: bool = False
     attention: str = ""  # which attention kernel was counted (``attention.describe_kernels``)
     attention_calls: dict[str, int] = field(default_factory=dict)
+    # the planner's own activation figures for this run (a model family it knows), and
+    # estimate_memory with them: what `zero-offload plan` says before any rehearsal
+    planned_activations: ActivationEstimate | None = None
+    planned_estimate: MemoryEstimate | None = None
 
     # -- figures ----------------------------------------------------------------------------
     @property
@@ -139,19 +145,39 @@ class Rehearsal:
     def device_clean(self) -> bool:
         return not self.problems
 
-    def estimated_phase_bytes(self) -> dict[str, int]:
+    def estimated_phase_bytes(self, estimate: MemoryEstimate | None = None) -> dict[str, int]:
         """The estimate's device bytes in each measured phase: initialize, the model's
-        forward/backward, and ``engine.step()`` (stage 0-1 reductions, then the update)."""
-        e = self.estimate
+        forward/backward (the loss's moment included), and ``engine.step()`` (stage 0-1
+        reductions, then the update). ``estimate``: default the one with the measured
+        activations."""
+        e = estimate or self.estimate
         by = {
             p: sum(t.bytes for t in e.terms if t.tier == "device" and t.phase == p)
-            for p in (RESIDENT, FORWARD_BACKWARD, REDUCE, STEP, INITIALIZE)
+            for p in (RESIDENT, FORWARD_BACKWARD, LOSS, REDUCE, STEP, INITIALIZE)
         }
         return {
             "initialize": by[RESIDENT] + by[INITIALIZE],
-            "forward/backward": by[RESIDENT] + by[FORWARD_BACKWARD],
+            "forward/backward": by[RESIDENT] + max(by[FORWARD_BACKWARD], by[LOSS]),
             "step": by[RESIDENT] + max(by[REDUCE], by[STEP]),
         }
+
+    @property
+    def activations_peak(self) -> int:
+        """The most activations at any of the forward's or backward's successive peaks."""
+        return max(
+            (self.phases[p].activations_peak for p in ("forward", "backward") if p in self.phases),
+            default=0,
+        )
+
+    @property
+    def planned_error(self) -> float | None:
+        """(planned - measured) / measured of the forward/backward peak: the planner's own
+        activation figures against the run; None when it has none for this model."""
+        if self.planned_estimate is None:
+            return None
+        planned = self.estimated_phase_bytes(self.planned_estimate)["forward/backward"]
+        measured = self.measured_phase_bytes()["forward/backward"]
+        return (planned - measured) / max(measured, 1)
 
     def measured_phase_bytes(self) -> dict[str, int]:
         def peak(*phases: str) -> int:
@@ -264,6 +290,11 @@ class Rehearsal:
             "activation_bytes": self.activation_bytes,
             "estimate_gpu_bytes": self.estimate.gpu_bytes,
             "estimate_error": self.estimate_error,
+            "planned_activations": (
+                None if self.planned_activations is None else vars(self.planned_activations)
+            ),
+            "planned_error": self.planned_error,
+            "activations_peak": self.activations_peak,
             "suggestions": self.suggestions(),
             "phases": {p: vars(m) for p, m in self.phases.items()},
             "wall_s": self.wall_s,
@@ -271,6 +302,25 @@ class Rehearsal:
             "tiers": tiers_note(self.nvme_simulated),
             "simulated": HONESTY,
         }
+
+    def _planned_lines(self) -> list[str]:
+        pa, pe = self.planned_activations, self.planned_estimate
+        if pa is None or pe is None:
+            return []
+        planned = self.estimated_phase_bytes(pe)["forward/backward"]
+        measured = self.measured_phase_bytes()["forward/backward"]
+        out = [
+            "",
+            f"planner's own activation estimate ({pa.describe()}): "
+            f"{_gb(pa.running)} GB running, {_gb(pa.loss)} GB at the loss"
+            + (f", {_gb(pa.host)} GB offloaded to the host" if pa.host else ""),
+            f"  forward/backward  estimated {_gb(planned):>7} GB, measured "
+            f"{_gb(measured):>7} GB ({self.planned_error:+.1%})",
+            f"  activations       estimated {_gb(pa.device_bytes):>7} GB, measured "
+            f"{_gb(self.activations_peak):>7} GB "
+            f"({(pa.device_bytes - self.activations_peak) / max(self.activations_peak, 1):+.1%})",
+        ]
+        return out
 
     def __str__(self) -> str:
         kw = ", ".join(f"{k}={v!r}" for k, v in self.engine_kwargs.items())
@@ -331,6 +381,7 @@ class Rehearsal:
                 f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
                 f"measured {_gb(got):>7} GB"
             )
+        lines += self._planned_lines()
         lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]
         lines += [f"  {p}" for p in self.problems]
         lines += [f"verdict: {self.verdict()}"]

@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
 from ..planning.estimate import ModelShape, estimate_memory
+from ..planning.activations import ActivationEstimate, DecoderShape, estimate_activations
 from ..device.streams import Streams
 from ..update.api import adam_kwargs
 from ..swap.budget import host_memory_budget
@@ -105,6 +106,27 @@ def _inline_workers(engine: Engine) -> None:
     if engine.grad_queue is not None:
         engine.grad_queue._worker.shutdown()
         engine.grad_queue._worker = _Inline()
+
+
+def _planned_activations(
+    model: nn.Module,
+    micro_batch: tuple[int, int] | None,
+    checkpointing: bool,
+    config: ZeroConfig,
+) -> ActivationEstimate | None:
+    """The planner's activation figures for this run, when it can compute them: a model of
+    a family it knows, a micro-batch of token ids, no offload of every saved tensor."""
+    shape = DecoderShape.of(model)
+    if shape is None or micro_batch is None or config.activations.mode == "all":
+        return None
+    return estimate_activations(
+        shape,
+        batch=micro_batch[0],
+        seq=micro_batch[1],
+        dtype=config.precision.dtype,
+        checkpointing=checkpointing,
+        activations=config.activations,
+    )
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -298,6 +320,10 @@ def _rehearse(
         step_during_backward=False,
     )
     estimate = estimate_memory(shape, activation_bytes=acts or None, **est_kwargs)
+    planned = _planned_activations(model, micro_batch, checkpointing, config)
+    planned_estimate = (
+        estimate_memory(shape, activations=planned, **est_kwargs) if planned is not None else None
+    )
     return Rehearsal(
         model=name,
         num_params=shape.num_params,
@@ -312,6 +338,8 @@ def _rehearse(
         attention_calls=dict(kernels.calls),
         phases=measured,
         activation_bytes=acts,
+        planned_activations=planned,
+        planned_estimate=planned_estimate,
         estimate=estimate,
         shape=shape,
         estimate_kwargs=est_kwargs,

@@ -102,6 +102,9 @@ class PhaseMemory:
     host_end: int = 0
     device_kinds: dict[str, int] = field(default_factory=dict)  # at (within 0.1% of) the peak
     host_kinds: dict[str, int] = field(default_factory=dict)
+    # the most activations seen at any of the phase's successive peaks (the loss's moment,
+    # then a layer's): what the activation figures of the planner are compared with
+    activations_peak: int = 0
     h2d_bytes: int = 0  # copies host -> device
     d2h_bytes: int = 0
     nvme_peak: int = 0  # bytes in the (simulated) swap files; 0 without NVMe
@@ -116,6 +119,7 @@ class PhaseMemory:
         if other.host_peak > self.host_peak:
             self.host_peak, self.host_kinds = other.host_peak, other.host_kinds
         self.device_end, self.host_end = other.device_end, other.host_end
+        self.activations_peak = max(self.activations_peak, other.activations_peak)
         self.h2d_bytes = max(self.h2d_bytes, other.h2d_bytes)
         self.d2h_bytes = max(self.d2h_bytes, other.d2h_bytes)
         self.nvme_peak = max(self.nvme_peak, other.nvme_peak)
@@ -314,6 +318,8 @@ class MemoryTracker(TorchDispatchMode):
             side[kind] = side.get(kind, 0) + st.nbytes()
         if device:
             self._current.device_kinds = kinds[0]
+            acts = kinds[0].get(ACTIVATIONS, 0)
+            self._current.activations_peak = max(self._current.activations_peak, acts)
             self._snap_device = self._device_now
         if host:
             self._current.host_kinds = kinds[1]
