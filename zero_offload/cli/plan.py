@@ -2,6 +2,12 @@
 
     zero-offload plan --params 13e9 --gpus 4 --gpu-memory 24GB --host-memory 128GB [--nvme PATH]
     zero-offload plan --params 13e9 --trainable-params 50e6 ...   # LoRA: 50M params train
+    zero-offload plan --model llama-13b --gpus 4 --gpu-memory 24GB --micro-batch 1x32768
+
+With a micro-batch (``--micro-batch SEQUENCESxTOKENS``, or ``--seq-len`` with a number of
+sequences) and a model whose activations it can size (``--model``: a Llama-kind Hugging Face
+config, built on the meta device; ``--preset``), the planner also picks activation
+checkpointing, the tiled loss and activation offload where the activations decide the fit.
 
 Sizes take decimal (KB, MB, GB, TB = 1e3…1e12 bytes) or binary (KiB, MiB, GiB, TiB) units;
 counts take K, M, B (or G), T suffixes or plain numbers such as 13e9.
@@ -14,6 +20,8 @@ import json
 import re
 import shutil
 import sys
+
+from typing import Any
 
 import torch
 
@@ -65,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=parse_count, help="parameter count, e.g. 13e9 or 13B")
     model.add_argument(
+        "--model",
+        help="llama-7b, llama-13b, llama-70b, or a folder with a Hugging Face config.json "
+        "(built on the meta device: no weights are read; needs transformers)",
+    )
+    model.add_argument(
         "--preset",
         help="a GPT preset of zero_offload.bench.gpt (1b, 2.7b, "
         "13b, ...), laid out exactly on the meta device",
@@ -84,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs sharing one host's memory and disk (default: min(gpus, 8))",
     )
     parser.add_argument("--gpu-memory", type=parse_size, required=True, help="per GPU, e.g. 24GB")
-    parser.add_argument("--host-memory", type=parse_size, required=True, help="per node")
+    parser.add_argument(
+        "--host-memory",
+        type=parse_size,
+        default=None,
+        help="per node (default: not checked, as if there were always enough)",
+    )
     nvme = parser.add_mutually_exclusive_group()
     nvme.add_argument(
         "--nvme",
@@ -102,7 +120,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-memory",
         type=parse_size,
         default=None,
-        help="activations per GPU (default: left out of the fit)",
+        help="activations per GPU, as measured (default: computed from --micro-batch, "
+        "else left out of the fit)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=_micro_batch,
+        default=None,
+        help="per GPU: SEQUENCESxTOKENS (e.g. 1x32768), or a number of sequences of "
+        "--seq-len tokens; the planner then sizes the activations and picks the measures",
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument(
+        "--checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix activation checkpointing on or off (default: the planner decides)",
+    )
+    parser.add_argument(
+        "--offload-activations",
+        choices=["none", "checkpoints"],
+        default=None,
+        help="fix activation offload (default: the planner decides)",
+    )
+    parser.add_argument(
+        "--tiled-loss",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="fix the tiled loss, TOKENS a tile (0: the plain loss; default: the planner decides)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--prefetch-depth", type=int, default=2)
@@ -121,6 +167,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def _micro_batch(text: str) -> tuple[int, int | None]:
+    """'1x32768' -> (1, 32768); '2' -> (2, None): the tokens come from --seq-len."""
+    if text.strip().isdigit():
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: sequences must be >= 1")
+        return int(text), None
+    from .rehearse import parse_micro_batch
+
+    return parse_micro_batch(text)
+
+
+def _tokens(args: argparse.Namespace) -> tuple[int, int] | None | str:
+    """The micro-batch (sequences, tokens), None, or what is wrong with the arguments."""
+    mb, seq = args.micro_batch, args.seq_len
+    if mb is None and seq is None:
+        return None
+    if mb is None:
+        mb = (1, None)
+    if mb[1] is not None and seq is not None and mb[1] != seq:
+        return f"--micro-batch {mb[0]}x{mb[1]} and --seq-len {seq} disagree"
+    tokens = mb[1] if mb[1] is not None else seq
+    if tokens is None:
+        return "--micro-batch SEQUENCES needs --seq-len TOKENS (or give SEQUENCESxTOKENS)"
+    if tokens < 1:
+        return f"--seq-len must be >= 1, got {tokens}"
+    return mb[0], tokens
+
+
+def _measures_column(c: Any) -> str:
+    m = c.measures
+    if m is None:
+        return ""
+    parts = ["ckpt" if m.checkpointing else "-"]
+    if m.tile_tokens:
+        parts.append("tiled")
+    if m.offload:
+        parts.append("offload")
+    return "+".join(parts)
+
+
 def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.1f}"
 
@@ -129,6 +215,7 @@ def format_plan(p: Plan, title: str = "") -> str:
     """The table of every stage × offload choice, the recommendation and the notes."""
     keep = 1 - p.headroom
     e0 = p.candidates[0].estimate
+    sized = any(c.measures is not None for c in p.candidates)
     nvme = (
         "not checked"
         if p.nvme_bytes is None
@@ -144,11 +231,12 @@ def format_plan(p: Plan, title: str = "") -> str:
             f"({e0.ranks_per_node} per node), {e0.dtype}"
         ),
         f"usable ({keep:.0%}): GPU {_gb(p.gpu_memory * keep)} GB each, host "
-        f"{_gb(p.host_memory * keep)} GB per node, NVMe {nvme}",
+        + ("not checked" if p.host_memory is None else f"{_gb(p.host_memory * keep)} GB per node")
+        + f", NVMe {nvme}",
         "",
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'GPU GB':>7}  "
         f"{'host GB/node':>12}  {'NVMe GB/node':>12}  {'opt on NVMe':>11}  "
-        f"{'disk GB/step/node':>17}  fits",
+        f"{'disk GB/step/node':>17}  " + (f"{'activations':<18}  " if sized else "") + "fits",
     ]
     for c in p.candidates:
         e = c.estimate
@@ -160,7 +248,8 @@ def format_plan(p: Plan, title: str = "") -> str:
             f"{c.stage:>5}  {c.offload_optimizer:<9}  {c.offload_param:<6}  "
             f"{_gb(e.gpu_bytes):>7}  {_gb(e.host_bytes_per_node):>12}  "
             f"{_gb(e.nvme_bytes_per_node):>12}  {share:>11}  {disk:>17}  "
-            f"{fits}{mark}"
+            + (f"{_measures_column(c):<18}  " if sized else "")
+            + f"{fits}{mark}"
         )
         for reason in c.reasons:
             lines.append(f"{'':7}{reason}")
@@ -169,6 +258,8 @@ def format_plan(p: Plan, title: str = "") -> str:
         lines.append("recommended: " + p.explanation)
         args = ", ".join(f"{k}={v!r}" for k, v in p.kwargs.items())
         lines.append(f"  zo.initialize(model, {args})")
+        if p.choice.measures is not None and p.choice.measures.checkpointing:
+            lines.append("  with activation checkpointing: model.gradient_checkpointing_enable()")
         lines.append("where each rank's bytes go:")
         for t in sorted(p.choice.estimate.terms, key=lambda t: (t.tier, -t.bytes)):
             lines.append(
@@ -188,18 +279,47 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    tokens = _tokens(args)
+    if isinstance(tokens, str):
+        print(f"error: {tokens}", file=sys.stderr)
+        return 2
+    model: Any = args.params
     if args.preset:
         from ..bench.gpt import GPT, GPTConfig
 
-        try:
+        try:  # a sequence longer than the preset's needs position embeddings for it
             cfg = GPTConfig.preset(args.preset)
+            if tokens is not None and tokens[1] > cfg.seq:
+                cfg = GPTConfig.preset(args.preset, seq=tokens[1])
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         with torch.device("meta"):
             model = GPT(cfg)  # shapes only: nothing is allocated
-    else:
-        model = args.params
+    elif args.model:
+        from ..rehearsal.models import build_model
+
+        try:
+            model = build_model(args.model)
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    measures: dict[str, Any] = {}
+    if tokens is not None:
+        mode = args.offload_activations
+        measures = dict(
+            micro_batch=tokens,
+            checkpointing=args.checkpointing,
+            offload_activations=None if mode is None else mode == "checkpoints",
+            tiled_loss=args.tiled_loss,
+        )
+    elif (args.checkpointing, args.offload_activations, args.tiled_loss) != (None, None, None):
+        print(
+            "error: --checkpointing, --offload-activations and --tiled-loss size a "
+            "micro-batch's activations: give --micro-batch (or --seq-len)",
+            file=sys.stderr,
+        )
+        return 2
     nvme_bytes = args.nvme_bytes
     if args.nvme is not None:
         try:
@@ -222,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
             largest_layer_params=args.largest_layer_params,
             headroom=args.headroom,
             trainable_params=args.trainable_params,
+            **measures,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

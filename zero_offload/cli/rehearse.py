@@ -58,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory",
         type=parse_size,
         default=None,
-        help="per node; needed without --stage (the planner picks the "
-        "configuration), else only used for advice",
+        help="per node (default: not a limit: the planner and the simulated host assume "
+        "enough, and the report says how much was used)",
     )
     parser.add_argument(
         "--micro-batch",
@@ -69,8 +69,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--checkpointing",
-        action="store_true",
-        help="activation checkpointing (the model recomputes its layers)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="activation checkpointing (the model recomputes its layers); without --stage "
+        "the planner decides unless this or --no-checkpointing is given",
+    )
+    parser.add_argument(
+        "--offload-activations",
+        choices=["none", "checkpoints", "all"],
+        default=None,
+        help="activation offload: the checkpointed inputs (checkpoints) or every saved "
+        "tensor (all) to host memory; without --stage the planner decides unless given",
+    )
+    parser.add_argument(
+        "--tiled-loss",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the LM head and loss TOKENS tokens at a time (0: the plain loss); without "
+        "--stage the planner decides unless given",
     )
     parser.add_argument(
         "--attention",
@@ -120,33 +137,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _recommended(args: argparse.Namespace, model: Any) -> dict[str, Any] | str:
-    """The planner's configuration for this model and these GPUs, or why there is none."""
-    from ..planning.planner import plan
+_ENOUGH_HOST = 1 << 50  # no --host-memory: host memory is not what decides the fit
 
-    if args.host_memory is None:
-        return "without --stage the planner chooses the configuration: give --host-memory"
-    cfg = getattr(model, "config", None)
-    acts = None
-    if cfg is not None and hasattr(cfg, "hidden_size"):
-        b, s = args.micro_batch
-        acts = activation_memory(
-            seq=s,
-            batch=b,
-            width=cfg.hidden_size,
-            layers=cfg.num_hidden_layers,
-            dtype=args.dtype,
+
+def _recommended(args: argparse.Namespace, model: Any) -> Any:
+    """The planner's plan for this model, these GPUs and this micro-batch (its activation
+    measures where it can size the model's activations), or why there is none."""
+    from ..planning.planner import plan
+    from ..planning.activations import DecoderShape
+
+    sized = DecoderShape.of(model) is not None
+    measures: dict[str, Any] = {}
+    if sized:
+        mode = args.offload_activations
+        if mode == "all":
+            return "the planner does not size --offload-activations all: give --stage too"
+        measures = dict(
+            micro_batch=args.micro_batch,
             checkpointing=args.checkpointing,
+            offload_activations=None if mode is None else mode == "checkpoints",
+            tiled_loss=args.tiled_loss,
         )
+    else:  # a model whose activations the planner cannot size: the rough rule
+        cfg = getattr(model, "config", None)
+        if cfg is not None and hasattr(cfg, "hidden_size"):
+            b, s = args.micro_batch
+            measures["activation_bytes"] = activation_memory(
+                seq=s,
+                batch=b,
+                width=cfg.hidden_size,
+                layers=cfg.num_hidden_layers,
+                dtype=args.dtype,
+                checkpointing=bool(args.checkpointing),
+            )
     p = plan(
         model,
         num_gpus=args.gpus,
         gpu_memory=args.gpu_memory,
         host_memory=args.host_memory,
         nvme_bytes=args.nvme_bytes or 0,
-        activation_bytes=acts,
         dtype=args.dtype,
         headroom=args.headroom,
+        **measures,
         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth else {}),
     )
     if not p.fits:
@@ -156,28 +188,38 @@ def _recommended(args: argparse.Namespace, model: Any) -> dict[str, Any] | str:
             + ":\n"
             + p.explanation
         )
-    return dict(p.kwargs)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
     from ..rehearsal.models import build_model
     from ..rehearsal.run import rehearse
 
+    checkpointing = bool(args.checkpointing)
+    planner = ""
     if args.stage is None:
         try:
-            kwargs = _recommended(args, build_model(args.model, attention=args.attention))
+            p = _recommended(args, build_model(args.model, attention=args.attention))
         except (ValueError, RuntimeError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        if isinstance(kwargs, str):
-            print(f"error: {kwargs}", file=sys.stderr)
+        if isinstance(p, str):
+            print(f"error: {p}", file=sys.stderr)
             return 2
+        kwargs = dict(p.kwargs)
+        if p.choice is not None and p.choice.measures is not None:
+            checkpointing = p.choice.measures.checkpointing
+        planner = p.explanation
         print(f"planner's recommendation: {kwargs}", file=sys.stderr)
     else:
         kwargs = {"stage": args.stage, "dtype": args.dtype}
         for key in ("offload_optimizer", "offload_param", "prefetch_depth"):
             if getattr(args, key) is not None:
                 kwargs[key] = getattr(args, key)
+        if args.offload_activations is not None:
+            kwargs["offload_activations"] = args.offload_activations
+        if args.tiled_loss is not None:
+            kwargs["tiled_loss"] = args.tiled_loss
     kwargs.update(dict(args.set))
     # the node's disk is shared by its ranks (as the planner counts it)
     nvme_per_rank = (
@@ -189,12 +231,13 @@ def run(args: argparse.Namespace) -> int:
             world_size=args.gpus,
             gpu_memory=args.gpu_memory,
             micro_batch=args.micro_batch,
-            checkpointing=args.checkpointing,
+            checkpointing=checkpointing,
             attention=args.attention,
             iterations=args.iterations,
             headroom=args.headroom,
-            host_memory=args.host_memory,
+            host_memory=args.host_memory or _ENOUGH_HOST,
             nvme_bytes=nvme_per_rank,
+            planner=planner,
             **kwargs,
         )
     except (ValueError, RuntimeError) as exc:

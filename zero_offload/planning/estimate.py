@@ -92,6 +92,10 @@ class ModelShape:
     module_sizes: tuple[int, ...] | None = None  # params each module owns
     param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
     model: nn.Module | None = field(default=None, compare=False, repr=False)
+    # the engine's unit layouts of ``model`` by layout arguments: a planner asks for the same
+    # few dozen times (one ModelShape serves one search; a model changed after it was read
+    # needs a new one)
+    layouts: dict[tuple, "Layout"] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -348,8 +352,11 @@ def estimate_memory(
     shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
     shards = 1 if stage == 0 else num_gpus
-    if shape.model is not None:
-        layout = _model_layout(
+    key = (stage, num_gpus, b, prefetch_depth, largest_layer_params, reduce_bucket_size)
+    if shape.model is not None and key in shape.layouts:
+        layout = shape.layouts[key]
+    elif shape.model is not None:
+        layout = shape.layouts[key] = _model_layout(
             shape.model,
             stage=stage,
             num_gpus=num_gpus,

@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..update.nvme_sizing import FULL_SPEED_GROUP
+from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
 from .estimate import (
     MemoryEstimate,
     ModelShape,
@@ -67,6 +68,7 @@ CHOICES: tuple[tuple[int, str, str], ...] = (
 )
 _TIER_LABEL = {"device": "GPU", "host": "host", "nvme": "NVMe"}
 _MAX_GPUS = 4096
+_UNCHECKED_HOST = 1 << 50  # host_memory=None: the budget of a node that is never short
 
 
 def _gb(n: float) -> str:
@@ -88,6 +90,10 @@ class Candidate:
     # gives it the node's spare host memory, and the disk traffic of the all-NVMe placement
     host_memory_limit: int | None = None
     all_nvme_disk_bytes: int = 0
+    # with a micro-batch: the activation measures it needs, and the cheaper ones that do not
+    # fit (with the GPU bytes each would need)
+    measures: Measures | None = None
+    cheaper: tuple[tuple[Measures, int], ...] = ()
 
     @property
     def uses_nvme(self) -> bool:
@@ -115,6 +121,8 @@ class Candidate:
             * self.estimate.disk_bytes_per_step,
             "all_nvme_disk_bytes_per_step_per_node": self.estimate.ranks_per_node
             * self.all_nvme_disk_bytes,
+            "measures": None if self.measures is None else vars(self.measures),
+            "cheaper_measures": [{**vars(m), "gpu_bytes": gpu} for m, gpu in self.cheaper],
         }
 
 
@@ -129,7 +137,7 @@ class Plan:
     candidates: tuple[Candidate, ...]
     explanation: str
     gpu_memory: int
-    host_memory: int
+    host_memory: int | None  # None: not checked
     nvme_bytes: int | None  # None: not measured (NVMe choices assumed to have room)
     headroom: float
     notes: tuple[str, ...] = field(default=())
@@ -241,38 +249,76 @@ def _split_text(c: Candidate) -> str:
     return text + "."
 
 
+def _candidate(
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    stage: int,
+    opt: str,
+    par: str,
+    measures: Measures | None = None,
+) -> Candidate:
+    e = estimate_memory(
+        shape,
+        num_gpus=num_gpus,
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=par,
+        **est_kwargs,
+    )
+    extra: dict[str, Any] = {}
+    filled = (
+        _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e) if opt == "nvme" else None
+    )
+    if filled is not None:
+        extra = dict(host_memory_limit=filled[1], all_nvme_disk_bytes=e.disk_bytes_per_step)
+        e = filled[0]
+    cand = Candidate(stage, opt, par, e, True, ())
+    reasons = []
+    for tier, need in cand.needs().items():
+        usable = limits[tier]
+        if usable is None or need <= usable:  # None: NVMe space not measured
+            continue
+        reasons.append(_why_over(e, tier, need, usable))
+    unchecked = cand.uses_nvme and limits["nvme"] is None
+    return Candidate(
+        stage, opt, par, e, not reasons, tuple(reasons), unchecked, measures=measures, **extra
+    )
+
+
+def _with_measures(
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    choice: tuple[int, str, str],
+    micro: MicroBatch,
+    rungs: tuple[Measures, ...],
+) -> Candidate:
+    """``choice`` with the cheapest activation measures that fit (and the cheaper ones that
+    do not), else with the strongest."""
+
+    @functools.cache
+    def at(m: Measures) -> Candidate:
+        kw = dict(est_kwargs, activations=micro.activations(m))
+        return _candidate(shape, limits, num_gpus, kw, *choice, measures=m)
+
+    m, cheaper = cheapest(rungs, lambda m: (at(m).fits, at(m).estimate.gpu_bytes))
+    return replace(at(m), cheaper=cheaper)
+
+
 def _evaluate(
-    shape: ModelShape, limits: dict[str, float | None], num_gpus: int, est_kwargs: dict[str, Any]
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    micro: MicroBatch | None = None,
+    rungs: tuple[Measures, ...] = (),
 ) -> list[Candidate]:
-    out = []
-    for stage, opt, par in CHOICES:
-        e = estimate_memory(
-            shape,
-            num_gpus=num_gpus,
-            stage=stage,
-            offload_optimizer=opt,
-            offload_param=par,
-            **est_kwargs,
-        )
-        extra: dict[str, Any] = {}
-        filled = (
-            _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e)
-            if opt == "nvme"
-            else None
-        )
-        if filled is not None:
-            extra = dict(host_memory_limit=filled[1], all_nvme_disk_bytes=e.disk_bytes_per_step)
-            e = filled[0]
-        cand = Candidate(stage, opt, par, e, True, ())
-        reasons = []
-        for tier, need in cand.needs().items():
-            usable = limits[tier]
-            if usable is None or need <= usable:  # None: NVMe space not measured
-                continue
-            reasons.append(_why_over(e, tier, need, usable))
-        unchecked = cand.uses_nvme and limits["nvme"] is None
-        out.append(Candidate(stage, opt, par, e, not reasons, tuple(reasons), unchecked, **extra))
-    return out
+    if micro is None:
+        return [_candidate(shape, limits, num_gpus, est_kwargs, *c) for c in CHOICES]
+    return [_with_measures(shape, limits, num_gpus, est_kwargs, c, micro, rungs) for c in CHOICES]
 
 
 def _what_would_fit(
@@ -282,6 +328,8 @@ def _what_would_fit(
     shape: ModelShape,
     num_gpus: int,
     est_kwargs: dict[str, Any],
+    micro: MicroBatch | None = None,
+    rungs: tuple[Measures, ...] = (),
 ) -> list[str]:
     """For each resource: the least of it that makes some choice fit, the others unchanged;
     then the fewest GPUs (doubling) at which something fits."""
@@ -305,7 +353,7 @@ def _what_would_fit(
             )
     n = num_gpus * 2
     while n <= _MAX_GPUS:
-        fitting = [c for c in _evaluate(shape, limits, n, est_kwargs) if c.fits]
+        fitting = [c for c in _evaluate(shape, limits, n, est_kwargs, micro, rungs) if c.fits]
         if fitting:
             c = fitting[0]
             out.append(
@@ -322,7 +370,7 @@ def plan(
     *,
     num_gpus: int,
     gpu_memory: int,
-    host_memory: int,
+    host_memory: int | None,
     nvme_bytes: int | None = None,
     activation_bytes: int | None = None,
     gpus_per_node: int | None = None,
@@ -332,11 +380,25 @@ def plan(
     nvme_path: str | os.PathLike | None = None,
     headroom: float = 0.1,
     trainable_params: int | float | None = None,
+    micro_batch: tuple[int, int] | None = None,
+    checkpointing: bool | None = None,
+    offload_activations: bool | None = None,
+    tiled_loss: int | None = None,
 ) -> Plan:
     """The least-offloaded stage × offload choice whose estimate fits, as ``initialize``
     keyword arguments, or an explanation of why none fits and what would.
 
-    ``gpu_memory``: bytes per GPU; ``host_memory`` and ``nvme_bytes``: bytes per node.
+    ``micro_batch``: (sequences, tokens) per GPU: the activations are then computed for the
+    model (a Hugging Face Llama-kind model or the benchmark GPT: ``planning.activations``)
+    and, for each choice, the cheapest activation measures that fit are picked
+    (``planning.measures.ladder``: the tiled loss, checkpointing, both, both with activation
+    offload); ``checkpointing``, ``offload_activations`` and ``tiled_loss`` (tokens a tile,
+    0: off) fix one instead of leaving it to the planner. Checkpointing is the model's own
+    switch (``plan.checkpointing``: call ``model.gradient_checkpointing_enable()``); the
+    others are in ``kwargs``.
+
+    ``gpu_memory``: bytes per GPU; ``host_memory`` and ``nvme_bytes``: bytes per node
+    (``host_memory=None``: not checked, as if there were always enough).
     ``nvme_bytes=None`` with an ``nvme_path``: its free space is measured; with neither, NVMe
     space is not checked (NVMe choices are assumed to have room and say so); ``0``: no NVMe.
     ``headroom``: the fraction of every tier kept free (CUDA context, allocator
@@ -347,14 +409,19 @@ def plan(
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    for name, value in (("gpu_memory", gpu_memory), ("host_memory", host_memory)):
+    for name, value in (("gpu_memory", gpu_memory), ("host_memory", host_memory or 0)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
     if nvme_bytes is None and nvme_path is not None:
         nvme_bytes = shutil.disk_usage(nvme_path).free
     shape = ModelShape.of(model_or_num_params, trainable_params)
+    micro, rungs = micro_batch_for(
+        model_or_num_params, micro_batch, activation_bytes, dtype,
+        checkpointing, offload_activations, tiled_loss,
+    )  # fmt: skip
     keep = 1 - headroom
-    usable_gpu, usable_host = gpu_memory * keep, host_memory * keep
+    usable_gpu = gpu_memory * keep
+    usable_host = None if host_memory is None else host_memory * keep
     limits: dict[str, float | None] = {
         "device": usable_gpu,
         "host": usable_host,
@@ -366,11 +433,11 @@ def plan(
         prefetch_depth=prefetch_depth,
         largest_layer_params=largest_layer_params,
         activation_bytes=activation_bytes,
-        host_available=host_memory,
+        host_available=_UNCHECKED_HOST if host_memory is None else host_memory,
     )
-    cands = _evaluate(shape, limits, num_gpus, est_kwargs)
+    cands = _evaluate(shape, limits, num_gpus, est_kwargs, micro, rungs)
     notes = []
-    if activation_bytes is None:
+    if activation_bytes is None and micro is None:
         notes.append(
             "activations are not included: pass activation_bytes (rough rule with "
             "activation checkpointing: 2 × seq × batch × width × layers × 2 bytes)"
@@ -388,14 +455,18 @@ def plan(
         Plan,
         candidates=tuple(cands),
         gpu_memory=int(gpu_memory),
-        host_memory=int(host_memory),
+        host_memory=None if host_memory is None else int(host_memory),
         nvme_bytes=None if nvme_bytes is None else int(nvme_bytes),
         headroom=headroom,
     )
     if choice is None:
         lines = [
             f"nothing fits {num_gpus} × {_gb(gpu_memory)} GPUs with "
-            f"{_gb(host_memory)} host memory per node"
+            + (
+                "host memory not checked"
+                if host_memory is None
+                else f"{_gb(host_memory)} host memory per node"
+            )
             + (
                 f" and {_gb(nvme_bytes)} NVMe"
                 if nvme_bytes
@@ -410,7 +481,7 @@ def plan(
             f"Even the most offloaded choice (stage 3, optimizer and params on NVMe) "
             f"fails: {'; '.join(last.reasons)}."
         )
-        would = _what_would_fit(cands, limits, headroom, shape, num_gpus, est_kwargs)
+        would = _what_would_fit(cands, limits, headroom, shape, num_gpus, est_kwargs, micro, rungs)
         if would:
             lines.append("What would fit: " + "; or ".join(would) + ".")
         if trains:
@@ -426,6 +497,8 @@ def plan(
     }
     if choice.stage == 3:
         kwargs["prefetch_depth"] = prefetch_depth
+    if choice.measures is not None:
+        kwargs.update(choice.measures.kwargs())
     if choice.host_memory_limit is not None:
         kwargs["offload_optimizer_fraction"] = "auto"
         kwargs["host_memory_limit"] = choice.host_memory_limit
@@ -456,9 +529,10 @@ def plan(
     explanation = (
         f"stage {choice.stage}, optimizer {choice.offload_optimizer}, params "
         f"{choice.offload_param} fits: GPU {_gb(e.gpu_bytes)} of "
-        f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} of "
-        f"{_gb(usable_host)} per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
-        f"node.{_split_text(choice)}{why}{trains}"
+        f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} "
+        + ("(not checked)" if usable_host is None else f"of {_gb(usable_host)}")
+        + f" per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
+        f"node.{_split_text(choice)}{explain(choice.measures, choice.cheaper, micro)}{why}{trains}"
     )
     return outcome(
         fits=True, kwargs=kwargs, choice=choice, explanation=explanation, notes=tuple(notes)

@@ -122,6 +122,7 @@ class Rehearsal:
     # estimate_memory with them: what `zero-offload plan` says before any rehearsal
     planned_activations: ActivationEstimate | None = None
     planned_estimate: MemoryEstimate | None = None
+    planner: str = ""  # the planner's explanation, when it chose the configuration
 
     # -- figures ----------------------------------------------------------------------------
     @property
@@ -296,6 +297,7 @@ class Rehearsal:
             "planned_error": self.planned_error,
             "activations_peak": self.activations_peak,
             "suggestions": self.suggestions(),
+            "planner": self.planner,
             "phases": {p: vars(m) for p, m in self.phases.items()},
             "wall_s": self.wall_s,
             "max_rss_bytes": self.max_rss_bytes,
@@ -372,7 +374,10 @@ class Rehearsal:
             (t for t in self.estimate.terms if t.tier == "device"), key=lambda t: -t.bytes
         ):
             lines.append(f"    {_gb(t.bytes):>7} GB  {t.name} [{t.phase}] ({t.formula})")
-        tiers = [("host", self.estimate.host_bytes_per_rank, "host_peak")]
+        # the planner's own figures include activation offload's host buffers
+        tiers = [
+            ("host", (self.planned_estimate or self.estimate).host_bytes_per_rank, "host_peak")
+        ]
         if self.nvme_simulated:
             tiers.append(("NVMe", self.estimate.nvme_bytes_per_rank, "nvme_peak"))
         for tier, estimated, attr in tiers:
@@ -386,6 +391,8 @@ class Rehearsal:
         lines += [f"  {p}" for p in self.problems]
         lines += [f"verdict: {self.verdict()}"]
         lines += [f"  try: {s}" for s in self.suggestions()]
+        if self.planner:
+            lines += [f"planner: {self.planner}"]
         lines += [
             "",
             f"rehearsed in {self.wall_s:.0f} s, max RSS {self.max_rss_bytes / 2**30:.2f} GiB",

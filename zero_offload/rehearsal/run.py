@@ -10,6 +10,7 @@ in a :class:`~.report.Rehearsal`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import resource
 import tempfile
@@ -160,6 +161,7 @@ def rehearse(
     headroom: float = 0.1,
     host_memory: int | None = None,
     nvme_bytes: int | None = None,
+    planner: str = "",
     **engine_kwargs: Any,
 ) -> Rehearsal:
     """Run rank 0's ``initialize`` and ``iterations`` forward/backward/step rounds of a
@@ -182,7 +184,8 @@ def rehearse(
     the planner's advice. Other keywords go to ``initialize`` (stage, offload_optimizer,
     offload_param, dtype, prefetch_depth, ...). The NVMe tier (``"nvme"``) is simulated: the
     swap files keep their sizes, not their bytes, on a disk of ``nvme_bytes`` for this rank
-    (default: unlimited); ``nvme_path`` need not exist on this machine.
+    (default: unlimited); ``nvme_path`` need not exist on this machine. ``planner``: the
+    planner's explanation of the configuration, shown in the report.
     """
     if attention not in KERNELS:
         raise ValueError(f"attention={attention!r}: expected one of {', '.join(KERNELS)}")
@@ -212,7 +215,7 @@ def rehearse(
         )
         stack.enter_context(use_disk(disk))
     with stack:
-        return _rehearse(
+        result = _rehearse(
             model,
             name,
             world_size=world_size,
@@ -229,6 +232,7 @@ def rehearse(
             engine_kwargs=engine_kwargs,
             config=build_config(None, device=DEVICE, **sim_kwargs),
         )
+    return dataclasses.replace(result, planner=planner) if planner else result
 
 
 def _rehearse(
