@@ -28,7 +28,14 @@ import torch
 from ..planning.estimate import describe_params
 from ..planning.planner import Plan, plan
 
-__all__ = ["add_arguments", "run", "format_plan", "parse_size", "parse_count"]
+__all__ = [
+    "add_arguments",
+    "run",
+    "format_plan",
+    "parse_size",
+    "parse_count",
+    "parse_micro_batch",
+]
 
 _SIZE_UNITS = {
     "": 1,
@@ -167,14 +174,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def parse_micro_batch(text: str) -> tuple[int, int]:
+    """'1x2048' -> (1, 2048): sequences × tokens per sequence, per rank."""
+    try:
+        b, s = (int(v) for v in text.lower().replace("×", "x").split("x"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SEQUENCESxTOKENS (e.g. 1x2048)") from err
+    if b < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both numbers must be >= 1")
+    return b, s
+
+
 def _micro_batch(text: str) -> tuple[int, int | None]:
     """'1x32768' -> (1, 32768); '2' -> (2, None): the tokens come from --seq-len."""
     if text.strip().isdigit():
         if int(text) < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: sequences must be >= 1")
         return int(text), None
-    from .rehearse import parse_micro_batch
-
     return parse_micro_batch(text)
 
 

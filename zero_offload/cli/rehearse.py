@@ -19,20 +19,9 @@ from typing import Any
 
 from ..planning.estimate import activation_memory
 from ..rehearsal.attention import KERNELS
-from .plan import parse_size
+from .plan import parse_micro_batch, parse_size
 
 __all__ = ["add_arguments", "run", "parse_micro_batch"]
-
-
-def parse_micro_batch(text: str) -> tuple[int, int]:
-    """'1x2048' -> (1, 2048): sequences × tokens per sequence, per rank."""
-    try:
-        b, s = (int(v) for v in text.lower().replace("×", "x").split("x"))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not SEQUENCESxTOKENS (e.g. 1x2048)") from err
-    if b < 1 or s < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: both numbers must be >= 1")
-    return b, s
 
 
 def _value(text: str) -> tuple[str, Any]:
