@@ -39,25 +39,28 @@ def _llama(path, layers: int) -> str:
 
 
 @pytest.mark.parametrize(
-    "layers, seq, checkpointing, offload",
+    "layers, seq, checkpointing, offload, tiles",
     [
-        (2, 2048, False, None),
-        (2, 8192, True, None),
-        (4, 32768, True, "checkpoints"),
-        (2, 131072, True, None),
+        (2, 2048, False, None, 0),
+        (2, 8192, True, None, 0),
+        (2, 16384, True, None, 4096),
+        (4, 32768, True, "checkpoints", 4096),
+        (2, 131072, True, None, 0),
     ],
-    ids=["2k", "8k-ckpt", "32k-ckpt-offload", "128k-ckpt"],
+    ids=["2k", "8k-ckpt", "16k-ckpt-tiled", "32k-ckpt-offload-tiled", "128k-ckpt"],
 )
 def test_planned_activations_agree_with_the_rehearsal(
-    tmp_path, layers, seq, checkpointing, offload
+    tmp_path, layers, seq, checkpointing, offload, tiles
 ):
-    """Llama 2 13B's widths at 2k to 128k tokens, with and without checkpointing and
-    activation offload: the planner's activations are the rehearsal's within 10% (the
+    """Llama 2 13B's widths at 2k to 128k tokens, with and without checkpointing, activation
+    offload and the tiled loss: the planner's activations are the rehearsal's within 10% (the
     largest at any of its phases' successive peaks), and so is the forward/backward peak
     wherever the activations dominate it (at 2 layers and 2k the engine's gathered window
     and reductions in flight, which the estimate holds at once, are as large)."""
     pytest.importorskip("transformers")
     kwargs = {"offload_activations": offload} if offload else {}
+    if tiles:
+        kwargs["tiled_loss"] = tiles
     r = zo.rehearse(
         _llama(tmp_path, layers),
         world_size=4,
@@ -73,12 +76,13 @@ def test_planned_activations_agree_with_the_rehearsal(
     assert r.failure is None, r.failure
     planned = r.planned_activations
     assert planned is not None and planned.offload == bool(offload)
+    assert planned.tile_tokens == tiles
     assert abs(planned.device_bytes - r.activations_peak) <= 0.10 * r.activations_peak
     if seq >= 8192:
         assert r.planned_error is not None and abs(r.planned_error) <= 0.10, str(r)
     if offload:  # every layer's input in a host buffer: the host holds what was planned
         host = max(p.host_peak for p in r.phases.values())
-        assert planned.host >= layers * seq * 5120 * 2
+        assert planned.host >= (layers + 1) * seq * 5120 * 2  # and the tiles' input
         assert abs(host - r.planned_estimate.host_bytes_per_rank) <= 0.01 * host
 
 

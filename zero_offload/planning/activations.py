@@ -29,7 +29,9 @@ offload (``offload_activations="checkpoints"``) moves the kept inputs to host bu
 (``activations.host_slots.slot_bytes`` each) and leaves ``offload_activations_prefetch`` of
 them on the device (one more in backward, the one in use). The tiled loss (``tiled_loss``)
 computes the loss ``tile`` tokens at a time: the logits of one tile exist at once, and the
-slices' gradients are added into a full-size buffer of the hidden states' gradient.
+slices' gradients are added into a full-size buffer of the hidden states' gradient; its
+tiles are checkpointed regions, so with offload their input, the last hidden states, goes to
+the host too.
 """
 
 from __future__ import annotations
@@ -263,9 +265,11 @@ def estimate_activations(
     else:
         moments["forward: the final norm"] = kept_f + rope + norm + (_FP32 + b) * h * T
     loss = max(moments["forward: the loss"], moments["backward: the loss"])
-    head = moments.get("backward: the head", 0)
+    # the tiled loss runs the head in every tile's backward: the head is gathered then
+    head = moments["backward: the loss"] if tiled else moments["backward: the head"]
     running = max(v for k, v in moments.items() if not k.endswith(("the loss", "the head")))
-    host = L * slot_bytes(u) if offload else 0
+    # the tiles are checkpointed regions too: their input (the last hidden states) is offloaded
+    host = (L + (1 if tiled else 0)) * slot_bytes(u) if offload else 0
     return ActivationEstimate(
         running=int(running),
         head=int(head),

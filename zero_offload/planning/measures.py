@@ -123,6 +123,8 @@ def micro_batch_for(
             "benchmark GPT, given as a model (the meta device is fine): for "
             f"{type(model).__name__} give activation_bytes (rehearse it to measure them)"
         )
+    if decoder.family == "gpt" and tiled_loss is None:
+        tiled_loss = 0  # the benchmark GPT computes its own loss: nothing to tile it for it
     b, s = micro_batch
     micro = MicroBatch(decoder, b, s, dtype)
     return micro, ladder(micro.tokens, checkpointing, offload, tiled_loss)

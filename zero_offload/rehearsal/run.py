@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..activations.config import DEFAULT_TILE_TOKENS
+from ..activations.tiled_loss import tiled_causal_lm_loss
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
 from ..planning.estimate import ModelShape, estimate_memory
@@ -139,6 +141,32 @@ def _default_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+def _forward(
+    loss_fn: Callable[[Any], torch.Tensor] | None, engine_kwargs: dict[str, Any]
+) -> Callable[[Engine, Any], torch.Tensor]:
+    """The loss of one micro-batch: ``loss_fn`` of the model's output; with ``tiled_loss``
+    and no ``loss_fn``, a causal LM's tiled loss, run as a forward of the engine (as
+    ``ZeroOffloadTrainer`` runs it)."""
+    tile = engine_kwargs.get("tiled_loss")
+    if loss_fn is None and tile:
+        tile_tokens = DEFAULT_TILE_TOKENS if tile is True else int(tile)
+
+        def tiled(engine: Engine, batch: Any) -> torch.Tensor:
+            if not isinstance(batch, dict):
+                raise ValueError("tiled_loss rehearses a batch of keyword inputs (input_ids=...)")
+            return engine.run(
+                tiled_causal_lm_loss,
+                engine.module,
+                tile_tokens=tile_tokens,
+                gather=engine.gathered,
+                **batch,
+            )
+
+        return tiled
+    fn = loss_fn or _default_loss
+    return lambda engine, batch: fn(_call(engine, batch))
+
+
 def _call(engine: Engine, batch: Any) -> Any:
     if isinstance(batch, dict):
         return engine(**batch)
@@ -174,7 +202,9 @@ def rehearse(
     ``micro_batch``: (sequences, tokens) of one rank's micro-batch, for a causal LM; or give
     ``batch``, a function returning the model's inputs (called under fake tensors: their
     shapes matter, not values) and ``loss_fn`` (output -> scalar loss; default ``.loss`` or
-    the output's mean). ``checkpointing``: a named model recomputes its layers in backward.
+    the output's mean; with ``tiled_loss`` and no ``loss_fn``, the tiled loss of a Hugging
+    Face causal LM, as ``ZeroOffloadTrainer`` computes it). ``checkpointing``: a named model
+    recomputes its layers in backward.
     ``attention``: how ``scaled_dot_product_attention`` is counted: ``"auto"``, the kernel a
     GPU picks for those inputs (flash / memory-efficient: no s² scores); ``"math"``, the
     math path; ``"flash"`` / ``"efficient"`` force one; ``"eager"`` builds a named model
@@ -222,7 +252,7 @@ def rehearse(
             gpu_memory=gpu_memory,
             micro_batch=micro_batch,
             batch=batch,
-            loss_fn=loss_fn or _default_loss,
+            forward=_forward(loss_fn, sim_kwargs),
             checkpointing=checkpointing,
             attention=attention,
             iterations=iterations,
@@ -243,7 +273,7 @@ def _rehearse(
     gpu_memory: int,
     micro_batch: tuple[int, int] | None,
     batch: Callable[[], Any],
-    loss_fn: Callable[[Any], torch.Tensor],
+    forward: Callable[[Engine, Any], torch.Tensor],
     checkpointing: bool,
     attention: str,
     iterations: int,
@@ -276,7 +306,7 @@ def _rehearse(
                 for _ in range(iterations):
                     inputs = batch()
                     tracker.begin("forward")
-                    loss = loss_fn(_call(engine, inputs))
+                    loss = forward(engine, inputs)
                     tracker.end()
                     tracker.begin("backward")
                     engine.backward(loss)
