@@ -25,6 +25,7 @@ from zero_offload.optim.cpu_optim import (
     CPULion8bit,
     CPUOptimizer,
 )
+from zero_offload.optim import kernel as K
 from zero_offload.optim.kernel import IsaUnavailable
 from zero_offload.optim.torch_step import torch_step
 from zero_offload.partition import build_layout
@@ -205,7 +206,7 @@ def _bnb_moments(opt_ref, p, kind):
 def test_8bit_matches_bitsandbytes_over_20_steps(kind) -> None:
     """Same blocks, maps and update as bitsandbytes' AdamW8bit / Lion8bit on CPU.
 
-    Step by step from bitsandbytes' own state (copied into ours before each step), every new
+    Step by step from bitsandbytes' own state (copied into ours before each of 10 steps), every new
     moment is within one quantization step of bitsandbytes' (its CPU quantizer is not exactly
     nearest-entry: it is off by one entry for ~3% of v's codes, by up to 7 entries below
     1e-4 of the block's absmax, where we allow 1e-4 of absmax). Left to run on their own for
@@ -213,14 +214,14 @@ def test_8bit_matches_bitsandbytes_over_20_steps(kind) -> None:
     within a few learning rates (a sign flip moves Lion by 2 lr).
     """
     bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (dev extra)")
-    shapes = [(64, 300), (5000,), (100,)]  # quantized (one with a partial last block), fp32
+    shapes = [(40, 256), (4500,), (100,)]  # quantized (one with a partial last block), fp32
     gen = torch.Generator().manual_seed(3)
     init = [torch.randn(s, generator=gen) for s in shapes]
     for forced in (True, False):
         ref = [torch.nn.Parameter(t.clone()) for t in init]
         ours = [torch.nn.Parameter(t.clone()) for t in init]
         opt_ref, opt = _bnb_pair(bnb, kind, ref, ours)
-        for step, grads in enumerate(_grads(shapes, 20)):
+        for step, grads in enumerate(_grads(shapes, 10 if forced else 20)):
             for p, q, g in zip(ref, ours, grads):
                 p.grad, q.grad = g.clone(), g.clone()
                 if forced and step:  # start this step from bitsandbytes' state
@@ -232,7 +233,7 @@ def test_8bit_matches_bitsandbytes_over_20_steps(kind) -> None:
                             mine[f"{name}.absmax"].copy_(s[f"absmax{i + 1}"])
             opt_ref.step()
             opt.step()
-            if not forced and step < 19:
+            if not forced and step < 19:  # free-running: compare after the 20th step
                 continue
             for p, q in zip(ref, ours):
                 mine = opt.state_fp32(q)
@@ -372,3 +373,31 @@ def test_optimizer_classes_check_dtypes_and_round_trip_state_dict() -> None:
     wrong.load_state_dict(sd)
     with pytest.raises(ValueError, match="saved with another precision"):
         wrong.step()
+
+
+@pytest.mark.parametrize("source", ["cpu_optim.c", "cpu_adam.c"])
+def test_avx512_path_compiles_where_it_cannot_run(source, tmp_path) -> None:
+    """Hosts without AVX-512 skip its runtime tests; the build of that path is still checked
+    (type-checked for an AVX-512 target, never run)."""
+    import shutil
+    import subprocess
+
+    from zero_offload.optim.native import compiler, kernels_dir
+
+    cc = compiler()
+    if shutil.which(cc[0]) is None or not K._X86:
+        pytest.skip("needs an x86-64 C compiler")
+    cmd = cc + [
+        "-fsyntax-only",
+        "-march=skylake-avx512",
+        "-ffp-contract=off",
+        "-fopenmp",
+        "-Werror",
+        str(kernels_dir() / source),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    # and the path it builds is the AVX-512 one
+    probe = cc + ["-E", "-dM", "-march=skylake-avx512", str(kernels_dir() / source)]
+    out = subprocess.run(probe, capture_output=True, text=True, timeout=300).stdout
+    assert "__AVX512F__" in out

@@ -136,11 +136,13 @@ def state_variants(
     """Our kernel for each policy on both paths (``kinds``: labels to keep), then, with
     ``kinds`` None (all), torchao's and bitsandbytes' AdamW8bit."""
     out: list[Variant] = []
+    out16 = torch.zeros(p.numel(), dtype=torch.bfloat16)  # one params-out buffer for all
     for path in ("fp32", "bf16"):
         for label, policy in POLICIES:
             if kinds is not None and label not in kinds:
                 continue
             grad = g32 if path == "fp32" else g16
-            out16 = None if path == "fp32" else torch.zeros(p.numel(), dtype=torch.bfloat16)
-            out.append(_ours(label, policy, path, p, grad, out16, threads))
+            out.append(
+                _ours(label, policy, path, p, grad, None if path == "fp32" else out16, threads)
+            )
     return out + (_foreign(p, g32, threads) if kinds is None else [])

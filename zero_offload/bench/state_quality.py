@@ -30,10 +30,10 @@ from .gpt import GPT, GPTConfig
 VARIANTS = {
     "fp32": StatePolicy(),
     "8bit": StatePolicy.parse("adamw", "8bit", "fp32"),
-    "8bit+bf16_kahan": StatePolicy.parse("adamw", "8bit", "bf16_kahan"),
     "8bit+bf16_sr": StatePolicy.parse("adamw", "8bit", "bf16_sr"),
+    "8bit+bf16_kahan": StatePolicy.parse("adamw", "8bit", "bf16_kahan"),
 }
-MODEL = GPTConfig(layers=6, width=512, heads=8, vocab=512, seq=32)  # 19.2M parameters
+MODEL = GPTConfig(layers=6, width=512, heads=8, vocab=128, seq=32)  # 19.0M parameters
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,12 @@ def train(policy: StatePolicy, seed: int, s: Setup, data: torch.Tensor) -> dict:
         train_losses.append(loss.item())
         if t % s.eval_every == 0 or t == s.steps:
             curve.append((t, evaluate()))
+            rate = t / (time.perf_counter() - t0)
+            print(
+                f"    step {t}/{s.steps} held-out {curve[-1][1]:.4f} ({rate:.2f} steps/s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return {
         "eval": curve,
         "train": train_losses,
