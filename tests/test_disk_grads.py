@@ -12,7 +12,7 @@ import torch
 
 from swap_faults import FaultBackend
 from zero_offload.grads.disk import DiskGrads
-from zero_offload.swap.errors import SwapIOError
+from zero_offload.errors import SwapIOError
 
 
 def _pieces(numel: int, gen: torch.Generator) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import zero_offload as zo
 from swap_faults import FaultBackend
-from zero_offload.swap.errors import SwapIOError
+from zero_offload.errors import SwapIOError
 
 LR, WD = 1e-2, 0.1
 

@@ -283,7 +283,7 @@ def test_simulated_disk_refuses_what_was_never_written():
     """A read of bytes no write put there fails, as a real file would come up short; a full
     disk refuses the write that does not fit."""
     from zero_offload.rehearsal.disk import SimulatedDisk
-    from zero_offload.swap.errors import SwapIOError
+    from zero_offload.errors import SwapIOError
 
     disk = SimulatedDisk(capacity=8192)
     files = disk.io_engine()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zero_offload.swap.buffers import BufferPool, HostBuffer
-from zero_offload.swap.errors import SwapIOError
+from zero_offload.errors import SwapIOError
 from swap_faults import FaultBackend
 from zero_offload.swap.io import FileIOEngine, OsBackend
 

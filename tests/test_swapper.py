@@ -15,7 +15,7 @@ import torch
 
 from swap_faults import FaultBackend, mounted_tmpfs
 from zero_offload.swap.buffers import BufferPool, HostBuffer
-from zero_offload.swap.errors import SwapIOError, SwapSpaceError
+from zero_offload.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.io import FileIOEngine
 from zero_offload.swap.swapper import Swapper, Tier
 

@@ -5,16 +5,27 @@ engine = zo.initialize(model, stage=3, lr=1e-4, dtype=torch.bfloat16)
 loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
 
-from .checkpoint import CheckpointError, consolidate_checkpoint
-from .config import ConfigError, ZeroConfig, build_config, config_keys
+from .checkpoint import consolidate_checkpoint
+from .config import ZeroConfig, build_config, config_keys
+from .errors import (
+    BufferBudgetError,
+    CheckpointError,
+    ConfigError,
+    DivergentForwardError,
+    IncompleteStepError,
+    IsaUnavailable,
+    KernelBuildError,
+    ParameterNotGatheredError,
+    SwapIOError,
+    SwapSpaceError,
+    ZeroOffloadError,
+)
 from .engine.engine import Engine, initialize
 from .memory.ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
 from .planning.planner import estimate_memory, plan
 from .rehearsal import Rehearsal, rehearse
 from .params.external import register_external_parameter
-from .update.nvme import IncompleteStepError
-from .swap import SwapIOError
 
 __all__ = [
     "ConfigError",
@@ -32,8 +43,16 @@ __all__ = [
     "CheckpointError",
     "CPUAdam",
     "CPUAdamW",
-    "SwapIOError",
     "register_external_parameter",
+    # every error a user can meet (zero_offload.errors)
+    "ZeroOffloadError",
+    "BufferBudgetError",
+    "DivergentForwardError",
     "IncompleteStepError",
+    "IsaUnavailable",
+    "KernelBuildError",
+    "ParameterNotGatheredError",
+    "SwapIOError",
+    "SwapSpaceError",
 ]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..partition import split_range
+from ..errors import CheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -52,10 +53,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 _FP32 = 4
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
 @dataclass

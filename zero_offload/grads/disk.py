@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..memory.ledger import MemoryReport
 from ..partition import chunks, split_range
 from ..swap.buffers import HostBuffer, pool_footprint
-from ..swap.errors import SwapIOError
+from ..errors import SwapIOError
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
 from ..swap.swapper import Swapper

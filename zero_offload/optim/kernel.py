@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from zero_offload.optim.native import KernelBuildError, cache_dir, compiler, load_library
+from zero_offload.errors import IsaUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,6 @@ class NativeKernel:
     lib: ctypes.CDLL
     openmp: bool
     vec_path: str
-
-
-class IsaUnavailable(KernelBuildError):
-    """The requested code path needs an instruction set this CPU (or compiler) lacks."""
 
 
 def kernel_mode() -> str:

@@ -24,15 +24,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
+from ..errors import KernelBuildError
 
 logger = logging.getLogger(__name__)
 
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
-
-
-class KernelBuildError(RuntimeError):
-    """A kernel could not be compiled or loaded; the message carries the compiler output."""
 
 
 def kernels_dir() -> Path:

@@ -23,16 +23,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Comm
+from ..errors import DivergentForwardError
 
 __all__ = ["OrderCheck", "DivergentForwardError", "MODULE", "UNIT", "END"]
 
 log = logging.getLogger(__name__)
 
 END, MODULE, UNIT = 0, 1, 2  # tag kinds: the forward ended, a module runs, a unit is gathered
-
-
-class DivergentForwardError(RuntimeError):
-    """The ranks' stage-3 forwards ran different modules (raised on every rank alike)."""
 
 
 def _channel(comm: Comm, device: torch.device) -> tuple[Comm, torch.device]:

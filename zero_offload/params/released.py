@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .external import reads_memory
+from ..errors import ParameterNotGatheredError
 
 __all__ = [
     "ParameterNotGatheredError",
@@ -37,10 +38,6 @@ __all__ = [
 ]
 
 _ON_MISSING = "_zo_gather_when_missing"  # on a guarded parameter: (param) -> gathered?
-
-
-class ParameterNotGatheredError(RuntimeError):
-    """A stage-3 parameter was used outside a forward, while its values are not gathered."""
 
 
 def _missing(t: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..swap.buffers import ALIGNMENT, HUGE_PAGE, HostBuffer, round_up
-from ..swap.errors import SwapIOError
+from ..errors import SwapIOError
 
 __all__ = ["SimulatedDisk"]
 

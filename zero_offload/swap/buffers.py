@@ -34,7 +34,7 @@ import torch
 
 from .budget import host_memory_budget
 from .disk import current_disk
-from .errors import BufferBudgetError
+from ..errors import BufferBudgetError
 
 __all__ = [
     "advise_huge_pages",

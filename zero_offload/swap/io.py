@@ -39,7 +39,7 @@ from typing import Protocol, Union
 import numpy as np
 import torch
 
-from .errors import SwapIOError
+from ..errors import SwapIOError
 
 __all__ = [
     "IOBackend",

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .disk import current_disk
-from .errors import SwapIOError, SwapSpaceError
+from ..errors import SwapIOError, SwapSpaceError
 from .io import FileIOEngine
 from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 

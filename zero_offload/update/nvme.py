@@ -41,7 +41,7 @@ from ..partition import chunks, split_range
 from ..swap.budget import host_memory_budget
 from ..swap.buffers import HostBuffer
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
-from ..swap.errors import BufferBudgetError
+from ..errors import BufferBudgetError
 from ..swap.swapper import Swapper
 from ..grads.disk import DiskGrads
 from .early import EarlyUpdate, next_key, out_key
@@ -58,15 +58,11 @@ from .api import (
     adam_kwargs,
     whole_range,
 )
+from ..errors import IncompleteStepError
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
 log = logging.getLogger(__name__)
-
-
-class IncompleteStepError(RuntimeError):
-    """An optimizer step on NVMe failed halfway: the state is partly updated and unusable
-    until it is loaded again (``engine.load_checkpoint``)."""
 
 
 class NvmeAdam:
