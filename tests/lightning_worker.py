@@ -6,7 +6,9 @@ Rank 0 writes what it measured as JSON: ``python lightning_worker.py OUT.json RO
 CASES_JSON``; a case is a strategy name or a dict of ZeroOffloadStrategy keywords, where
 ``"configure_model": true`` builds the model in ``configure_model`` (the strategy's
 sharded-construction context) and starts the engine from the plain run's initial weights
-(``init_weights``)."""
+(``init_weights``); ``"buffers": true`` instead trains a BatchNorm model whose ranks see
+different batches and reports how far each rank's running statistics were from rank 0's as
+each training forward began (the engine's ``broadcast_buffers``, as DDP)."""
 
 from __future__ import annotations
 
@@ -114,6 +116,57 @@ def weights(trainer, module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+class LitNorm(L.LightningModule):
+    """A BatchNorm model: its running statistics are buffers that each rank's data moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.seen: list[torch.Tensor] = []  # running_mean as each training forward began
+
+    def forward(self, x):
+        if self.training:
+            self.seen.append(self.bn.running_mean.detach().clone())
+        return self.bn(self.lin(x))
+
+    def training_step(self, data, index):
+        (x,) = data
+        return self(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def buffers_case(case: dict) -> dict:
+    import torch.distributed as dist
+
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7)) * 3 + 1
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=PER_DEVICE)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=ZeroOffloadStrategy(**{k: v for k, v in case.items() if k != "buffers"}),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = LitNorm()
+    trainer.fit(module, data)
+    seen = torch.stack(module.seen)
+    gathered = [torch.empty_like(seen) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, seen)
+    trainer.strategy.engine.close()
+    return {
+        "forwards": len(module.seen),
+        "spread": max((g - gathered[0]).abs().max().item() for g in gathered),
+        "moved": (seen[-1] - seen[0]).abs().max().item(),
+    }
+
+
 def strategy_for(case):
     if isinstance(case, str):
         return case
@@ -121,6 +174,8 @@ def strategy_for(case):
 
 
 def run_case(root: str, index: int, case, rank: int) -> dict:
+    if isinstance(case, dict) and case.get("buffers"):
+        return buffers_case(case)
     tag = f"{root}/case{index}"
     res: dict = {}
     # the same data order as ours: the loader's own on one process (the strategy keeps it,

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from .optimizer_state import attach_state_dict
 from . import export
 from ..device import placement
 from .buffer_sync import broadcast_buffers
+from .forward import ForwardWindow
 from ..params.gather import ParamGatherer
 from ..grads.reducer import GradReducer, GradTarget, ResidentGrads
 from .build import build_units
@@ -261,6 +262,9 @@ class Engine(EngineLifecycle, EngineState):
         self._first_boundary_passed = False  # see step(): its freed pages go back once
         self.clock = StepClock()
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
+        self._lending = False  # gathered_parameters(): forwards inside it open no window
+        self._window = ForwardWindow(weak_hook(self._forward_context))
+        self._hook_root(model)
         log.info(
             "zero_offload: stage %d, %d units, rank %d/%d, %s on %s",
             self.stage,
@@ -270,6 +274,47 @@ class Engine(EngineLifecycle, EngineState):
             self.dtype,
             self.device,
         )
+
+    def _hook_root(self, model: nn.Module) -> None:
+        """``model(x)`` becomes ``engine(x)``: the window opens before every other pre-forward
+        hook of the root and closes after its other post-forward hooks (stage 3's release)."""
+        handles = [
+            model.register_forward_pre_hook(
+                weak_hook(self._root_pre_forward), prepend=True, with_kwargs=True
+            ),
+            model.register_forward_hook(weak_hook(self._window.after_root)),
+            model.register_forward_hook(
+                weak_hook(self._window.after_root_raised), always_call=True
+            ),
+        ]
+        self._leftovers.closers[:0] = [h.remove for h in handles]
+
+    def _root_pre_forward(
+        self, _module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        if self._closed or self._lending:
+            return None
+        self._window.before_root()
+        return move_inputs(args, self.device, self.dtype), move_inputs(
+            kwargs, self.device, self.dtype
+        )
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """What one forward window holds: the engine's checks, rank 0's buffers taken while
+        training, stage 3's gathers and the activations' hooks, the clock's forward phase."""
+        self._check_open(settle=False)  # an update left running goes on unit by unit
+        if self.config.broadcast_buffers and self._module.training:
+            broadcast_buffers(self._module, self.comm)
+        with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
+            yield
+
+    def forward_window(self) -> ContextManager[None]:
+        """One forward window around a trainer's step function, for step functions that call
+        submodules rather than the model (forwards inside it join it). ``engine(x)`` and
+        ``model(x)`` open their own window and need none."""
+        self._check_open(settle=False)
+        return self._window.explicit()
 
     def _host_grads_widened(self, grads: torch.Tensor) -> None:
         """The host gradient shard became fp32 (a second backward before a step)."""
@@ -321,21 +366,19 @@ class Engine(EngineLifecycle, EngineState):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward on this rank's micro-batch (tensors inside any containers
         go to the device, floating ones in the compute dtype). While training, every rank
-        first takes rank 0's buffers (``broadcast_buffers``)."""
-        # an update left running goes on unit by unit
-        return self.run(self._module, *args, **kwargs)
+        first takes rank 0's buffers (``broadcast_buffers``). The same call as
+        ``model(*args, **kwargs)``: the root module's hooks do this (``engine/forward.py``)."""
+        self._check_open(settle=False)
+        return self._module(*args, **kwargs)
 
     forward = __call__
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
         model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
-        self._check_open(settle=False)
         args = move_inputs(args, self.device, self.dtype)
         kwargs = move_inputs(kwargs, self.device, self.dtype)
-        if self.config.broadcast_buffers and self._module.training:
-            broadcast_buffers(self._module, self.comm)
-        with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
+        with self.forward_window():
             return fn(*args, **kwargs)
 
     def gathered(self, module: nn.Module) -> contextlib.AbstractContextManager:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..update.stepper import ShardStepper
     from ..params.unit_state import UnitStates
     from ..params.units import FlatUnit
+    from .forward import ForwardWindow
 
 __all__ = ["EngineLifecycle"]
 
@@ -52,6 +53,8 @@ class EngineLifecycle:
     grad_queue: HostGradQueue | None
     _module: nn.Module
     _closed: bool
+    _window: ForwardWindow
+    _lending: bool
     _finalizer: Callable[[], Any]
     _leftovers: Leftovers
 
@@ -64,6 +67,7 @@ class EngineLifecycle:
                 "to the model; call zero_offload.initialize(model, ...) again to train on"
             )
         if settle:
+            self._window.end_interrupted()  # a forward an interrupt left open ends first
             self.stepper.settle()
 
     @contextlib.contextmanager
@@ -89,8 +93,12 @@ class EngineLifecycle:
                     "engine's model (pass model.parameters() or some of them)"
                 )
             units = [owner[id(p)] for p in wanted]
-        with self.gatherer.lend_values(units):
-            yield
+        self._lending = True  # the model's forwards read the lent values: no window
+        try:
+            with self.gatherer.lend_values(units):
+                yield
+        finally:
+            self._lending = False
 
     def close(self, hand_back: bool = True) -> None:
         """End the engine and give the model back: each parameter becomes a plain tensor of
@@ -108,6 +116,7 @@ class EngineLifecycle:
         the same way."""
         if self._closed:
             return
+        self._window.end_interrupted()
         self._closed = True
         unwinding = sys.exc_info()[0] is not None
         try:

@@ -260,13 +260,12 @@ class ZeroOffloadStrategy(DDPStrategy):
     # -- forward, backward, step ------------------------------------------------------------
     @contextlib.contextmanager
     def _forward(self) -> Iterator[None]:
-        """Stage 3 gathers parameters around each module while the step function runs."""
-        engine = self.engine
-        if engine is None:
+        """The engine's forward window around the whole step function, which may call
+        submodules rather than the model (``engine.forward_window()``)."""
+        if self.engine is None:
             yield
             return
-        ctx = engine.gatherer.forward() if engine.gatherer else contextlib.nullcontext()
-        with ctx, engine.clock.phase("forward"):
+        with self.engine.forward_window():
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
