@@ -179,7 +179,7 @@ class ParamGatherer:
         for module, found in self.declared.items():  # a module's own units come first
             self.declared[module] = [u for u in found if u not in self.module_units.get(module, [])]
         self._by_ptr: dict[int, FlatUnit] = {}
-        self.recorded: list[int] = []  # unit indices in the order the last forward used them
+        self.recorded = []  # unit indices in the order the last forward used them
         self._current: list[int] = []
         self._order_matches = True
         self.order_changes = 0
@@ -211,6 +211,17 @@ class ParamGatherer:
             self._hooks.append(
                 module.register_forward_hook(weak_hook(self._post_forward), always_call=True)
             )
+
+    @property
+    def recorded(self) -> list[int]:
+        """Unit indices in the order the last forward used them."""
+        return self._recorded
+
+    @recorded.setter
+    def recorded(self, order: list[int]) -> None:
+        self._recorded = order
+        # where each unit was used last: backward gathers ahead what came before it
+        self._last_use = {index: at for at, index in enumerate(order)}
 
     def _describe(self, kind: int, ident: int) -> str:
         if kind == MODULE:
@@ -312,7 +323,8 @@ class ParamGatherer:
                 "recorded (data-dependent control flow costs speed, not results)"
             )
         if self._order_matches and self.recorded:
-            self._prefetch(self.recorded[start + len(indices) :])
+            after = start + len(indices)  # a few entries: the order is as long as the model
+            self._prefetch(self.recorded[after : after + self.prefetch_depth])
 
     def _pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
@@ -428,9 +440,10 @@ class ParamGatherer:
         unit = packed.unit
         if self.states.gather_state(unit) is not GatherState.GATHERED:
             self._fetch(unit, wait=True)
-            if self.states.in_backward and self._order_matches and self.recorded:
-                last = max(i for i, u in enumerate(self.recorded) if u == unit.index)
-                self._prefetch(self.recorded[:last][::-1])
+            last = self._last_use.get(unit.index)
+            if self.states.in_backward and self._order_matches and last is not None:
+                before = self.recorded[max(0, last - self.prefetch_depth) : last]
+                self._prefetch(before[::-1])
         return packed.tensor
 
     @contextlib.contextmanager
@@ -457,7 +470,7 @@ class ParamGatherer:
         """After a step: start the next forward's first reads (params on NVMe) so that its
         first modules do not wait on the disk."""
         if self.store.reads_from_disk and self.recorded:
-            self._prefetch(self.recorded, reads_only=True)
+            self._prefetch(self.recorded[: self.prefetch_depth], reads_only=True)
 
     def begin_backward(self) -> None:
         """After the reducer's ``begin_backward``, which puts the units into BACKWARD."""
