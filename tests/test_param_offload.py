@@ -207,7 +207,7 @@ def test_cpu_device_gathers_from_the_buffer_the_nvme_read_filled(tmp_path):
     store = engine.param_store
     unit = next(u for u in engine.units if u.sharded_params)
     key, free = store._key(unit), store.swapper.pool.available
-    shard, copied, give_back = store.lend(unit)
+    shard, copied, give_back, _ = store.lend(unit)
     assert copied is None and give_back is not None
     assert store.swapper.where(key) is Tier.HOST and store.swapper.pool.available == free - 1
     expected = shard.clone()

@@ -74,6 +74,11 @@ class Comm:
         s.elements += wire
         s.bytes += wire * element_size
 
+    def count_all_gather(self, output: torch.Tensor) -> None:
+        """Count an all-gather into ``output`` that one rank did without calling it (its
+        shard is the whole output), as :meth:`all_gather` counts it."""
+        self._count("all_gather", output.numel(), output.element_size(), 1.0)
+
     def stats(self) -> dict[str, CollectiveStats]:
         """Counters since the last :meth:`reset_stats`, by collective kind."""
         return {k: CollectiveStats(v.calls, v.elements, v.bytes) for k, v in self._stats.items()}

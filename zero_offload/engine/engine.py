@@ -445,6 +445,8 @@ class Engine(EngineLifecycle, EngineState):
         self.clock.reset()
         self._last_comm = self.comm.stats()
         self.comm.reset_stats()
+        self.unit_states.reset_counts()
+        self.reducer.reset_counts()
         if self.gatherer:
             self._last_step_peak = self.gatherer.peak_gathered_bytes
             self.gatherer.reset_peak()

@@ -53,11 +53,13 @@ def summarize(engine: Any, applied: bool, timings: Any) -> dict[str, float]:
         "loss_scale": float(engine.loss_scale),
         "skipped_steps": float(engine.skipped_steps),
     }
+    out.update(engine.reducer.counts())
     norm = engine.last_grad_norm
     if norm is not None:
         out["grad_norm"] = float(norm)
     if engine.gatherer is not None:
         out["peak_gathered_bytes"] = float(engine.gatherer.peak_gathered_bytes)
+        out.update(engine.unit_states.counts())
     if engine.activations is not None:
         out.update(engine.activations.stats())
     for kind, s in engine.comm.stats().items():

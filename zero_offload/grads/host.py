@@ -103,6 +103,24 @@ class HostGradQueue:
         self._pending.append(added)
         return added
 
+    @property
+    def added_bytes(self) -> int:
+        """Bytes of pieces the target summed in (see ``ResidentGrads.added_bytes``)."""
+        return getattr(self.target, "added_bytes", 0)
+
+    @added_bytes.setter
+    def added_bytes(self, value: int) -> None:
+        if hasattr(self.target, "added_bytes"):
+            self.target.added_bytes = value
+
+    def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
+        """On a CPU device, the target's zeroed region at ``offset`` (see
+        :meth:`~.reducer.ResidentGrads.region`) for the caller to write in place: then there
+        is nothing to copy or sum in the background. None with CUDA (the piece crosses
+        PCIe through a staging buffer) or where the target lends none."""
+        region = getattr(self.target, "region", None)
+        return None if self.streams.cuda or region is None else region(offset, like)
+
     def _add(
         self,
         offset: int,

@@ -88,12 +88,12 @@ class ResidentGrads:
     ) -> None:
         self.grads = grads
         self.on_widen = on_widen
-        self._summed = False  # something was added since the last zero_grad
-        self._lent: set[int] = set()  # offsets of regions handed out by :meth:`region`
-        self._filled: set[int] = set()  # offsets of the pieces summed since the last zero_grad
+        # offsets of the pieces summed or handed out by :meth:`region` since the last zero_grad
+        self._filled: set[int] = set()
+        self.added_bytes = 0  # bytes of pieces summed in (not written in place)
 
     def accumulate_grad(self, offset: int, values: torch.Tensor, final: bool) -> None:
-        self._summed = True
+        self.added_bytes += values.numel() * values.element_size()
         if (
             offset in self._filled
             and self.on_widen is not None
@@ -112,17 +112,13 @@ class ResidentGrads:
     def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
         """The zeroed region at ``offset`` with ``like``'s size, dtype and device, for a
         caller to overwrite with reduced gradients in place (no temporary buffer, no add);
-        None when something may have been summed there since :meth:`zero_grad`, or it
-        differs from ``like`` (then :meth:`accumulate_grad`)."""
+        None when a piece was summed or handed out there since :meth:`zero_grad`, or it
+        differs from ``like`` (then :meth:`accumulate_grad`, which sums the next piece
+        into what the caller wrote)."""
         view = self.grads[offset : offset + like.numel()]
-        if (
-            self._summed
-            or offset in self._lent
-            or view.dtype != like.dtype
-            or view.device != like.device
-        ):
+        if offset in self._filled or view.dtype != like.dtype or view.device != like.device:
             return None
-        self._lent.add(offset)
+        self._filled.add(offset)
         return view
 
     def alias(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -137,8 +133,6 @@ class ResidentGrads:
 
     def zero_grad(self) -> None:
         self.grads.zero_()
-        self._summed = False
-        self._lent.clear()
         self._filled.clear()
 
     def flush(self) -> None:
@@ -186,6 +180,7 @@ class GradReducer:
         # during backward); a worker thread may call it
         self.on_landed: Callable[[FlatUnit], None] | None = None
         self.max_inflight = max_inflight
+        self.flattened_bytes = 0  # gradient bytes copied out of param.grad (flat buffers)
         self.slots = trainable_slots(units)
         first: dict[int, int] = {}
         for k, (u, _) in enumerate(self.slots):
@@ -221,6 +216,7 @@ class GradReducer:
     def _flat_grads(self, unit: FlatUnit) -> torch.Tensor:
         """Take the unit's parameter gradients into one padded flat buffer, averaged over ranks."""
         flat = self._flat_buffer(unit)
+        self.flattened_bytes += flat.numel() * flat.element_size()
         unit.layout.flatten_into(flat, [p.grad for p in unit.params])
         for p in unit.params:
             p.grad = None
@@ -277,12 +273,33 @@ class GradReducer:
 
     @record_function("zero_offload.reduce_scatter")
     def _reduce_unit(self, unit: FlatUnit) -> None:
+        if self._flatten_in_place(unit):
+            return
         flat = self._flat_grads(unit)
         out = self._shard_out(unit, flat)
         handle = self.comm.reduce_scatter(out, flat, async_op=True)
         self._reduced.add(id(unit))
         self._inflight.append((unit, flat, out, handle))
         self._drain(self.max_inflight)
+
+    def _flatten_in_place(self, unit: FlatUnit) -> bool:
+        """One rank, where the target lends the unit's zeroed region (host gradients on a
+        CPU device): the gradients are flattened straight into it — no flat buffer, no sum
+        after (False: the target lends none)."""
+        region = getattr(self.target, "region", None)
+        if self.comm.world_size > 1 or region is None:
+            return False
+        view = region(unit.shard_offset, unit.full)
+        if view is None:
+            return False
+        self.flattened_bytes += view.numel() * view.element_size()
+        unit.layout.flatten_into(view, [p.grad for p in unit.params])
+        for p in unit.params:
+            p.grad = None
+        self._reduced.add(id(unit))
+        if self.on_landed is not None and self.states.final:
+            self.on_landed(unit)
+        return True
 
     def _shard_out(self, unit: FlatUnit, flat: torch.Tensor) -> torch.Tensor:
         """Where this rank's reduced shard of ``flat`` goes: ``flat`` itself on one rank."""
@@ -425,6 +442,20 @@ class GradReducer:
             self.views.point()
         self.had_grad = bytearray(len(self.slots))
         self.backwards = 0
+
+    def counts(self) -> dict[str, float]:
+        """Gradient bytes copied since the last :meth:`reset_counts`: out of ``param.grad``
+        (into flat buffers, or on one rank straight into the target), and summed into the
+        target after that (a copy of its own: none where they were written in place)."""
+        return {
+            "grad_flatten_bytes": float(self.flattened_bytes),
+            "grad_add_bytes": float(getattr(self.target, "added_bytes", 0)),
+        }
+
+    def reset_counts(self) -> None:
+        self.flattened_bytes = 0
+        if hasattr(self.target, "added_bytes"):
+            self.target.added_bytes = 0
 
     def inflight_buffers(self) -> list[torch.Tensor]:
         """Flat gradients and reduced shards of the reductions not yet waited for, and the

@@ -235,11 +235,12 @@ class ParamGatherer:
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
         if self.states.gather_state(unit) is GatherState.FREE:
-            if wait or self.states.comm.world_size == 1:  # done with the shard at once
-                shard, copied, give_back = self.store.lend(unit)
+            one_rank = self.states.comm.world_size == 1
+            if wait or one_rank:  # done with the shard at once, or (one rank) it is the unit
+                shard, copied, give_back, kept = self.store.lend(unit, keep=one_rank)
             else:  # an all-gather ahead keeps no pool buffer that a read may need
-                (shard, copied), give_back = self.store.load(unit), None
-            self.states.gather(unit, shard, wait=wait, after=copied, then=give_back)
+                (shard, copied), give_back, kept = self.store.load(unit), None, False
+            self.states.gather(unit, shard, wait=wait, after=copied, then=give_back, share=kept)
             self._by_ptr[_storage_key(unit.full)] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -34,7 +34,28 @@ from ..swap.swapper import Swapper
 from ..device.streams import Streams
 from .units import FlatUnit
 
-__all__ = ["ParamStore", "param_host_numel", "param_pool_buffers", "param_pool_bytes"]
+__all__ = ["Lent", "ParamStore", "param_host_numel", "param_pool_buffers", "param_pool_bytes"]
+
+HELD_RESERVE = 1
+"""Pool buffers never held by gathered units (:meth:`ParamStore.can_hold`): the one left
+always serves the read that is needed now (reads ahead give theirs up for it, a write in
+flight ends on its own, and a write-back's targets are put once :attr:`ParamStore.lent_out`
+says so)."""
+
+
+class Lent(NamedTuple):
+    """A unit's shard lent for its all-gather by :meth:`ParamStore.lend`."""
+
+    shard: torch.Tensor
+    """The shard on the compute device."""
+    ready: "torch.cuda.Event | None"
+    """Fires once ``shard`` is there (None: it is there now)."""
+    give_back: Callable[[], None] | None
+    """Where ``shard`` is the pool buffer an NVMe read filled (a CPU device: no copy of
+    it): the call that gives the buffer back once the caller is done with it."""
+    kept: bool
+    """``shard`` is the store's own memory, lent to be the gathered unit's until
+    ``give_back`` (None: until the unit's next :meth:`ParamStore.put`)."""
 
 
 def param_pool_buffers(prefetch_depth: int) -> int:
@@ -94,6 +115,7 @@ class ParamStore:
         self.dtype = dtype
         self.copied_bytes = 0  # new values copied on the host by put (none when targeted)
         self._lent: dict[int, HostBuffer] = {}  # pool buffers handed out by target()
+        self._held: set[int] = set()  # units whose gathered memory is their pool buffer
         # called before a unit's shard is read (an update still running stores it first)
         self.before_read: Callable[[FlatUnit], None] | None = None
         self.swapper: Swapper | None = None
@@ -159,9 +181,11 @@ class ParamStore:
 
     @property
     def lent_out(self) -> bool:
-        """Every pool buffer is held by :meth:`target` for a put to come: a read now would
-        wait for a buffer that only that put gives back."""
-        return self.swapper is not None and len(self._lent) >= self.swapper.pool.count
+        """Every pool buffer is held by :meth:`target` for a put to come or by a gathered
+        unit: a read now would wait for a buffer that only such a put gives back."""
+        return self.swapper is not None and len(self._lent) + len(self._held) >= (
+            self.swapper.pool.count
+        )
 
     def give_back(self) -> None:
         """Return the buffers of targets that were never put (a step that failed)."""
@@ -189,6 +213,7 @@ class ParamStore:
                 view.copy_(shard)
             return
         assert self.swapper is not None
+        assert unit.index not in self._held, "a gathered unit's shard changed under it"
         self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
         buf = self._lent.pop(unit.index, None)
         if buf is not None and shard.data_ptr() == buf.data_ptr:
@@ -227,7 +252,7 @@ class ParamStore:
     def load(self, unit: FlatUnit) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """The unit's shard on the compute device, a tensor of the caller's own, and the
         event after which it is there (None: it is there now)."""
-        shard, copied, give_back = self.lend(unit)
+        shard, copied, give_back, _ = self.lend(unit)
         if give_back is not None:  # the pool buffer itself: copied out of it
             try:
                 shard = shard.clone()
@@ -235,21 +260,19 @@ class ParamStore:
                 give_back()
         return shard, copied
 
-    def lend(
-        self, unit: FlatUnit
-    ) -> tuple[torch.Tensor, "torch.cuda.Event | None", Callable[[], None] | None]:
-        """The unit's shard on the compute device, for its all-gather; the event after
-        which it is there (None: it is there now); and, where the shard is the host buffer
-        an NVMe read filled (a CPU device: no copy of it), the call that gives the buffer
-        back once the all-gather has read it (None: nothing to give back). From host
-        memory the copy runs on the host-to-device stream; from NVMe the read is waited for,
-        and a buffer copied to an accelerator goes back to the pool at once."""
+    def lend(self, unit: FlatUnit, keep: bool = False) -> Lent:
+        """The unit's shard on the compute device, for its all-gather (see :class:`Lent`).
+        From host memory the copy runs on the host-to-device stream; from NVMe the read is
+        waited for, and a buffer copied to an accelerator goes back to the pool at once.
+        ``keep``: the caller would hold the shard's memory as the gathered unit's until
+        ``give_back`` (one rank on a CPU device); a pool buffer is lent so only while
+        :meth:`can_hold` (else ``Lent.kept`` is False: copy out of it, give it back)."""
         if self.before_read is not None:
             self.before_read(unit)
         view = self.view(unit)
         if view is not None:
             shard, event = self.streams.to_device(view)
-            return shard, event, None
+            return Lent(shard, event, None, keep and shard is view)
         swapper = self.swapper
         assert swapper is not None
         if unit.index not in self._prefetched and swapper.pool.available == 0:
@@ -262,14 +285,28 @@ class ParamStore:
         try:
             shard, copied = self.streams.to_device(host)
             if shard is host:  # the device is the host: lent as it is
-                return shard, None, lambda: swapper.release(key)
+                if keep and self.can_hold():
+                    self._held.add(unit.index)
+                    return Lent(shard, None, lambda: self._give_back_held(unit.index, key), True)
+                return Lent(shard, None, lambda: swapper.release(key), False)
             if copied is not None:
                 copied.synchronize()  # the copy itself, not the computation queued before it
         except BaseException:
             swapper.release(key)
             raise
         swapper.release(key)
-        return shard, None, None
+        return Lent(shard, None, None, False)
+
+    def can_hold(self) -> bool:
+        """Whether one more pool buffer may stay lent as a gathered unit's memory (only the
+        forward's and backward's progress gives it back)."""
+        assert self.swapper is not None
+        return len(self._held) + HELD_RESERVE < self.swapper.pool.count
+
+    def _give_back_held(self, index: int, key: str) -> None:
+        self._held.discard(index)
+        assert self.swapper is not None
+        self.swapper.release(key)
 
     def drop_prefetched(self) -> None:
         """Give back the buffers of reads ahead that no gather used (a changed module order,

@@ -19,6 +19,7 @@ import torch
 from ..comm import Comm, Handle
 from ..swap.buffers import advise_huge_pages
 from ..device.streams import Streams
+from .shared import SharedStorage, can_share
 from .units import FlatUnit
 
 __all__ = ["GatherState", "TrainingState", "UnitStates"]
@@ -45,6 +46,7 @@ class _State:
     handle: Handle | None = None  # the async all-gather (no CUDA streams)
     ready: "torch.cuda.Event | None" = None  # CUDA: fires when ``full`` is filled
     then: Callable[[], None] | None = None  # once the all-gather read the shard (no CUDA)
+    shared: SharedStorage | None = None  # ``full`` is the shard's memory (one rank, a host)
     pending_grads: int = 0  # gradients still to arrive in this backward (stages 2-3)
     grads_reduced: bool = False  # this backward's gradients were handed to the reduction
 
@@ -59,10 +61,25 @@ class UnitStates:
         self.training = TrainingState.IDLE
         self.final = True  # this backward ends an accumulation window
         self._units = units
+        # bytes of gathers on this rank: copied into fresh storage with no communication
+        # (one rank), and gathered by sharing the shard's memory instead (no copy)
+        self.copied_bytes = 0
+        self.shared_bytes = 0
         self._of = {
             id(u): _State(GatherState.FREE if u.sharded_params else GatherState.GATHERED)
             for u in units
         }
+
+    def counts(self) -> dict[str, float]:
+        """Bytes gathered on this rank since the last :meth:`reset_counts`: copied with no
+        collective (one rank), and shared with the shard instead (no copy)."""
+        return {
+            "gather_copy_bytes": float(self.copied_bytes),
+            "gathered_shared_bytes": float(self.shared_bytes),
+        }
+
+    def reset_counts(self) -> None:
+        self.copied_bytes = self.shared_bytes = 0
 
     # -- the engine's pass ------------------------------------------------------------------
     @property
@@ -105,19 +122,33 @@ class UnitStates:
         wait: bool,
         after: "torch.cuda.Event | None" = None,
         then: Callable[[], None] | None = None,
+        share: bool = False,
     ) -> bool:
         """Start filling ``unit.full`` from every rank's ``shard`` (``wait``: and wait for
         it); True if work was issued. With CUDA streams the all-gather runs on the gather
         stream once ``after`` (the shard's copy to the device) has fired; :meth:`wait` then
         orders the compute stream after it without blocking the host. Without them,
         ``then`` runs once the all-gather is done with ``shard`` (the store's buffer it
-        lent goes back)."""
+        lent goes back). ``share``: the caller lends ``shard``'s memory until ``then``; on
+        one rank, where the shard is the whole unit, ``full`` then is that memory until
+        :meth:`free` (which runs ``then``), and nothing is copied."""
         state = self._of[id(unit)]
         assert then is None or not self.streams.cuda, "a device shard is the store's own"
         if state.gather is not GatherState.FREE:
             if then is not None:
                 then()
             return False
+        if (
+            share
+            and self.comm.world_size == 1
+            and not self.streams.cuda
+            and can_share(unit.full, shard)
+        ):
+            self.comm.count_all_gather(unit.full)  # what the collective would have moved
+            state.shared, state.then = SharedStorage(unit.full, shard), then
+            state.gather = GatherState.GATHERED
+            self.shared_bytes += unit.full_bytes
+            return True
         unit.full.untyped_storage().resize_(unit.full_bytes)  # allocated on the compute stream
         if not self.streams.cuda:
             advise_huge_pages(unit.full)  # fresh host memory each pass, not yet written
@@ -126,6 +157,8 @@ class UnitStates:
                 self.comm.all_gather(unit.full, shard, async_op=True).wait()  # a stream wait
                 state.ready = self.streams.finish_gather(shard, unit.full)
         else:
+            if self.comm.world_size == 1:
+                self.copied_bytes += unit.full_bytes
             try:
                 state.handle = self.comm.all_gather(unit.full, shard, async_op=not wait)
             except BaseException:
@@ -165,7 +198,13 @@ class UnitStates:
         if not unit.sharded_params or state.gather is GatherState.FREE:
             return False
         self.wait(unit)
-        unit.full.untyped_storage().resize_(0)
+        if state.shared is not None:  # the lender's memory again
+            shared, then, state.shared, state.then = state.shared, state.then, None, None
+            shared.end()
+            if then is not None:
+                then()
+        else:
+            unit.full.untyped_storage().resize_(0)
         state.gather = GatherState.FREE
         return True
 

@@ -87,3 +87,26 @@ def test_one_rank_gathers_without_copies(tmp_path, param, optim):
     base.close()
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+@pytest.mark.parametrize("optim", ["none", "nvme"])
+def test_one_rank_flattens_gradients_where_they_are_summed(tmp_path, optim):
+    """Each gradient is copied once, out of ``param.grad`` into the gradient shard (the host
+    shard of an offloaded optimizer): no flat buffer, no sum after it. A second backward
+    before the step sums into it (and the host shard widens to fp32 for that)."""
+    engine, stats = _train(tmp_path, 3, "nvme", optim)
+    grad_bytes = sum(u.full_bytes for u in engine.units if not u.frozen)
+    got = engine.full_state_dict()
+    engine.close()
+    for s in stats:
+        assert s["grad_flatten_bytes"] == grad_bytes
+        assert s["grad_add_bytes"] == 0
+    base, _ = _train(tmp_path, 2, "none", "none")
+    want = base.full_state_dict()
+    base.close()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    engine, stats = _train(tmp_path, 3, "none", optim, gradient_accumulation_steps=2)
+    assert stats[-1]["grad_flatten_bytes"] == 2 * grad_bytes
+    assert stats[-1]["grad_add_bytes"] == grad_bytes * (2 if optim == "nvme" else 1)
+    engine.close()
