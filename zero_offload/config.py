@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from .activations.config import ActivationConfig
+from .device.threads import check_threads
 from .ds_config import is_deepspeed, keyword_autos, translate
 from .ds_schedules import check_schedule
 from .errors import ConfigError
@@ -457,6 +458,15 @@ class ZeroConfig:
         'bf16, 4 in fp32); a full disk drops the pass. `engine.last_step["early_groups"]` says '
         "how many sub-groups a step adopted. See [bench_step.md](bench_step.md)",
     )
+    threads: int | Mapping[str, int] | None = keyword(
+        None,
+        "threads per kind of CPU work of a rank: a mapping of `compute` (torch's intra-op "
+        "threads), `optimizer` (the CPU optimizer kernel in the step), `background` (the "
+        "kernel while a forward or backward computes beside it) and `io` (disk requests in "
+        "flight per swap engine) to counts, or an int for compute and optimizer. None: the "
+        "rule of [threads.md](threads.md), from the CPUs this process may use and "
+        "`LOCAL_WORLD_SIZE`; `engine.threads` is what a run got",
+    )
     lr_schedule: Mapping[str, Any] | None = keyword(
         None,
         'a DeepSpeed `scheduler` section (`{"type": "WarmupLR", "params": {...}}`: '
@@ -484,6 +494,7 @@ class ZeroConfig:
             raise _bad("overlap_step", self.overlap_step, "expected True or False")
         if not isinstance(self.step_during_backward, bool):
             raise _bad("step_during_backward", self.step_during_backward, "expected True or False")
+        check_threads(self.threads)
         if self.lr_schedule is not None:
             check_schedule(self.lr_schedule, self.optimizer.lr)
         if self.device is not None:

@@ -41,6 +41,7 @@ from ..update.stepper import ShardStepper
 from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
 from ..params.store import ParamStore, param_host_numel, param_pool_bytes
 from ..device.streams import Streams
+from ..device.threads import ThreadBudget
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
 from ..update.updaters import make_updater, params_are_master
@@ -90,6 +91,9 @@ class Engine(EngineLifecycle, EngineState):
         check_parameters(model)
         self.comm = Comm(config.process_group)
         self.device = placement.select_device(config.device)
+        # threads per kind of CPU work, decided once for this rank (device.threads)
+        self.threads = ThreadBudget.decide(self.device.type, config.threads)
+        self.threads.apply_compute()
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
@@ -136,6 +140,7 @@ class Engine(EngineLifecycle, EngineState):
                 param_host_numel(
                     [(p.shard_offset, p.shard_numel) for p in plans], config.offload.param_fraction
                 ),
+                self.threads.io,
             )
             if self.stage == 3
             else None
@@ -158,6 +163,7 @@ class Engine(EngineLifecycle, EngineState):
             self.comm.rank,
             self.param_store.resident if self.param_store else flat_params,
             optimizer_budget,
+            self.threads,
         )
         self._leftovers.closers.append(updater.close)
         self.units = build_units(
@@ -203,6 +209,7 @@ class Engine(EngineLifecycle, EngineState):
                 self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0),
                 self.dtype,
+                threads=self.threads,
             )
             self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue

@@ -26,6 +26,7 @@ from ..memory.ledger import MemoryReport
 from ..swap.pinned import pinned_nbytes, unpin
 from .reducer import GradTarget
 from ..device.streams import Streams
+from ..device.threads import ThreadBudget, yield_to_compute
 
 __all__ = ["HostGradQueue", "STAGING_BUFFERS", "host_grad_dtype", "staging_bytes"]
 
@@ -62,7 +63,10 @@ class HostGradQueue:
         largest_piece: int,
         dtype: torch.dtype,
         depth: int = STAGING_BUFFERS,
+        threads: ThreadBudget | None = None,
     ) -> None:
+        """``threads``: the rank's budget; on a CPU device the worker's sums yield to the
+        backward's compute (:func:`~..device.threads.yield_to_compute`)."""
         self.target = target
         self.streams = streams
         self.depth = depth
@@ -75,7 +79,9 @@ class HostGradQueue:
             thread_name_prefix="zo-host-grads",
             initializer=functools.partial(torch.cuda.set_device, streams.device)
             if on_gpu
-            else None,
+            else None
+            if threads is None
+            else functools.partial(yield_to_compute, threads),
         )
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._staging_bytes = self._pinned_bytes = 0

@@ -30,6 +30,7 @@ from ..config import ZeroConfig
 from ..memory.ledger import MemoryReport
 from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
+from ..swap.io import DEFAULT_QUEUE_DEPTH
 from ..swap.swapper import Swapper
 from ..device.streams import Streams
 from .units import FlatUnit
@@ -103,9 +104,11 @@ class ParamStore:
         host_memory_limit: int | None,
         streams: Streams,
         host_numel: int = 0,
+        io_threads: int = DEFAULT_QUEUE_DEPTH,
     ) -> None:
         """``host_numel``: with ``offload_param="nvme"``, the rank-flat prefix kept in host
-        memory (whole units, :func:`param_host_numel`)."""
+        memory (whole units, :func:`param_host_numel`). ``io_threads``: NVMe requests in
+        flight (the rank's thread budget)."""
         self.tier = cfg.offload.param
         self.streams = streams
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
@@ -136,6 +139,7 @@ class ParamStore:
                 expected_bytes=self._bytes - self.host_numel * itemsize,
                 rank=rank,
                 pin=pins(crosses_pcie=True),
+                io_threads=io_threads,
             )
         else:
             self.resident = (

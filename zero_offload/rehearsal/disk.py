@@ -112,8 +112,8 @@ class SimulatedDisk:
         self.peak = self.live
 
     # -- zero_offload.swap.disk.Disk ------------------------------------------------------
-    def io_engine(self) -> _Files:
-        return _Files(self)
+    def io_engine(self, queue_depth: int = 1) -> _Files:
+        return _Files(self)  # requests complete at once: no queue
 
     def free_bytes(self, path: Path) -> int:
         return (_UNLIMITED if self.capacity is None else self.capacity) - self.live

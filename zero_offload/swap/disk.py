@@ -20,8 +20,9 @@ __all__ = ["Disk", "current_disk", "use_disk"]
 class Disk(Protocol):
     """What a Swapper needs from the storage under it."""
 
-    def io_engine(self) -> Any:
-        """A new engine with ``read``/``write(path, buf, offset)`` -> Future and ``close()``."""
+    def io_engine(self, queue_depth: int) -> Any:
+        """A new engine with ``read``/``write(path, buf, offset)`` -> Future and ``close()``,
+        ``queue_depth`` requests in flight."""
 
     def free_bytes(self, path: Path) -> int:
         """Bytes that can still be written under ``path``."""

@@ -41,7 +41,7 @@ from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .disk import current_disk
 from ..errors import SwapIOError, SwapSpaceError
-from .io import FileIOEngine
+from .io import DEFAULT_QUEUE_DEPTH, FileIOEngine
 from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 
 __all__ = ["Tier", "Swapper"]
@@ -106,8 +106,8 @@ def _cleanup(
 class FileDisk:
     """The real disk (:class:`~.disk.Disk`): files, direct I/O, page-aligned host memory."""
 
-    def io_engine(self) -> FileIOEngine:
-        return FileIOEngine()
+    def io_engine(self, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> FileIOEngine:
+        return FileIOEngine(queue_depth=queue_depth)
 
     def free_bytes(self, path: Path) -> int:
         st = os.statvfs(path)
@@ -133,7 +133,8 @@ class Swapper:
     ``acquire_timeout``: seconds to wait for a free buffer before ``TimeoutError`` (no hang).
     Pass ``engine``/``pool`` to share them; owned ones are closed by :meth:`close`.
     ``pin``: page-lock the pool's buffers (default: when CUDA is available); ``False`` for
-    buffers that never take part in a host<->accelerator copy.
+    buffers that never take part in a host<->accelerator copy. ``io_threads``: requests in
+    flight of an owned engine (the rank's thread budget, ``device.threads``).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class Swapper:
         pool: BufferPool | None = None,
         acquire_timeout: float | None = 300.0,
         pin: bool | None = None,
+        io_threads: int = DEFAULT_QUEUE_DEPTH,
     ) -> None:
         self.nvme_path = Path(nvme_path)
         self._disk = current_disk() or _FILES  # files, or a rehearsal's simulated disk
@@ -173,7 +175,7 @@ class Swapper:
         owned_pool = pool is None
         try:
             self._check_space(expected_bytes)
-            self.engine = engine if engine is not None else self._disk.io_engine()
+            self.engine = engine if engine is not None else self._disk.io_engine(io_threads)
             self.pool = (
                 pool
                 if pool is not None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..device.threads import yield_to_compute
 from ..swap.buffers import HostBuffer
 from .api import StepRange, StepTimings
 
@@ -67,9 +68,9 @@ class EarlyUpdate:
         self.grads = grads
         self.factor = factor
         self.hyper = hyper
-        # one thread of Adam beside the backward's: the kernel's results do not depend on
-        # how many threads split it, and the cores are the backward's
-        self._one_thread = dict(hyper, num_threads=1)
+        # the kernel beside the backward: its results do not depend on how many threads
+        # split it, and on a CPU device the cores are the backward's (device.threads)
+        self._background = dict(hyper, num_threads=adam.threads.background)
         self.ranges = ranges
         self.steps = adam.steps  # the step count it builds on
         self._version = grads._version  # of the sums it read: any later change drops it
@@ -128,6 +129,7 @@ class EarlyUpdate:
 
     def _run(self) -> None:
         adam, swapper = self.adam, self.adam.swapper
+        yield_to_compute(adam.threads)  # the backward's compute first (device.threads)
         todo = list(range(len(adam.bounds) - 1, adam.host_groups - 1, -1))
         ahead: tuple[int, Future] | None = None  # a read started before its turn
         try:
@@ -160,7 +162,7 @@ class EarlyUpdate:
                         hi,
                         self.factor,
                         self.ranges,
-                        self._one_thread,
+                        self._background,
                         write_out,
                         self.timings,
                         None,

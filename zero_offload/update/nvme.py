@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..config import ZeroConfig
 from ..memory.ledger import MemoryReport
+from ..device.threads import ThreadBudget
 from ..optim import CPUAdam
 from ..partition import chunks, split_range
 from ..swap.budget import host_memory_budget
@@ -77,9 +78,12 @@ class NvmeAdam:
         dtype: torch.dtype,
         rank: int,
         host_memory_limit: int | None,
+        threads: ThreadBudget | None = None,
     ) -> None:
         off = cfg.offload
         self.numel = numel
+        # the kernel's threads: in the step, and in the pass during backward (update.early)
+        self.threads = threads or ThreadBudget.decide("cpu", cfg.threads)
         budget = host_memory_budget(host_memory_limit)
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
         self.split = optimizer_split(
@@ -107,6 +111,7 @@ class NvmeAdam:
             rank=rank,
             # the master crosses PCIe only as fp32 compute's new params
             pin=pins(crosses_pcie=dtype == torch.float32),
+            io_threads=self.threads.io,
         )
         # the gradient shard in files (None: the engine keeps it in host memory)
         self.disk_grads = (
@@ -125,7 +130,9 @@ class NvmeAdam:
         # The optimizer holds no tensors of its own: its param_groups carry the
         # hyperparameters (for lr schedulers); the state is in the swap files.
         self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        self.optimizer = CPUAdam([self.placeholder], adamw=True, **adam_kwargs(cfg))
+        self.optimizer = CPUAdam(
+            [self.placeholder], adamw=True, num_threads=self.threads.optimizer, **adam_kwargs(cfg)
+        )
         # steps a sub-group in host memory; its buffer holds one sub-group's new params
         # (none in fp32: the master is what is written)
         self.group_step = GroupStep(

@@ -26,6 +26,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from ..config import ZeroConfig
 from ..memory.ledger import MemoryReport
+from ..device.threads import ThreadBudget
 from ..optim import CPUAdam
 from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
@@ -251,9 +252,11 @@ class HostAdam(_ResidentAdam):
         dtype: torch.dtype,
         tier: str = "host",
         out: torch.Tensor | None = None,
+        num_threads: int | None = None,
     ) -> None:
         param = nn.Parameter(master, requires_grad=False)
-        super().__init__(master, CPUAdam([param], adamw=True, **adam_kwargs(cfg)), param)
+        optimizer = CPUAdam([param], adamw=True, num_threads=num_threads, **adam_kwargs(cfg))
+        super().__init__(master, optimizer, param)
         self.tier = tier
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
@@ -323,16 +326,18 @@ def make_updater(
     rank: int,
     param_shards: torch.Tensor | None = None,
     host_memory_limit: int | None = None,
+    threads: ThreadBudget | None = None,
 ) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: the rank-flat compute-dtype params when resident (stage 3's shards;
     stage 0's params with fp32 compute, see :func:`params_are_master`); a CPU updater writes
     them in place when they are in host memory, and fp32 ones on the optimizer's device are
     the master itself. ``host_memory_limit``: this updater's share of the host budget (NVMe
-    pool)."""
+    pool). ``threads``: the rank's thread budget (None: decided here for a CPU)."""
     where = cfg.offload.optimizer
+    threads = threads or ThreadBudget.decide(device.type, cfg.threads)
     if where == "nvme":
-        return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit)
+        return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit, threads)
     out = (
         param_shards
         if param_shards is not None
@@ -356,9 +361,9 @@ def make_updater(
     else:
         master = torch.empty(numel, dtype=torch.float32, device=device)
     if where == "cpu":
-        return HostAdam(master, cfg, dtype, out=out)
+        return HostAdam(master, cfg, dtype, out=out, num_threads=threads.optimizer)
     updater: HostAdam | DeviceAdam = (
-        HostAdam(master, cfg, dtype, tier="device", out=out)
+        HostAdam(master, cfg, dtype, tier="device", out=out, num_threads=threads.optimizer)
         if device.type == "cpu"
         else DeviceAdam(master, cfg)
     )
