@@ -31,6 +31,7 @@ def test_the_summary_compares_within_each_round():
         return dict(
             case=name,
             step_s=step,
+            cpu_s=step,
             forward_s=0,
             backward_s=0,
             peak_rss=1,

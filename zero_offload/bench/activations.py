@@ -11,9 +11,11 @@ drifting load is spread over all of them:
 - ``tiled``: + the tiled loss (``tiled_loss``: head and cross-entropy a tile at a time);
 - ``checkpoints+tiled``: both.
 
-Per case: the median step (forward + backward + ``step()``) over the timed steps, its ratio
-to ``none`` in the same round (the median over rounds is the number to read), the peak RSS
-of the timed steps, the bytes offloaded per step and the host buffers' size (the ledger).
+Per case: the median step (forward + backward + ``step()``) over the timed steps, in wall
+time and in the process's CPU time (on a shared host the CPU time varies far less: it does
+not count the time other processes ran), each one's ratio to ``none`` in the same round (the
+median over rounds is the number to read), the peak RSS of the timed steps, the bytes
+offloaded per step and the host buffers' size (the ledger).
 Without a GPU the engine's device is the CPU: the copies run inline, into the same host
 buffers, so the ratio is the cost of the copies themselves, with nothing to overlap them
 with; on a GPU they run on side streams beside the compute.
@@ -113,11 +115,12 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     tiled = case.endswith("tiled")
     gen = torch.Generator().manual_seed(0)
     sampler = PeakSampler()
-    steps, forward, backward, peaks, offloaded = [], [], [], [], []
+    steps, cpu, forward, backward, peaks, offloaded = [], [], [], [], [], []
     try:
         for i in range(args.warmup + args.steps):
             x, y = synthetic_batch(cfg, args.batch, gen)
             sampler.reset()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             if tiled:
                 loss = engine.run(_gpt_loss, engine.module, x, y, args.tile_tokens)
@@ -128,9 +131,11 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
             t2 = time.perf_counter()
             engine.step()
             t3 = time.perf_counter()
+            c3 = time.process_time()
             peak = sampler.reset()
             if i >= args.warmup:
                 steps.append(t3 - t0)
+                cpu.append(c3 - c0)
                 forward.append(t1 - t0)
                 backward.append(t2 - t1)
                 peaks.append(peak)
@@ -142,6 +147,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "case": case,
         "step_s": statistics.median(steps),
+        "cpu_s": statistics.median(cpu),
         "forward_s": statistics.median(forward),
         "backward_s": statistics.median(backward),
         "peak_rss": max(peaks),
@@ -163,12 +169,16 @@ def _summary(rounds: list[dict[str, dict]], cases: list[str]) -> list[dict[str, 
     for case in cases:
         runs = [r[case] for r in rounds]
         ratios = [r[case]["step_s"] / r[cases[0]]["step_s"] for r in rounds]
+        cpu_ratios = [r[case]["cpu_s"] / r[cases[0]]["cpu_s"] for r in rounds]
         rows.append(
             {
                 "case": case,
                 "step_s": [r["step_s"] for r in runs],
                 "ratio": statistics.median(ratios),
                 "ratios": ratios,
+                "cpu_s": [r["cpu_s"] for r in runs],
+                "cpu_ratio": statistics.median(cpu_ratios),
+                "cpu_ratios": cpu_ratios,
                 "forward_s": statistics.median(r["forward_s"] for r in runs),
                 "backward_s": statistics.median(r["backward_s"] for r in runs),
                 "peak_rss": [r["peak_rss"] for r in runs],
@@ -187,15 +197,16 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace, params: int) ->
         f"{args.rounds} interleaved rounds x {args.steps} timed steps (medians)"
     )
     print(
-        f"{'case':<20}{'step s (per round)':<28}{'vs none':>9}{'fwd s':>8}{'bwd s':>8}"
-        f"{'peak RSS GiB':>22}{'offloaded':>12}"
+        f"{'case':<20}{'step s (per round)':<28}{'vs none':>9}{'CPU s (per round)':>28}"
+        f"{'vs none':>9}{'peak RSS GiB':>22}{'offloaded':>12}"
     )
     for r in rows:
         steps = " / ".join(f"{s:.2f}" for s in r["step_s"])
+        cpu = " / ".join(f"{s:.2f}" for s in r["cpu_s"])
         peaks = " / ".join(f"{p / gib:.2f}" for p in r["peak_rss"])
         print(
-            f"{r['case']:<20}{steps:<28}{r['ratio']:>8.3f}x{r['forward_s']:>8.2f}"
-            f"{r['backward_s']:>8.2f}{peaks:>22}{r['offloaded_bytes'] / 2**20:>9.1f} MiB"
+            f"{r['case']:<20}{steps:<28}{r['ratio']:>8.3f}x{cpu:>28}{r['cpu_ratio']:>8.3f}x"
+            f"{peaks:>22}{r['offloaded_bytes'] / 2**20:>9.1f} MiB"
         )
 
 
