@@ -123,3 +123,22 @@ def test_the_stepper_old_name_still_answers_and_says_what_to_read_instead() -> N
     with pytest.warns(DeprecationWarning, match="last_step_timings"):
         old = engine.sharded_optimizer
     assert old.updater.last_timings is engine.last_step_timings
+
+
+def test_package_code_outside_the_engine_uses_its_public_face() -> None:
+    """Checkpoints, the rehearsal, trainers and tools read the engine through its methods
+    (``held_tensors``, ``training_state``, ``forward_window``...), never through its parts
+    or private names: the parts can change without them noticing."""
+    parts = (
+        "gatherer|clock|stepper|reducer|param_store|grad_queue|streams|unit_states|activations"
+        "|grads|_[a-z_]+"
+    )
+    pattern = re.compile(rf"engine\.({parts})\b")
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if ROOT / "engine" in path.parents or ROOT / "update" in path.parents:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert offenders == []

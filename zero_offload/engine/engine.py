@@ -27,6 +27,7 @@ from ..ds_schedules import schedule
 from .inputs import move_inputs
 from ..memory.ledger import MemoryReport
 from .optimizer_state import attach_state_dict
+from .runtime import Runtime
 from . import export
 from ..device import placement
 from .buffer_sync import broadcast_buffers
@@ -40,7 +41,6 @@ from .handback import Leftovers, check_parameters
 from ..update.stepper import ShardStepper
 from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
 from ..params.store import ParamStore, param_host_numel, param_pool_bytes
-from ..device.streams import Streams
 from ..device.threads import ThreadBudget
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
@@ -85,8 +85,13 @@ def _split_host_budget(
 class Engine(EngineLifecycle, EngineState):
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
-    def __init__(self, model: nn.Module, config: ZeroConfig) -> None:
+    def __init__(
+        self, model: nn.Module, config: ZeroConfig, runtime: Runtime | None = None
+    ) -> None:
+        """``runtime``: the machine-facing parts (side streams, the host gradient worker, the
+        device optimizer); None: the real ones. A rehearsal passes simulated ones."""
         self.config = config
+        self._runtime = runtime = runtime or Runtime()
         self._closed = True  # until checked
         check_parameters(model)
         self.comm = Comm(config.process_group)
@@ -97,7 +102,7 @@ class Engine(EngineLifecycle, EngineState):
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self._module = model
-        self.streams = self._make_streams()
+        self.streams = runtime.streams(self.device)
         # What must be released however this engine ends (close(), collection, exit, or an
         # error below); it holds nothing that refers back to the engine.
         self._leftovers = Leftovers()
@@ -164,6 +169,7 @@ class Engine(EngineLifecycle, EngineState):
             self.param_store.resident if self.param_store else flat_params,
             optimizer_budget,
             self.threads,
+            self._runtime.device_optimizer,
         )
         self._leftovers.closers.append(updater.close)
         self.units = build_units(
@@ -204,12 +210,14 @@ class Engine(EngineLifecycle, EngineState):
                 host_target = ResidentGrads(  # weak: the target must not keep the engine alive
                     self.grads, on_widen=weak_hook(self._host_grads_widened)
                 )
+            worker = self._runtime.host_worker
             self.grad_queue = HostGradQueue(
                 host_target,
                 self.streams,
                 max((p.shard_numel for p in plans if not p.frozen), default=0),
                 self.dtype,
                 threads=self.threads,
+                worker=worker() if worker is not None else None,
             )
             self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
             target = self.grad_queue
@@ -326,10 +334,6 @@ class Engine(EngineLifecycle, EngineState):
     def _host_grads_widened(self, grads: torch.Tensor) -> None:
         """The host gradient shard became fp32 (a second backward before a step)."""
         self.grads = self.stepper.grads = grads
-
-    def _make_streams(self) -> Streams:
-        """The side streams of this device (a rehearsal substitutes simulated ones)."""
-        return Streams(self.device)
 
     # -- the model's face ----------------------------------------------------------------------
     @property

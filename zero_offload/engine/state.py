@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 if TYPE_CHECKING:
+    from ..activations.offload import ActivationOffload
     from ..swap.swapper import Swapper
     from ..update.nvme_sizing import OptimizerSplit
     from ..params.store import ParamStore
@@ -31,6 +32,8 @@ class EngineState:
     reducer: GradReducer
     stepper: ShardStepper
     param_store: ParamStore | None
+    grads: torch.Tensor | None
+    activations: ActivationOffload | None
     micro_steps: int
     global_steps: int
     _last_comm: dict
@@ -118,11 +121,24 @@ class EngineState:
         """The buffers of gradient reductions not yet waited for (flat input and output)."""
         return self.reducer.inflight_buffers()
 
-    def _replace_device_optimizer(self, make: Any) -> None:
-        """A simulation's stand-in for the device AdamW (see ``zero_offload.rehearsal``)."""
-        replace = getattr(self.stepper.updater, "replace_optimizer", None)
-        if replace is not None:
-            self.stepper.optimizer = replace(make)
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds right now, by kind: ``units`` (flat compute-dtype
+        buffers kept whole), ``gathered`` (stage 3's gathered units), ``param_shards`` (stage
+        3's shards between uses), ``param_grads`` (each ``param.grad``), ``grad_shard`` (the
+        reduced gradients the optimizer steps from), ``optimizer`` (its state in memory),
+        ``comm`` (reductions in flight) and ``activations`` (offloaded, and copies brought
+        back). A memory tracker (the rehearsal) names each storage it sees by these."""
+        store = self.param_store
+        return {
+            "units": [u.full for u in self.units if not u.sharded_params],
+            "gathered": [u.full for u in self.units if u.sharded_params],
+            "param_shards": [store.resident] if store and store.resident is not None else [],
+            "param_grads": [p.grad for u in self.units for p in u.params if p.grad is not None],
+            "grad_shard": [self.grads] if self.grads is not None else [],
+            "optimizer": list(self.optimizer_tensors().values()),
+            "comm": self.reductions_in_flight(),
+            "activations": self.activations.held_tensors() if self.activations else [],
+        }
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -64,9 +64,11 @@ class HostGradQueue:
         dtype: torch.dtype,
         depth: int = STAGING_BUFFERS,
         threads: ThreadBudget | None = None,
+        worker: Executor | None = None,
     ) -> None:
         """``threads``: the rank's budget; on a CPU device the worker's sums yield to the
-        backward's compute (:func:`~..device.threads.yield_to_compute`)."""
+        backward's compute (:func:`~..device.threads.yield_to_compute`). ``worker``: runs the
+        sums in order (a simulation runs them inline); None: a thread of this queue's own."""
         self.target = target
         self.streams = streams
         self.depth = depth
@@ -74,7 +76,7 @@ class HostGradQueue:
         # On CUDA the worker makes the engine's GPU current first: a thread's first runtime
         # call would otherwise create a context on GPU 0 (in every rank).
         on_gpu = streams.device.type == "cuda"
-        self._worker: Executor = ThreadPoolExecutor(
+        self._worker: Executor = worker or ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="zo-host-grads",
             initializer=functools.partial(torch.cuda.set_device, streams.device)

@@ -75,11 +75,13 @@ def device_problems(engine: Any, when: str) -> list[str]:
         check(f"parameter {name}", p, "device")
     for name, b in engine.module.named_buffers():
         check(f"buffer {name}", b, "device")
-    for u in engine.units:
-        check(f"unit {u.index}'s flat parameters", u.full, "device")
-    check("the gradient shard", engine.grads, _tier_of(cfg.offload.optimizer))
-    if engine.param_store is not None:
-        check("the parameter shards", engine.param_store.resident, _tier_of(cfg.offload.param))
+    held = engine.held_tensors()
+    for i, full in enumerate(held["units"] + held["gathered"]):
+        check(f"flat parameter buffer {i}", full, "device")
+    for t in held["grad_shard"]:
+        check("the gradient shard", t, _tier_of(cfg.offload.optimizer))
+    for t in held["param_shards"]:
+        check("the parameter shards", t, _tier_of(cfg.offload.param))
     check(
         "the fp32 master", engine.optimizer_tensors().get("master"), _tier_of(cfg.offload.optimizer)
     )

@@ -26,9 +26,9 @@ from ..activations.config import DEFAULT_TILE_TOKENS
 from ..activations.tiled_loss import tiled_causal_lm_loss
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
-from ..planning.estimate import ModelShape, estimate_memory
+from ..engine.runtime import Runtime
 from ..planning.activations import ActivationEstimate, DecoderShape, estimate_activations
-from ..device.streams import Streams
+from ..planning.estimate import ModelShape, estimate_memory
 from ..update.api import adam_kwargs
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
@@ -55,40 +55,33 @@ def _identify(holder: dict[str, Engine]) -> Callable[[], dict[int, str]]:
         engine = holder.get("engine")
         if engine is None:
             return {}
+        kinds = {
+            "units": PARAMS,
+            "gathered": GATHERED,
+            "param_shards": PARAMS,
+            "param_grads": GRADS,
+            "grad_shard": GRADS,
+            "optimizer": OPTIMIZER,
+            "comm": COMM,
+            "activations": ACTIVATIONS,
+        }
         out: dict[int, str] = {}
-        for u in engine.units:
-            out[_key(u.full)] = GATHERED if u.sharded_params else PARAMS
-            for p in u.params:
-                if p.grad is not None:
-                    out[_key(p.grad)] = GRADS
-        if engine.param_store is not None and engine.param_store.resident is not None:
-            out[_key(engine.param_store.resident)] = PARAMS
-        if engine.grads is not None:
-            out[_key(engine.grads)] = GRADS
-        for tensor in engine.optimizer_tensors().values():
-            out[_key(tensor)] = OPTIMIZER
-        for buffer in engine.reductions_in_flight():
-            out[_key(buffer)] = COMM
-        if engine.activations is not None:  # offloaded: host buffers, copies brought back
-            for tensor in engine.activations.held_tensors():
-                out[_key(tensor)] = ACTIVATIONS
+        for kind, tensors in engine.held_tensors().items():
+            for tensor in tensors:
+                out[_key(tensor)] = kinds[kind]
         return out
 
     return identify
 
 
-def _engine_class(tracker: MemoryTracker) -> type[Engine]:
-    class RehearsalEngine(Engine):
-        def _make_streams(self) -> Streams:
-            return SimulatedStreams(self.device, on_transfer=lambda t: tracker.tag(t, COMM))
-
-    return RehearsalEngine
-
-
-def _fused_device_adam(engine: Engine) -> None:
-    """On CUDA the device optimizer is torch's fused AdamW; give the simulation the same."""
-    engine._replace_device_optimizer(
-        lambda params: SimulatedFusedAdamW(params, **adam_kwargs(engine.config))
+def _runtime(tracker: MemoryTracker, config: ZeroConfig) -> Runtime:
+    """The simulated device's parts: streams whose copies the tracker sees, torch's fused
+    AdamW as on CUDA, and the host-side gradient sums in the main thread (fake tensors are
+    not thread-safe; the same tensors and sizes)."""
+    return Runtime(
+        streams=lambda device: SimulatedStreams(device, on_transfer=lambda t: tracker.tag(t, COMM)),
+        host_worker=_Inline,
+        device_optimizer=lambda params: SimulatedFusedAdamW(params, **adam_kwargs(config)),
     )
 
 
@@ -102,13 +95,6 @@ class _Inline(Executor):
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, as a pool would
             fut.set_exception(exc)
         return fut
-
-
-def _inline_workers(engine: Engine) -> None:
-    """The host-side gradient sums run in the main thread (same tensors, same sizes)."""
-    if engine.grad_queue is not None:
-        engine.grad_queue._worker.shutdown()
-        engine.grad_queue._worker = _Inline()
 
 
 def _planned_activations(
@@ -297,11 +283,9 @@ def _rehearse(
         with kernels, tracker:
             try:
                 tracker.begin("initialize")
-                engine = _engine_class(tracker)(model, config)
+                engine = Engine(model, config, runtime=_runtime(tracker, config))
                 tracker.end()
                 holder["engine"] = engine
-                _fused_device_adam(engine)
-                _inline_workers(engine)
                 problems += device_problems(engine, "after initialize")
                 for _ in range(iterations):
                     inputs = batch()

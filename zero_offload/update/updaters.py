@@ -163,21 +163,23 @@ class _ResidentAdam:
 class DeviceAdam(_ResidentAdam):
     """fp32 master + AdamW state on an accelerator: torch's fused AdamW."""
 
-    def __init__(self, master: torch.Tensor, cfg: ZeroConfig) -> None:
+    def __init__(
+        self,
+        master: torch.Tensor,
+        cfg: ZeroConfig,
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        """``make_optimizer``: builds the optimizer over the master (a simulation's stand-in
+        for torch's fused AdamW, ``engine.runtime.Runtime``); None: torch's fused AdamW."""
         param = nn.Parameter(master, requires_grad=False)
-        try:
-            optimizer = torch.optim.AdamW([param], fused=True, **adam_kwargs(cfg))
-        except (RuntimeError, TypeError, ValueError):  # fused not supported on this device
-            optimizer = torch.optim.AdamW([param], **adam_kwargs(cfg))
+        if make_optimizer is not None:
+            optimizer = make_optimizer([param])
+        else:
+            try:
+                optimizer = torch.optim.AdamW([param], fused=True, **adam_kwargs(cfg))
+            except (RuntimeError, TypeError, ValueError):  # fused not supported here
+                optimizer = torch.optim.AdamW([param], **adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
-
-    def replace_optimizer(
-        self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-    ) -> torch.optim.Optimizer:
-        """Step the master with the optimizer ``make`` builds (a simulation's stand-in for
-        torch's fused AdamW); returns it."""
-        self.optimizer = make([self.param])
-        return self.optimizer
 
     def update(
         self,
@@ -327,13 +329,15 @@ def make_updater(
     param_shards: torch.Tensor | None = None,
     host_memory_limit: int | None = None,
     threads: ThreadBudget | None = None,
+    device_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: the rank-flat compute-dtype params when resident (stage 3's shards;
     stage 0's params with fp32 compute, see :func:`params_are_master`); a CPU updater writes
     them in place when they are in host memory, and fp32 ones on the optimizer's device are
     the master itself. ``host_memory_limit``: this updater's share of the host budget (NVMe
-    pool). ``threads``: the rank's thread budget (None: decided here for a CPU)."""
+    pool). ``threads``: the rank's thread budget (None: decided here for a CPU).
+    ``device_optimizer``: what steps a master on an accelerator (None: torch's fused AdamW)."""
     where = cfg.offload.optimizer
     threads = threads or ThreadBudget.decide(device.type, cfg.threads)
     if where == "nvme":
@@ -365,7 +369,7 @@ def make_updater(
     updater: HostAdam | DeviceAdam = (
         HostAdam(master, cfg, dtype, tier="device", out=out, num_threads=threads.optimizer)
         if device.type == "cpu"
-        else DeviceAdam(master, cfg)
+        else DeviceAdam(master, cfg, device_optimizer)
     )
     updater.master_is_params = shared
     return updater
