@@ -13,7 +13,7 @@ import torch
 
 import zero_offload as zo
 from swap_faults import FaultBackend
-from zero_offload.grads.reducer import ResidentGrads
+from zero_offload.grads.target import ResidentGrads
 from zero_offload.grads.host import HostGradQueue
 from zero_offload.device.streams import Streams
 from zero_offload.swap import SwapIOError

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from zero_offload.grads.reducer import ResidentGrads
+from zero_offload.grads.target import ResidentGrads
 from zero_offload.grads.host import HostGradQueue
 from zero_offload.device.streams import Streams
 

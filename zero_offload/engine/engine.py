@@ -33,7 +33,8 @@ from ..device import placement
 from .buffer_sync import broadcast_buffers
 from .forward import ForwardWindow
 from ..params.gather import ParamGatherer
-from ..grads.reducer import GradReducer, GradTarget, ResidentGrads
+from ..grads.reducer import GradReducer
+from ..grads.target import GradTarget, ResidentGrads
 from .build import build_units
 from .lifecycle import EngineLifecycle
 from .state import EngineState

@@ -24,7 +24,7 @@ import torch
 
 from ..memory.ledger import MemoryReport
 from ..swap.pinned import pinned_nbytes, unpin
-from .reducer import GradTarget
+from .target import GradTarget
 from ..device.streams import Streams
 from ..device.threads import ThreadBudget, yield_to_compute
 
@@ -123,7 +123,7 @@ class HostGradQueue:
 
     def region(self, offset: int, like: torch.Tensor) -> torch.Tensor | None:
         """On a CPU device, the target's zeroed region at ``offset`` (see
-        :meth:`~.reducer.ResidentGrads.region`) for the caller to write in place: then there
+        :meth:`~.target.ResidentGrads.region`) for the caller to write in place: then there
         is nothing to copy or sum in the background. None with CUDA (the piece crosses
         PCIe through a staging buffer) or where the target lends none."""
         region = getattr(self.target, "region", None)

@@ -18,12 +18,21 @@ Two ways cover them:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["register_external_parameter", "declared_external", "ReleasedAccess", "reads_memory"]
+__all__ = [
+    "ExternalUses",
+    "ReleasedAccess",
+    "declared_external",
+    "reads_memory",
+    "register_external_parameter",
+]
+
+log = logging.getLogger(__name__)
 
 _ATTR = "_zero_offload_external_parameters"
 # Calls that read a parameter's metadata, not its memory: no gather for them (``p.grad`` in the
@@ -124,3 +133,25 @@ class ReleasedAccess(TorchFunctionMode):
             for v in kwargs.values():
                 self._check(v)
         return func(*args, **kwargs)
+
+
+class ExternalUses:
+    """Tells the user, once at WARNING and then at INFO, that a module's forward used a
+    parameter another module owns (found at run time, not declared)."""
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def note(self, user: str, name: str) -> None:
+        if self._warned:
+            log.info("stage 3: %s also uses parameter %r of another module", user, name)
+            return
+        self._warned = True
+        log.warning(
+            "stage 3: the forward of %s uses parameter %r, which another module owns; it was "
+            "gathered on demand, and from the next step on it is gathered ahead of that use. "
+            "zero_offload.register_external_parameter(module, param) before initialize "
+            "declares such uses and silences this warning (further ones are logged at INFO)",
+            user,
+            name,
+        )

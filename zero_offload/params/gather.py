@@ -19,10 +19,9 @@ waits for it (on the device) only when the module that needs it is about to run.
 Recomputation (``torch.utils.checkpoint``) re-enters the forward hooks during backward; there
 they gather but do not free, because the recomputed saved tensors still point at the unit.
 
-Frozen units get no gradients, so no reduction releases them in backward; instead the module's
-inputs pass through an identity autograd function whose backward — run once the module's
-backward is done — releases them. Modules run outside the engine's forward (e.g. a
-``generate()`` loop) gather and free without recording the order.
+Frozen units, which no reduction releases, are released once their module's backward is done
+(``autograd_side``). Modules run outside the engine's forward (e.g. a ``generate()`` loop)
+gather and free without recording the order.
 """
 
 from __future__ import annotations
@@ -36,7 +35,14 @@ from torch.profiler import record_function
 import torch.nn as nn
 
 from ..swap.budget import FreedMemory
-from .external import ReleasedAccess, declared_external
+from .autograd_side import (
+    SavedInUnit,
+    check_not_capturing,
+    release_after_backward,
+    storage_key,
+)
+from .external import ExternalUses, ReleasedAccess
+from .module_units import ModuleUnits, RunningModule
 from .order import MODULE, UNIT, OrderCheck
 from .released import gather_when_missing
 from .store import ParamStore
@@ -53,84 +59,6 @@ def gathered_units(prefetch_depth: int) -> int:
     """Units gathered at once, at most, as modules run one after another: the running
     module's and ``prefetch_depth`` gathered ahead of it."""
     return prefetch_depth + 1
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """Which storage a tensor views: the storage object itself, not its memory address (a
-    freed unit has none, and tensors without memory, as in a rehearsal, all share 0)."""
-    return tensor.untyped_storage()._cdata
-
-
-class _Saved:
-    """A saved tensor that lives in a stage-3 unit: the unit must be gathered to read it."""
-
-    __slots__ = ("unit", "tensor")
-
-    def __init__(self, unit: FlatUnit, tensor: torch.Tensor) -> None:
-        self.unit, self.tensor = unit, tensor
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs. Its backward runs once the module's backward has
-    produced the inputs' gradients, and releases the module's frozen units, which no
-    gradient reduction would release."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, gatherer: "ParamGatherer", units: list[FlatUnit], *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.gatherer, ctx.units = gatherer, units
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        for unit in ctx.units:
-            ctx.gatherer.release(unit)
-        return (None, None, *grads)
-
-
-def _release_after_backward(
-    gatherer: "ParamGatherer", units: list[FlatUnit], args: tuple, kwargs: dict
-) -> tuple[tuple, dict] | None:
-    """The module's inputs (those that need gradients) routed through :class:`_AfterBackward`."""
-    slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    keys = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    if not slots and not keys:
-        return None  # no gradient flows through the module: backward never needs it
-    routed = _AfterBackward.apply(gatherer, units, *[t for _, t in slots + keys])
-    new_args = list(args)
-    for (i, _), t in zip(slots, routed):
-        new_args[i] = t
-    new_kwargs = dict(kwargs)
-    for (k, _), t in zip(keys, routed[len(slots) :]):
-        new_kwargs[k] = t
-    return tuple(new_args), new_kwargs
-
-
-class _Frame:
-    """A stage-3 module whose forward is running: the units gathered for it, those gathered
-    on demand while it ran (released with it), and whether it turned the access check on."""
-
-    __slots__ = ("module", "units", "borrowed", "entered")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.units: list[FlatUnit] = []
-        self.borrowed: list[FlatUnit] = []
-        self.entered = False
-
-
-def _check_not_capturing() -> None:
-    """Stage 3 resizes storages, waits on side streams and runs collectives inside hooks: none
-    of it can be recorded into a CUDA graph. (No capture without an initialized CUDA: then
-    this is one flag read.)"""
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "stage 3 cannot run under CUDA graph capture (torch.cuda.graph, "
-            "make_graphed_callables, torch.compile mode='reduce-overhead'): its hooks gather and "
-            "free parameters, which a graph cannot record. Capture a model trained at stage 0-2, "
-            "or run stage 3 eagerly"
-        )
 
 
 class ParamGatherer:
@@ -150,42 +78,25 @@ class ParamGatherer:
         self.prefetch_depth = prefetch_depth
         self.prefetch_bytes = prefetch_bytes
         self.units = units
-        by_param = {id(p): u for u in units for p in u.params}
         # sharded parameters: where a released one is found when a torch call takes it
         self._param_unit = {id(p): u for u in units if u.sharded_params for p in u.params}
         self._param_name = {id(p): n for u in units for p, n in zip(u.params, u.names)}
         self._module_name = {m: n or type(model).__name__ for n, m in model.named_modules()}
-        self.module_units: dict[nn.Module, list[FlatUnit]] = {}
-        self.declared: dict[nn.Module, list[FlatUnit]] = {}  # gathered with the module
+        tables = ModuleUnits(model, units, self._module_name)
+        self.module_units = tables.own
+        self.declared = tables.declared  # gathered with the module
         self.learned: dict[nn.Module, list[FlatUnit]] = {}  # found used while it ran
-        for module in model.modules():
-            for table, params in (
-                (self.module_units, module.parameters(recurse=False)),
-                (self.declared, declared_external(module)),
-            ):
-                found: list[FlatUnit] = []
-                for p in params:
-                    u = by_param.get(id(p))
-                    if u is None:
-                        raise ValueError(
-                            f"a parameter declared external for "
-                            f"{self._module_name.get(module, type(module).__name__)} is not "
-                            "a parameter of the model"
-                        )
-                    if u.sharded_params and u not in found:
-                        found.append(u)
-                if found:
-                    table[module] = found
-        for module, found in self.declared.items():  # a module's own units come first
-            self.declared[module] = [u for u in found if u not in self.module_units.get(module, [])]
         self._by_ptr: dict[int, FlatUnit] = {}
         self.recorded = []  # unit indices in the order the last forward used them
         self._current: list[int] = []
         self._order_matches = True
         self.order_changes = 0
+        # a use found at run time moves its unit's gather to the module's start from the next
+        # forward on: that forward's new order is expected, not the data's doing
+        self._learned_since = self._expect_new_order = False
         self.on_demand = 0  # gathers a torch call on a released parameter asked for
-        self._warned = False
-        self._frames: list[_Frame] = []
+        self._external_uses = ExternalUses()
+        self._frames: list[RunningModule] = []
         self._access = ReleasedAccess(self._is_released, self._on_access)
         self._access_on = False
         self.gathered_bytes = 0
@@ -241,7 +152,7 @@ class ParamGatherer:
             else:  # an all-gather ahead keeps no pool buffer that a read may need
                 (shard, copied), give_back, kept = self.store.load(unit), None, False
             self.states.gather(unit, shard, wait=wait, after=copied, then=give_back, share=kept)
-            self._by_ptr[_storage_key(unit.full)] = unit
+            self._by_ptr[storage_key(unit.full)] = unit
             self.gathered_bytes += unit.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         if wait:
@@ -249,7 +160,7 @@ class ParamGatherer:
 
     def release(self, unit: FlatUnit) -> None:
         if self.states.gather_state(unit) is not GatherState.FREE and unit.sharded_params:
-            self._by_ptr.pop(_storage_key(unit.full), None)
+            self._by_ptr.pop(storage_key(unit.full), None)
             self.states.free(unit)
             self.gathered_bytes -= unit.full_bytes
             self._freed.freed(unit.full_bytes)
@@ -317,6 +228,8 @@ class ParamGatherer:
         expected = self.recorded[start : start + len(indices)]
         if self._order_matches and self.recorded and expected != indices:
             self._order_matches = False
+            if self._expect_new_order:
+                return
             self.order_changes += 1
             log.warning(
                 "stage 3: the modules ran in a different order than in the last "
@@ -330,16 +243,18 @@ class ParamGatherer:
     def _pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
-        frame = _Frame(module)
+        frame = RunningModule(module)
         if not self._frames:
-            _check_not_capturing()
+            check_not_capturing()
         self._frames.append(frame)
         if not self._access_on:
             self._access.__enter__()
             self._access_on = frame.entered = True
         units = self.module_units.get(module, []) + self.declared.get(module, [])
-        if self.states.in_backward:  # recomputation: what the module used in forward, at once
-            units += [u for u in self.learned.get(module, []) if u not in units]
+        # and what it was found using while it ran before: gathered with it, as if declared
+        # (on one rank a unit prefetched for that use is gathered by then, so the use alone
+        # would not be seen and the recorded order would flip from step to step)
+        units += [u for u in self.learned.get(module, []) if u not in units]
         frame.units = units
         if units and self.states.in_forward:  # not recomputation, not e.g. generate()
             self.order.check(MODULE, self._module_id[module])
@@ -348,7 +263,7 @@ class ParamGatherer:
             self._fetch(unit, wait=True)
         frozen = [u for u in units if u.frozen]
         if frozen and not self.states.in_backward and torch.is_grad_enabled():
-            return _release_after_backward(self, frozen, args, kwargs)
+            return release_after_backward(self, frozen, args, kwargs)
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -394,7 +309,8 @@ class ParamGatherer:
             )
             if not known:
                 self.learned.setdefault(module, []).append(unit)
-                self._warn_external(module, param)
+                self._learned_since = True
+                self._external_uses.note(self._module_name[module], self._param_name[id(param)])
         if self.states.in_forward:
             self.order.check(UNIT, unit.index)
             self._note_use([unit.index])
@@ -412,31 +328,16 @@ class ParamGatherer:
         self._on_access(param)
         return True
 
-    def _warn_external(self, module: nn.Module, param: nn.Parameter) -> None:
-        user, name = self._module_name[module], self._param_name[id(param)]
-        if self._warned:
-            log.info("stage 3: %s also uses parameter %r of another module", user, name)
-            return
-        self._warned = True
-        log.warning(
-            "stage 3: the forward of %s uses parameter %r, which another module owns; it was "
-            "gathered on demand, and from the next step on it is gathered ahead of that use. "
-            "zero_offload.register_external_parameter(module, param) before initialize "
-            "declares such uses and silences this warning (further ones are logged at INFO)",
-            user,
-            name,
-        )
-
     # -- saved tensors (backward) -------------------------------------------------------------
     def pack_saved(self, tensor: torch.Tensor) -> Any:
         if self._by_ptr:
-            unit = self._by_ptr.get(_storage_key(tensor))
+            unit = self._by_ptr.get(storage_key(tensor))
             if unit is not None:
-                return _Saved(unit, tensor)
+                return SavedInUnit(unit, tensor)
         return tensor
 
     def unpack_saved(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Saved):
+        if not isinstance(packed, SavedInUnit):
             return packed
         unit = packed.unit
         if self.states.gather_state(unit) is not GatherState.GATHERED:
@@ -450,9 +351,10 @@ class ParamGatherer:
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """The context one forward pass of the engine runs in."""
-        _check_not_capturing()
+        check_not_capturing()
         self._current = []
         self._order_matches = True
+        self._expect_new_order, self._learned_since = self._learned_since, False
         self.states.begin_forward()
         ok = False
         try:
@@ -475,7 +377,7 @@ class ParamGatherer:
 
     def begin_backward(self) -> None:
         """After the reducer's ``begin_backward``, which puts the units into BACKWARD."""
-        _check_not_capturing()
+        check_not_capturing()
         if not self._access_on:  # recomputation and custom backward functions may read params
             self._access.__enter__()
             self._access_on = True
