@@ -18,7 +18,9 @@ from zero_offload.planning import planner
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.cli import main as cli_main
 from zero_offload.planning.estimate import MODEL_STATE, RESIDENT, TIERS, ModelShape
-from zero_offload.cli.plan import parse_count, parse_size
+from zero_offload.bench import io as bench_io
+from zero_offload.cli import plan as plan_cli
+from zero_offload.quantities import parse_count, parse_size
 
 # ~0.47M params: padding (to world × 64 elements per unit) is well under 1%.
 LEDGER_MODEL = GPTConfig(layers=2, width=128, heads=4, vocab=512, seq=32)
@@ -388,6 +390,9 @@ def test_activations_count_when_given():
 # -- the command ---------------------------------------------------------------------------
 def test_parse_sizes_and_counts():
     assert parse_size("24GB") == 24 * 10**9 and parse_size("24GiB") == 24 * 2**30
+    # a bare letter is binary in every command (plan read "24G" as 24e9, bench io as 24 GiB)
+    assert parse_size("24G") == parse_size("24GiB") and parse_size("512M") == 512 * 2**20
+    assert bench_io.parse_size is plan_cli.parse_size is parse_size
     assert parse_size("512") == 512 and parse_size("1.5TB") == 1_500_000_000_000
     assert parse_count("13e9") == 13 * 10**9 and parse_count("6.7B") == 6_700_000_000
     assert parse_count("350M") == 350 * 10**6

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..quantities import parse_size
 from ..swap.buffers import HostBuffer
 from ..swap.io import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, FileIOEngine
 
@@ -33,31 +33,6 @@ MAX_BUFFER = 512 * 1024 * 1024
 """Host buffer both sides use; requests cycle through it so a 4 GiB file needs no 4 GiB of RAM."""
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 FIO_BS, FIO_IODEPTH = 8 * 1024 * 1024, 8
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mib": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gib": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tib": 2**40,
-    "tb": 10**12,
-}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '8M', '4096' -> bytes (K/M/G alone are binary)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB, 512MiB, 8M)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

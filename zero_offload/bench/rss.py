@@ -36,7 +36,7 @@ import zero_offload as zo
 
 from .gpt import GPT, synthetic_batch
 from ..swap.budget import DEFAULT_HOST_FRACTION
-from .io import parse_size
+from ..quantities import parse_size
 from .step import DEFAULT_VOCAB, HEAD_DIM, model_config
 
 __all__ = ["PeakSampler", "malloc_stats", "main"]

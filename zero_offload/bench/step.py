@@ -52,7 +52,8 @@ from .step_report import (
     overlap_ratios,
     print_tables,
 )
-from .io import MEMORY_FILESYSTEMS, _check_path, _fs_type, _progress, _raw, parse_size
+from .io import MEMORY_FILESYSTEMS, _check_path, _fs_type, _progress, _raw
+from ..quantities import parse_size
 
 DEFAULT_PARAMS = 300_000_000
 """3.6 GB of fp32 master + m + v: the NVMe optimizer phase reads and writes a few GB."""

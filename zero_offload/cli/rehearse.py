@@ -19,7 +19,8 @@ from typing import Any
 
 from ..planning.estimate import activation_memory
 from ..rehearsal.attention import KERNELS
-from .plan import parse_micro_batch, parse_size
+from ..quantities import parse_size
+from .plan import parse_micro_batch
 
 __all__ = ["add_arguments", "run", "parse_micro_batch"]
 
