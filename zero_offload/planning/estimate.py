@@ -39,7 +39,7 @@ from ..params.store import param_pool_buffers
 from ..swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from .activations import ActivationEstimate
 from .shape import ModelShape, count_layout, model_layout
-from .state import FP32_STATE, state_policy, state_split
+from .state import FP32_STATE, state_policy, state_rate, state_split
 from .terms import (
     ACTIVATIONS,
     BUFFER,
@@ -423,5 +423,6 @@ def _split_host(
         opt_budget,
         b,
         offload_optimizer_fraction if offload_optimizer == "nvme" else None,
+        state_rate(policy, layout.plans),
     )
     return HostSplit(budget, staging, param_budget, split)

@@ -190,6 +190,8 @@ def states_text(rows: list[StateRow], chosen: StateRow, allowed: bool) -> tuple[
             if fp32 is not None
             else "fits no choice."
         )
+        if fp32 is not None:
+            text += f" Against it, {savings(rows, rows[0])[rows.index(chosen) - 1]}."
     better = [
         r
         for r in rows[rows.index(chosen) + 1 :]

@@ -16,7 +16,9 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..optim.layout import StateLayout
 from ..optim.policy import MasterPrecision, MomentPrecision, StatePolicy
+from ..params.units import UnitPlan
 from ..swap.buffers import pool_footprint
 from ..update.nvme_sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
 
@@ -26,6 +28,7 @@ __all__ = [
     "moment_bytes",
     "per_param_text",
     "state_bytes",
+    "state_rate",
     "state_names",
     "state_policy",
     "state_split",
@@ -51,9 +54,23 @@ def state_bytes(policy: StatePolicy, numel: int) -> int:
     return math.ceil(policy.bytes_per_param * numel)
 
 
-def moment_bytes(policy: StatePolicy, numel: int) -> int:
-    """Bytes of the moments alone: the state where fp32 parameters are themselves the master."""
-    return math.ceil((policy.bytes_per_param - policy.master_bytes(1)) * numel)
+def state_rate(policy: StatePolicy, plans: list[UnitPlan] | None) -> float:
+    """State bytes per element of a rank's trainable shard: with the engine's units, counted
+    by the optimizer's own :class:`~zero_offload.optim.layout.StateLayout` of rank 0's run
+    (8-bit: parameters under 4096 elements and padding in fp32, blocks cut at shard edges);
+    for a parameter count, the policy's ``bytes_per_param``."""
+    trained = [(p.layout, 0) for p in plans or () if not p.frozen]
+    numel = sum(p.layout.shard_numel for p in plans or () if not p.frozen)
+    if policy.is_default or not numel:
+        return policy.bytes_per_param
+    return StateLayout.for_shards(policy, trained).nbytes / numel
+
+
+def moment_bytes(policy: StatePolicy, numel: int, rate: float | None = None) -> int:
+    """Bytes of the moments alone (the state where fp32 parameters are themselves the
+    master), at ``rate`` state bytes per element (default: the policy's)."""
+    rate = policy.bytes_per_param if rate is None else rate
+    return math.ceil((rate - policy.master_bytes(1)) * numel)
 
 
 def per_param_text(bytes_per_param: float) -> str:
@@ -82,6 +99,10 @@ class StateSplit:
 
     split: OptimizerSplit
     policy: StatePolicy
+    rate: float  # state bytes per element (``state_rate``)
+
+    def state_bytes(self, numel: int) -> int:
+        return math.ceil(self.rate * numel)
 
     @property
     def sizing(self) -> NvmeSizing:
@@ -105,16 +126,16 @@ class StateSplit:
 
     @property
     def host_state_bytes(self) -> int:
-        return state_bytes(self.policy, self.host_numel)
+        return self.state_bytes(self.host_numel)
 
     @property
     def nvme_state_bytes(self) -> int:
-        return state_bytes(self.policy, self.nvme_numel)
+        return self.state_bytes(self.nvme_numel)
 
     @property
     def pipeline_bytes(self) -> int:
         """The pipeline buffers, each one sub-group of state, as the pool rounds them."""
-        return self.sizing.buffers * pool_footprint(state_bytes(self.policy, self.sizing.group))
+        return self.sizing.buffers * pool_footprint(self.state_bytes(self.sizing.group))
 
     def disk_bytes_per_step(self) -> int:
         """The state in files read and written once a step, plus the gradients' traffic
@@ -130,14 +151,17 @@ def state_split(
     budget: int,
     dtype_bytes: int,
     fraction: float | str | None,
+    rate: float | None = None,
 ) -> StateSplit:
     """Where the optimizer state of ``numel`` elements lives under ``budget``: the engine's
     ``nvme_sizing`` and ``host_groups``, with the spare budget counted in the policy's bytes
-    (``host_groups`` counts fp32 state, so the spare is scaled to it)."""
+    (``host_groups`` counts fp32 state, so the spare is scaled to it). ``rate``: state bytes
+    per element (default: the policy's)."""
+    rate = policy.bytes_per_param if rate is None else rate
     sizing = nvme_sizing(numel, sub_group_size, budget, dtype_bytes)
-    split = StateSplit(OptimizerSplit(numel, sizing, 0), policy)
+    split = StateSplit(OptimizerSplit(numel, sizing, 0), policy, rate)
     held = sizing.host_bytes(numel, dtype_bytes) - sizing.state_bytes() + split.pipeline_bytes
     spare = budget - held
-    as_fp32 = spare * FP32_STATE.bytes_per_param / policy.bytes_per_param
+    as_fp32 = spare * FP32_STATE.bytes_per_param / rate
     count = host_groups(numel, sizing.group, fraction, math.floor(as_fp32))
-    return StateSplit(OptimizerSplit(numel, sizing, min(numel, count * sizing.group)), policy)
+    return StateSplit(OptimizerSplit(numel, sizing, min(numel, count * sizing.group)), policy, rate)

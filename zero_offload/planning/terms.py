@@ -18,7 +18,7 @@ from ..optim.policy import MasterPrecision, StatePolicy
 from ..params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from ..update.updaters import GRAD_SLICE
 from ..params.units import UnitPlan, unit_build_bytes
-from .state import StateSplit, moment_bytes, per_param_text, state_bytes, state_names
+from .state import StateSplit, moment_bytes, per_param_text, state_names
 
 __all__ = [
     "Term",
@@ -294,7 +294,7 @@ class TermBuilder:
         for it."""
         b, lay, T = self.b, self.layout, self.T
         making = unit_build_bytes(lay.largest, math.ceil(lay.largest / self.shards), b)
-        moments = moment_bytes(self.policy, lay.s_t)
+        moments = moment_bytes(self.policy, lay.s_t, self.host.split.rate)
         later = moments + b * lay.s_t if self.offload_optimizer == "none" else 0
         self.add(
             "unit being made",
@@ -328,15 +328,16 @@ class TermBuilder:
             )
         o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_optimizer]
         on_nvme = split.nvme_numel if self.offload_optimizer == "nvme" else s_t
-        per = per_param_text(policy.bytes_per_param)
+        rate = split.rate
+        per = per_param_text(rate)
         if self._params_are_master():
             self.add(
                 "optimizer state",
                 o_tier,
                 RESIDENT,
                 MODEL_STATE,
-                moment_bytes(policy, s_t),
-                f"{per_param_text(policy.bytes_per_param - policy.master_bytes(1))}{T}/N: "
+                moment_bytes(policy, s_t, rate),
+                f"{per_param_text(rate - policy.master_bytes(1))}{T}/N: "
                 f"{state_names(policy, master=False)} (the fp32 params are the master)",
             )
         else:
@@ -345,7 +346,7 @@ class TermBuilder:
                 o_tier,
                 RESIDENT,
                 MODEL_STATE,
-                state_bytes(policy, on_nvme),
+                split.state_bytes(on_nvme),
                 f"{per}{T}/N: {state_names(policy)}"
                 if on_nvme == s_t
                 else f"{per} bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
@@ -385,7 +386,7 @@ class TermBuilder:
             FORWARD_BACKWARD,
             BUFFER,  # a second copy for a while, not more model state
             self.host.split.nvme_state_bytes,
-            f"{per_param_text(self.policy.bytes_per_param)} bytes × the sub-groups in files "
+            f"{per_param_text(self.host.split.rate)} bytes × the sub-groups in files "
             f"of {T}/N: beside the old until step()",
         )
         self.add(
@@ -423,7 +424,7 @@ class TermBuilder:
                 RESIDENT,
                 BUFFER,
                 self.host.split.pipeline_bytes,
-                f"{count} sub-groups × {per_param_text(self.policy.bytes_per_param)} bytes, "
+                f"{count} sub-groups × {per_param_text(self.host.split.rate)} bytes, "
                 "as the pool rounds them",
             )
             if self.grads_on_disk:
