@@ -22,8 +22,8 @@ def hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -
     biases and norm weights: ``no_decay``)."""
     kind = optimizer_keys(optimizer)
     groups = optimizer.param_groups
-    keys = tuple(k for k in ("lr", "betas", "eps") if k in groups[0])
-    first = {k: groups[0][k] for k in keys}
+    keys: tuple[str, ...] = tuple(k for k in ("lr", "betas", "eps") if k in groups[0])
+    first: dict[str, Any] = {k: groups[0][k] for k in keys}
     decays = {g["weight_decay"] for g in groups} - {0.0}
     if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
         raise ConfigError(

@@ -96,7 +96,11 @@ def _why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
     elif tier == "device" and "optimizer state" in by_name:
         text += "; offload the optimizer state (offload_optimizer) or use more GPUs"
     elif tier == "host" and "optimizer state" in by_name:
-        text += "; put the optimizer state on NVMe (offload_optimizer='nvme')"
+        text += "; put the optimizer state on NVMe (offload_optimizer='nvme')" + (
+            " or allow lower-precision state (allow_low_precision_states)"
+            if e.policy.is_default
+            else ""
+        )
     return text
 
 
