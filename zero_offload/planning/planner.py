@@ -27,6 +27,8 @@ from ..update.nvme_sizing import FULL_SPEED_GROUP
 from .candidate import Candidate, Plan
 from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
 from .precisions import StateRow, policy_keys, state_rows, states_text
+from .reasons import gb as _gb
+from .reasons import split_text, why_over
 from .state import state_bytes
 from .estimate import (
     MemoryEstimate,
@@ -69,39 +71,8 @@ CHOICES: tuple[tuple[int, str, str], ...] = (
     (3, "cpu", "nvme"),
     (3, "nvme", "nvme"),
 )
-_TIER_LABEL = {"device": "GPU", "host": "host", "nvme": "NVMe"}
 _MAX_GPUS = 4096
 _UNCHECKED_HOST = 1 << 50  # host_memory=None: the budget of a node that is never short
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-def _why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
-    """ "GPU 84.5 GB > 21.6 GB usable: optimizer state 39.0 GB, params 26.0 GB, ..." plus what
-    would remove the biggest obstacle."""
-    per_node = e.ranks_per_node if tier != "device" else 1
-    where = "/node" if tier != "device" else ""
-    top = ", ".join(f"{t.name} {_gb(t.bytes * per_node)}" for t in e.largest_terms(tier))
-    if usable <= 0:
-        return f"no {_TIER_LABEL[tier]} given: needs {_gb(need)}{where}"
-    text = f"{_TIER_LABEL[tier]} {_gb(need)}{where} > {_gb(usable)} usable: {top}"
-    by_name = {t.name: t.bytes * per_node for t in e.terms if t.tier == tier}
-    if tier == "device" and by_name.get("params", 0) > usable:
-        text += (
-            f"; the full {e.dtype} params alone ({_gb(by_name['params'])}) exceed it, "
-            "whatever is offloaded: only stage 3 shards them"
-        )
-    elif tier == "device" and "optimizer state" in by_name:
-        text += "; offload the optimizer state (offload_optimizer) or use more GPUs"
-    elif tier == "host" and "optimizer state" in by_name:
-        text += "; put the optimizer state on NVMe (offload_optimizer='nvme')" + (
-            " or allow lower-precision state (allow_low_precision_states)"
-            if e.policy.is_default
-            else ""
-        )
-    return text
 
 
 def _within(need: float, usable: float | None) -> bool:
@@ -158,23 +129,6 @@ def _fill_host(
     return best
 
 
-def _split_text(c: Candidate) -> str:
-    """ " The optimizer state: 64% on NVMe, ...; disk traffic ... (vs ... all on NVMe)"."""
-    e = c.estimate
-    if e.nvme_fraction is None:
-        return ""
-    per_node = e.ranks_per_node
-    text = (
-        f" Optimizer state {e.nvme_fraction:.0%} on NVMe, {1 - e.nvme_fraction:.0%} in "
-        f"host memory: {_gb(per_node * e.disk_bytes_per_step)} of disk traffic per step "
-        "per node"
-    )
-    if c.all_nvme_disk_bytes:
-        saved = 1 - e.disk_bytes_per_step / c.all_nvme_disk_bytes
-        text += f", {saved:.0%} less than all on NVMe ({_gb(per_node * c.all_nvme_disk_bytes)})"
-    return text + "."
-
-
 def _candidate(
     shape: ModelShape,
     limits: dict[str, float | None],
@@ -206,7 +160,7 @@ def _candidate(
         usable = limits[tier]
         if usable is None or need <= usable:  # None: NVMe space not measured
             continue
-        reasons.append(_why_over(e, tier, need, usable))
+        reasons.append(why_over(e, tier, need, usable))
     unchecked = cand.uses_nvme and limits["nvme"] is None
     return Candidate(
         stage, opt, par, e, not reasons, tuple(reasons), unchecked, measures=measures, **extra
@@ -508,7 +462,7 @@ def plan(
         f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} "
         + ("(not checked)" if usable_host is None else f"of {_gb(usable_host)}")
         + f" per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
-        f"node.{_split_text(choice)}{state_line}"
+        f"node.{split_text(choice)}{state_line}"
         f"{explain(choice.measures, choice.cheaper, micro)}{why}{trains}"
     )
     return outcome(
