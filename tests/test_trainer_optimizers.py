@@ -148,12 +148,6 @@ def test_torchao_class():
     assert _policy(optimizer_keys(optim.AdamW8bit(_params()))) == ("adamw", "8bit")
 
 
-def test_engine_refuses_them_for_now():
-    """What the end-to-end runs below meet until the engine carries state policies."""
-    with pytest.raises(zo.ConfigError, match="engine steps fp32 Adam"):
-        zo.build_config(stage=2, offload_optimizer="cpu", **hf_optim_keys("lion_32bit"))
-
-
 # -- two steps end to end ----------------------------------------------------------------------
 # AdamW (the default) runs today and holds the harness; the others until the engine steps them
 _UNTIL_ENGINE = pytest.mark.xfail(strict=True, reason=NEEDS_ENGINE, raises=zo.ConfigError)
