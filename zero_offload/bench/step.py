@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 import zero_offload as zo
+from ..planning.state import FP32_STATE, state_bytes
 from ..swap.buffers import HostBuffer
 from .gpt import GPT, GPTConfig, synthetic_batch
 from .step_report import (
@@ -413,7 +414,9 @@ def run(args: argparse.Namespace) -> int:
             "a disk"
             if fs in MEMORY_FILESYSTEMS
             else None
-        ) or _check_path(args.nvme_path, 12 * cfg.num_params + max(args.baseline_size, 0))
+        ) or _check_path(
+            args.nvme_path, state_bytes(FP32_STATE, cfg.num_params) + max(args.baseline_size, 0)
+        )
         if why:
             print(f"bench step: {why.replace('--path ', '--nvme-path ')}", file=sys.stderr)
             return 2

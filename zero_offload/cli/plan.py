@@ -131,6 +131,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fraction of each memory kept free (default 0.1)",
     )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adam", "lion", "adagrad"],
+        help="the update rule (optimizer_type); its state precisions get a row each",
+    )
+    parser.add_argument(
+        "--allow-low-precision-states",
+        action="store_true",
+        help="recommend bf16 or 8-bit optimizer state (moment_precision, master_precision) "
+        "where it needs less offload than fp32 (default: fp32, the savings shown)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -187,6 +199,40 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.1f}"
 
 
+def _states_table(p: Plan) -> list[str]:
+    """A row per optimizer-state precision: its bytes, its least-offloaded choice that fits
+    and what that choice holds."""
+    taken = next((r for r in p.states if r.policy == p.policy), None)
+    lines = [
+        f"{'optimizer state (' + p.policy.kind.value + ')':<34}  {'B/param':>7}  "
+        f"{'state GB':>8}  {'least offload that fits':<24}  {'host GB/node':>12}  "
+        f"{'NVMe GB/node':>12}  {'disk GB/step/node':>17}"
+    ]
+    for r in p.states:
+        c = r.choice
+        mark = "  <- recommended" if r is taken and p.choice is not None else ""
+        if c is None:
+            lines.append(
+                f"{r.label:<34}  {r.policy.bytes_per_param:>7.2f}  "
+                f"{_gb(r.total_state_bytes):>8}  {'nothing fits':<24}"
+            )
+            continue
+        e = c.estimate
+        where = f"stage {c.stage}, {c.offload_optimizer}/{c.offload_param}"
+        disk = "-" if e.nvme_fraction is None else _gb(e.ranks_per_node * e.disk_bytes_per_step)
+        lines.append(
+            f"{r.label:<34}  {r.policy.bytes_per_param:>7.2f}  {_gb(r.total_state_bytes):>8}  "
+            f"{where:<24}  {_gb(e.host_bytes_per_node):>12}  {_gb(e.nvme_bytes_per_node):>12}  "
+            f"{disk:>17}{mark}"
+        )
+    if not p.allow_low_precision_states and len(p.states) > 1:
+        lines.append(
+            "(fp32 state is recommended; --allow-low-precision-states takes a lower "
+            "precision where it needs less offload)"
+        )
+    return lines
+
+
 def format_plan(p: Plan, title: str = "") -> str:
     """The table of every stage × offload choice, the recommendation and the notes."""
     keep = 1 - p.headroom
@@ -229,7 +275,7 @@ def format_plan(p: Plan, title: str = "") -> str:
         )
         for reason in c.reasons:
             lines.append(f"{'':7}{reason}")
-    lines.append("")
+    lines += ["", *_states_table(p), ""]
     if p.choice is not None:
         lines.append("recommended: " + p.explanation)
         args = ", ".join(f"{k}={v!r}" for k, v in p.kwargs.items())
@@ -318,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
             largest_layer_params=args.largest_layer_params,
             headroom=args.headroom,
             trainable_params=args.trainable_params,
+            optimizer_type=args.optimizer,
+            allow_low_precision_states=args.allow_low_precision_states,
             **measures,
         )
     except ValueError as exc:

@@ -57,6 +57,7 @@ from ..ds_schedules import lr_scheduler
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .hf_tiled import tiled_loss_model
+from .optimizers import hf_optim_keys
 from .stats import step_stats
 
 __all__ = [
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 
 ENGINE_DIR = TRAINER_SUBDIR  # inside a Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"
-_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
 
 class EngineModule(nn.Module):
@@ -170,18 +170,17 @@ def engine_keywords(
     optim = getattr(args.optim, "value", args.optim)
     user = _load(zero_offload)
     deepspeed = is_deepspeed(user)
-    if optim not in _ADAMW and not (deepspeed and "optimizer" in user):
-        raise ConfigError(
-            f"TrainingArguments.optim={optim!r}: zero_offload runs AdamW; use "
-            "optim='adamw_torch' (the default)"
-        )
+    kind = {} if deepspeed and "optimizer" in user else hf_optim_keys(optim)
     kw: dict[str, Any] = dict(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+        **kind,
     )
+    if kind.get("optimizer_type") == "adagrad":  # Trainer passes only lr to torch's Adagrad
+        del kw["betas"], kw["eps"]
     if decay_names is not None and not (deepspeed and "optimizer" in user):
         decayed = set(decay_names)
         no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decayed]

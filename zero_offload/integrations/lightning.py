@@ -39,6 +39,7 @@ from ..ds_schedules import SCHEDULES, lr_scheduler
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
+from .optimizers import POLICY_KEYS
 from .stats import step_stats
 
 __all__ = ["ZeroOffloadStrategy"]
@@ -220,7 +221,8 @@ class ZeroOffloadStrategy(DDPStrategy):
                 if "auto" in str(config["optimizer"]):
                     self.setup_optimizers(trainer)
                     hyper = hyperparameters(self.optimizers[0], module)
-                    hyper.pop("no_decay", None)
+                    for key in ("no_decay", *POLICY_KEYS):  # the config's optimizer decides
+                        hyper.pop(key, None)
                 if self.lr_scheduler_configs:
                     log.info(
                         "DeepSpeed config's optimizer: configure_optimizers' schedulers unused"

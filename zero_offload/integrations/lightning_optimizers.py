@@ -1,5 +1,6 @@
-"""What ``configure_optimizers`` returned, made the engine's: the AdamW hyperparameters read
-from the user's optimizer, and its lr schedulers pointed at the engine's parameter group."""
+"""What ``configure_optimizers`` returned, made the engine's: the optimizer's kind, state
+precision and hyperparameters read from the user's optimizer, and its lr schedulers pointed
+at the engine's parameter group."""
 
 from __future__ import annotations
 
@@ -9,26 +10,20 @@ import torch
 
 from ..config import ConfigError
 from .common import EngineOptimizer
+from .optimizers import optimizer_keys
 
 __all__ = ["hyperparameters", "retarget"]
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
-    """AdamW keywords from the optimizer ``configure_optimizers`` returned. Its groups may
-    differ only in weight decay, one value and 0 (the usual no-decay group of biases and
-    norm weights: ``no_decay``)."""
-    adamw = isinstance(optimizer, torch.optim.AdamW)
-    if not adamw and not (
-        type(optimizer) is torch.optim.Adam
-        and all(g["weight_decay"] == 0 for g in optimizer.param_groups)
-    ):
-        raise ConfigError(
-            f"configure_optimizers returned {type(optimizer).__name__}: "
-            "zero_offload runs AdamW; return torch.optim.AdamW(...)"
-        )
-    keys = ("lr", "betas", "eps")
+    """The engine's optimizer keywords from the optimizer ``configure_optimizers`` returned:
+    its kind and state precision (``optimizers.optimizer_keys``) and hyperparameters. Its
+    groups may differ only in weight decay, one value and 0 (the usual no-decay group of
+    biases and norm weights: ``no_decay``)."""
+    kind = optimizer_keys(optimizer)
     groups = optimizer.param_groups
-    first = {k: groups[0][k] for k in keys}
+    keys: tuple[str, ...] = tuple(k for k in ("lr", "betas", "eps") if k in groups[0])
+    first: dict[str, Any] = {k: groups[0][k] for k in keys}
     decays = {g["weight_decay"] for g in groups} - {0.0}
     if any({k: g[k] for k in keys} != first for g in groups[1:]) or len(decays) > 1:
         raise ConfigError(
@@ -37,7 +32,9 @@ def hyperparameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -
             "0 allowed for some parameters: use one lr, betas, eps and "
             "weight_decay"
         )
-    first["betas"] = tuple(first["betas"])
+    first.update(kind)
+    if "betas" in first:
+        first["betas"] = tuple(first["betas"])
     first["weight_decay"] = decays.pop() if decays else 0.0
     if first["weight_decay"]:
         undecayed = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}

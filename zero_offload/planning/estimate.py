@@ -22,17 +22,24 @@ their compute-dtype copy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..config import ConfigError
+from ..grads.host import staging_bytes
 from ..memory.sizes import activation_memory, describe_params
 from ..memory.sizes import dtype_bytes as _dtype_bytes
 from ..memory.sizes import dtype_name as _dtype_name
 from ..memory.sizes import pool_bytes as _pool
+from ..optim.policy import StatePolicy
+from ..params.store import param_pool_buffers
+from ..swap.budget import activation_host_share, host_memory_budget, split_host_budget
+from .activations import ActivationEstimate
+from .shape import ModelShape, count_layout, model_layout
+from .state import FP32_STATE, state_policy, state_rate, state_split
 from .terms import (
     ACTIVATIONS,
     BUFFER,
@@ -49,16 +56,6 @@ from .terms import (
     Term,
     TermBuilder,
 )
-from ..partition import padded_numel
-from ..params.gather import gathered_units
-from ..grads.reducer import reductions_alive
-from ..grads.host import staging_bytes
-from ..update.nvme_sizing import optimizer_split
-from ..params.store import param_pool_buffers
-from ..params.units import owning_modules, plan_units, trainable_numel
-from ..swap.budget import activation_host_share, host_memory_budget, split_host_budget
-from ..swap.buffers import ALIGNMENT, round_up
-from .activations import ActivationEstimate
 
 __all__ = [
     "Term",
@@ -78,81 +75,6 @@ __all__ = [
 ]
 
 TIERS = ("device", "host", "nvme")
-_DEFAULT_LARGEST_FRACTION = 50  # no model given: assume the largest module holds Ψ/50 params
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Only what the estimate needs from a model: sizes of its parameters and units, and
-    how many train. With a model, the model itself (only its shapes and ``requires_grad``
-    flags are read), so that the engine's ``plan_units`` lays out the units."""
-
-    num_params: int
-    trainable_params: int
-    module_sizes: tuple[int, ...] | None = None  # params each module owns
-    param_sizes: tuple[int, ...] | None = None  # every parameter, in registration order
-    model: nn.Module | None = field(default=None, compare=False, repr=False)
-    # the engine's unit layouts of ``model`` by layout arguments: a planner asks for the same
-    # few dozen times (one ModelShape serves one search; a model changed after it was read
-    # needs a new one)
-    layouts: dict[tuple, "Layout"] = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def of(
-        cls,
-        model_or_num_params: nn.Module | int | float | "ModelShape",
-        trainable_params: int | float | None = None,
-    ) -> "ModelShape":
-        """Read a model's parameter shapes and ``requires_grad`` flags (no memory touched:
-        meta models work) or take a parameter count, of which ``trainable_params`` train
-        (default: all)."""
-        if (
-            isinstance(model_or_num_params, (ModelShape, nn.Module))
-            and trainable_params is not None
-        ):
-            raise ValueError(
-                "trainable_params goes with a parameter count; a model says "
-                "which parameters train by their requires_grad"
-            )
-        if isinstance(model_or_num_params, ModelShape):
-            return model_or_num_params
-        if isinstance(model_or_num_params, nn.Module):
-            groups = [[p for _, p in own] for _, own in owning_modules(model_or_num_params)]
-            params = [p for g in groups for p in g]
-            if not params:
-                raise ValueError("the model has no parameters")
-            return cls(
-                sum(p.numel() for p in params),
-                sum(p.numel() for p in params if p.requires_grad),
-                tuple(sum(p.numel() for p in g) for g in groups),
-                tuple(p.numel() for p in params),
-                model_or_num_params,
-            )
-        if not _is_count(model_or_num_params):
-            raise TypeError(
-                "expected a torch.nn.Module or a parameter count, got "
-                f"{type(model_or_num_params).__name__}"
-            )
-        n = int(round(model_or_num_params))
-        if n < 1:
-            raise ValueError(f"parameter count must be positive, got {model_or_num_params!r}")
-        if trainable_params is None:
-            return cls(n, n)
-        if not _is_count(trainable_params):
-            raise TypeError(
-                f"trainable_params must be a parameter count, got {type(trainable_params).__name__}"
-            )
-        t = int(round(trainable_params))
-        if not 0 <= t <= n:
-            raise ValueError(
-                f"trainable_params must be between 0 and the parameter count "
-                f"({n}), got {trainable_params!r}"
-            )
-        return cls(n, t)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -183,6 +105,7 @@ class MemoryEstimate:
     nvme_fraction: float | None = None
     disk_bytes_per_step: int = 0
     host_budget: int = 0  # the rank's host budget (``swap.budget``) the estimate used
+    policy: StatePolicy = FP32_STATE  # the optimizer state's kind and precisions
 
     @property
     def ranks_per_node(self) -> int:
@@ -243,6 +166,10 @@ class MemoryEstimate:
             "offload_optimizer": self.offload_optimizer,
             "offload_param": self.offload_param,
             "dtype": self.dtype,
+            "optimizer_type": self.policy.kind.value,
+            "moment_precision": self.policy.moments.value,
+            "master_precision": self.policy.master.value,
+            "optimizer_state_bytes_per_param": self.policy.bytes_per_param,
             "shard_numel": self.shard_numel,
             "trainable_shard_numel": self.trainable_shard_numel,
             "device": self.device,
@@ -312,6 +239,9 @@ def estimate_memory(
     offload_param_fraction: float | None = None,
     gradient_accumulation_steps: int = 1,
     step_during_backward: bool = True,
+    optimizer_type: str = "adamw",
+    moment_precision: str = "fp32",
+    master_precision: str = "fp32",
 ) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
@@ -339,6 +269,9 @@ def estimate_memory(
     ``gradient_accumulation_steps``: above 1, stages 2-3 sum offloaded gradients in fp32.
     ``step_during_backward``: as the engine's keyword; pass False with ``max_grad_norm`` set,
     where the engine steps nothing during backward (nor does it with float16).
+    ``optimizer_type``, ``moment_precision``, ``master_precision``: the config keywords of
+    the same names (``optim.policy.StatePolicy``): the optimizer state's bytes per element,
+    in whichever tier it lives, its NVMe files and the disk traffic per step follow them.
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -349,6 +282,7 @@ def estimate_memory(
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    policy = state_policy(optimizer_type, moment_precision, master_precision)
     shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
     shards = 1 if stage == 0 else num_gpus
@@ -356,7 +290,7 @@ def estimate_memory(
     if shape.model is not None and key in shape.layouts:
         layout = shape.layouts[key]
     elif shape.model is not None:
-        layout = shape.layouts[key] = _model_layout(
+        layout = shape.layouts[key] = model_layout(
             shape.model,
             stage=stage,
             num_gpus=num_gpus,
@@ -367,7 +301,7 @@ def estimate_memory(
             reduce_bucket_size=reduce_bucket_size,
         )
     else:
-        layout = _count_layout(
+        layout = count_layout(
             shape,
             stage=stage,
             shards=shards,
@@ -391,6 +325,7 @@ def estimate_memory(
         sub_group_size=sub_group_size,
         offload_optimizer_fraction=offload_optimizer_fraction,
         offload_activations=activations is not None and activations.offload,
+        policy=policy,
     )
     build = TermBuilder(
         num_params=shape.num_params,
@@ -405,6 +340,7 @@ def estimate_memory(
         host=host,
         gradient_accumulation_steps=gradient_accumulation_steps,
         step_during_backward=step_during_backward and _dtype_name(dtype) != "float16",
+        policy=policy,
     )
     build.add_params(prefetch_depth, offload_param_fraction)
     build.add_grads()
@@ -440,63 +376,8 @@ def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str)
         nvme_fraction=build.host.split.nvme_fraction if nvme else None,
         disk_bytes_per_step=build.host.split.disk_bytes_per_step() if nvme else 0,
         host_budget=build.host.budget,
+        policy=build.policy,
     )
-
-
-def _model_layout(
-    model: nn.Module,
-    *,
-    stage: int,
-    num_gpus: int,
-    shards: int,
-    b: int,
-    prefetch_depth: int,
-    largest_layer_params: int | None,
-    reduce_bucket_size: int,
-) -> Layout:
-    """The engine's own layout (``plan_units``): units, each padded."""
-    plans = plan_units(model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size)
-    padded = [p.layout.padded_numel for p in plans]
-    full, largest = sum(padded), max(padded)
-    # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
-    window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
-    if stage == 3 and largest_layer_params is not None:
-        largest = padded_numel(largest_layer_params, shards)
-        window = gathered_units(prefetch_depth) * largest
-    # gradients are reduced, and stepped, for trainable units only
-    trained = sorted((p.layout.padded_numel for p in plans if not p.frozen), reverse=True)
-    largest_t = trained[0] if trained else 0
-    inflight = sum(trained[: reductions_alive()])
-    s, s_t = sum(p.shard_numel for p in plans), trainable_numel(plans)
-    # on NVMe each unit's shard is a file of whole 4 KiB blocks (direct I/O)
-    s_files = sum(round_up(b * p.shard_numel, ALIGNMENT) for p in plans)
-    return Layout(plans, full, largest, largest_t, window, inflight, s, s_t, s_files)
-
-
-def _count_layout(
-    shape: ModelShape,
-    *,
-    stage: int,
-    shards: int,
-    b: int,
-    prefetch_depth: int,
-    largest_layer_params: int | None,
-    reduce_bucket_size: int,
-) -> Layout:
-    """A parameter count: no padding, and the largest module assumed when not given."""
-    psi, psi_t = shape.num_params, shape.trainable_params
-    full = psi
-    largest = (
-        largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
-        if stage == 3
-        else min(reduce_bucket_size, psi)
-    )
-    largest_t = min(largest, psi_t)
-    inflight = reductions_alive() * largest_t
-    window = gathered_units(prefetch_depth) * largest
-    s, s_t = math.ceil(full / shards), math.ceil(psi_t / shards)
-    s_files = b * s
-    return Layout(None, full, largest, largest_t, window, inflight, s, s_t, s_files)
 
 
 def _split_host(
@@ -514,6 +395,7 @@ def _split_host(
     sub_group_size: int,
     offload_optimizer_fraction: float | str | None,
     offload_activations: bool = False,
+    policy: StatePolicy = FP32_STATE,
 ) -> HostSplit:
     """One host budget per rank, split between the pools as the engine splits it (offloaded
     activations' share first: ``swap.budget.activation_host_share``)."""
@@ -534,11 +416,13 @@ def _split_host(
     param_budget, opt_budget = split_host_budget(
         budget - acts, param_pool, offload_param, offload_optimizer, staging
     )
-    split = optimizer_split(
+    split = state_split(
+        policy,
         layout.s_t,
         sub_group_size,
         opt_budget,
         b,
         offload_optimizer_fraction if offload_optimizer == "nvme" else None,
+        state_rate(policy, layout.plans),
     )
     return HostSplit(budget, staging, param_budget, split)

@@ -17,14 +17,19 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..update.nvme_sizing import FULL_SPEED_GROUP
+from .candidate import Candidate, Plan
 from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
+from .precisions import StateRow, policy_keys, state_rows, states_text
+from .reasons import gb as _gb
+from .reasons import split_text, why_over
+from .state import state_bytes
 from .estimate import (
     MemoryEstimate,
     ModelShape,
@@ -66,117 +71,8 @@ CHOICES: tuple[tuple[int, str, str], ...] = (
     (3, "cpu", "nvme"),
     (3, "nvme", "nvme"),
 )
-_TIER_LABEL = {"device": "GPU", "host": "host", "nvme": "NVMe"}
 _MAX_GPUS = 4096
 _UNCHECKED_HOST = 1 << 50  # host_memory=None: the budget of a node that is never short
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One stage × offload choice, its estimate, and whether (or why not) it fits."""
-
-    stage: int
-    offload_optimizer: str
-    offload_param: str
-    estimate: MemoryEstimate
-    fits: bool
-    reasons: tuple[str, ...]  # why it does not fit (empty when it fits)
-    nvme_unchecked: bool = False  # it needs NVMe space that nobody measured
-    # the optimizer on NVMe with part of it in host memory: the host_memory_limit that
-    # gives it the node's spare host memory, and the disk traffic of the all-NVMe placement
-    host_memory_limit: int | None = None
-    all_nvme_disk_bytes: int = 0
-    # with a micro-batch: the activation measures it needs, and the cheaper ones that do not
-    # fit (with the GPU bytes each would need)
-    measures: Measures | None = None
-    cheaper: tuple[tuple[Measures, int], ...] = ()
-
-    @property
-    def uses_nvme(self) -> bool:
-        return "nvme" in (self.offload_optimizer, self.offload_param)
-
-    def needs(self) -> dict[str, int]:
-        """Bytes it needs: per GPU, host per node, NVMe per node."""
-        e = self.estimate
-        return {"device": e.gpu_bytes, "host": e.host_bytes_per_node, "nvme": e.nvme_bytes_per_node}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "offload_optimizer": self.offload_optimizer,
-            "offload_param": self.offload_param,
-            "fits": self.fits,
-            "reasons": list(self.reasons),
-            "nvme_unchecked": self.nvme_unchecked,
-            "gpu_bytes": self.estimate.gpu_bytes,
-            "host_bytes_per_node": self.estimate.host_bytes_per_node,
-            "nvme_bytes_per_node": self.estimate.nvme_bytes_per_node,
-            "offload_optimizer_fraction": self.estimate.nvme_fraction,
-            "host_memory_limit": self.host_memory_limit,
-            "disk_bytes_per_step_per_node": self.estimate.ranks_per_node
-            * self.estimate.disk_bytes_per_step,
-            "all_nvme_disk_bytes_per_step_per_node": self.estimate.ranks_per_node
-            * self.all_nvme_disk_bytes,
-            "measures": None if self.measures is None else vars(self.measures),
-            "cheaper_measures": [{**vars(m), "gpu_bytes": gpu} for m, gpu in self.cheaper],
-        }
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The outcome of :func:`plan`. ``kwargs``: pass to ``zo.initialize(model, **kwargs)``
-    (empty when nothing fits). ``explanation``: why this choice, or why none and what would."""
-
-    fits: bool
-    kwargs: dict[str, Any]
-    choice: Candidate | None
-    candidates: tuple[Candidate, ...]
-    explanation: str
-    gpu_memory: int
-    host_memory: int | None  # None: not checked
-    nvme_bytes: int | None  # None: not measured (NVMe choices assumed to have room)
-    headroom: float
-    notes: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "fits": self.fits,
-            "kwargs": self.kwargs,
-            "explanation": self.explanation,
-            "gpu_memory": self.gpu_memory,
-            "host_memory": self.host_memory,
-            "nvme_bytes": self.nvme_bytes,
-            "headroom": self.headroom,
-            "notes": list(self.notes),
-            "choice": self.choice.estimate.to_dict() if self.choice else None,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
-
-
-def _why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
-    """ "GPU 84.5 GB > 21.6 GB usable: optimizer state 39.0 GB, params 26.0 GB, ..." plus what
-    would remove the biggest obstacle."""
-    per_node = e.ranks_per_node if tier != "device" else 1
-    where = "/node" if tier != "device" else ""
-    top = ", ".join(f"{t.name} {_gb(t.bytes * per_node)}" for t in e.largest_terms(tier))
-    if usable <= 0:
-        return f"no {_TIER_LABEL[tier]} given: needs {_gb(need)}{where}"
-    text = f"{_TIER_LABEL[tier]} {_gb(need)}{where} > {_gb(usable)} usable: {top}"
-    by_name = {t.name: t.bytes * per_node for t in e.terms if t.tier == tier}
-    if tier == "device" and by_name.get("params", 0) > usable:
-        text += (
-            f"; the full {e.dtype} params alone ({_gb(by_name['params'])}) exceed it, "
-            "whatever is offloaded: only stage 3 shards them"
-        )
-    elif tier == "device" and "optimizer state" in by_name:
-        text += "; offload the optimizer state (offload_optimizer) or use more GPUs"
-    elif tier == "host" and "optimizer state" in by_name:
-        text += "; put the optimizer state on NVMe (offload_optimizer='nvme')"
-    return text
 
 
 def _within(need: float, usable: float | None) -> bool:
@@ -223,30 +119,14 @@ def _fill_host(
         spare = int(usable // ranks) - e.host_bytes_per_rank
         if spare >= 0 and _fits(e, limits) and (best is None or fraction < best_fraction):
             best, best_fraction = (e, limit), fraction
-        if fraction == 0 or 0 <= spare < 12 * FULL_SPEED_GROUP:
+        group = state_bytes(all_nvme.policy, FULL_SPEED_GROUP)  # a default sub-group's state
+        if fraction == 0 or 0 <= spare < group:
             break
         # over: back off by a whole sub-group more, as the host part shrinks by sub-groups
-        limit = max(1, limit + spare - (12 * FULL_SPEED_GROUP if spare < 0 else 0))
+        limit = max(1, limit + spare - (group if spare < 0 else 0))
     if best is None or best_fraction >= 1.0:
         return None
     return best
-
-
-def _split_text(c: Candidate) -> str:
-    """ " The optimizer state: 64% on NVMe, ...; disk traffic ... (vs ... all on NVMe)"."""
-    e = c.estimate
-    if e.nvme_fraction is None:
-        return ""
-    per_node = e.ranks_per_node
-    text = (
-        f" Optimizer state {e.nvme_fraction:.0%} on NVMe, {1 - e.nvme_fraction:.0%} in "
-        f"host memory: {_gb(per_node * e.disk_bytes_per_step)} of disk traffic per step "
-        "per node"
-    )
-    if c.all_nvme_disk_bytes:
-        saved = 1 - e.disk_bytes_per_step / c.all_nvme_disk_bytes
-        text += f", {saved:.0%} less than all on NVMe ({_gb(per_node * c.all_nvme_disk_bytes)})"
-    return text + "."
 
 
 def _candidate(
@@ -280,7 +160,7 @@ def _candidate(
         usable = limits[tier]
         if usable is None or need <= usable:  # None: NVMe space not measured
             continue
-        reasons.append(_why_over(e, tier, need, usable))
+        reasons.append(why_over(e, tier, need, usable))
     unchecked = cand.uses_nvme and limits["nvme"] is None
     return Candidate(
         stage, opt, par, e, not reasons, tuple(reasons), unchecked, measures=measures, **extra
@@ -308,6 +188,20 @@ def _with_measures(
     return replace(at(m), cheaper=cheaper)
 
 
+def _one(
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    choice: tuple[int, str, str],
+    micro: MicroBatch | None,
+    rungs: tuple[Measures, ...],
+) -> Candidate:
+    if micro is None:
+        return _candidate(shape, limits, num_gpus, est_kwargs, *choice)
+    return _with_measures(shape, limits, num_gpus, est_kwargs, choice, micro, rungs)
+
+
 def _evaluate(
     shape: ModelShape,
     limits: dict[str, float | None],
@@ -316,9 +210,27 @@ def _evaluate(
     micro: MicroBatch | None = None,
     rungs: tuple[Measures, ...] = (),
 ) -> list[Candidate]:
-    if micro is None:
-        return [_candidate(shape, limits, num_gpus, est_kwargs, *c) for c in CHOICES]
-    return [_with_measures(shape, limits, num_gpus, est_kwargs, c, micro, rungs) for c in CHOICES]
+    return [_one(shape, limits, num_gpus, est_kwargs, c, micro, rungs) for c in CHOICES]
+
+
+def _state_rows(
+    shape: ModelShape,
+    limits: dict[str, float | None],
+    num_gpus: int,
+    est_kwargs: dict[str, Any],
+    micro: MicroBatch | None,
+    rungs: tuple[Measures, ...],
+    optimizer_type: str,
+    allow_low_precision: bool,
+) -> tuple[list[StateRow], StateRow, dict[str, Any], list[Candidate]]:
+    """``precisions.state_rows`` over ``CHOICES`` with this plan's estimate."""
+
+    def one(kw: dict[str, Any], c: tuple[int, str, str]) -> Candidate:
+        return _one(shape, limits, num_gpus, kw, c, micro, rungs)
+
+    return state_rows(
+        one, CHOICES, est_kwargs, optimizer_type, shape.trainable_params, allow_low_precision
+    )
 
 
 def _what_would_fit(
@@ -384,6 +296,8 @@ def plan(
     checkpointing: bool | None = None,
     offload_activations: bool | None = None,
     tiled_loss: int | None = None,
+    optimizer_type: str = "adamw",
+    allow_low_precision_states: bool = False,
 ) -> Plan:
     """The least-offloaded stage × offload choice whose estimate fits, as ``initialize``
     keyword arguments, or an explanation of why none fits and what would.
@@ -406,6 +320,14 @@ def plan(
     ``trainable_params``: with a parameter count, how many train (a LoRA fine-tune: the
     adapters; default all); only they have optimizer state and gradients. A model says it by
     its parameters' ``requires_grad``.
+
+    ``optimizer_type``: the update rule (``adamw``, ``adam``, ``lion``, ``adagrad``). Each
+    optimizer-state precision the kind offers gets a row (``Plan.states``: fp32; bf16
+    moments; 8-bit moments; 8-bit moments with a bf16_kahan or a bf16_sr master) with its
+    least-offloaded choice that fits. The plan takes fp32 state unless
+    ``allow_low_precision_states``: then the highest precision whose choice needs the least
+    offload (none, host memory, NVMe) of any row (``planning.precisions``); ``kwargs`` then
+    carries its ``moment_precision`` and ``master_precision``.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
@@ -435,8 +357,11 @@ def plan(
         activation_bytes=activation_bytes,
         host_available=_UNCHECKED_HOST if host_memory is None else host_memory,
     )
-    cands = _evaluate(shape, limits, num_gpus, est_kwargs, micro, rungs)
-    notes = []
+    rows, chosen, est_kwargs, cands = _state_rows(
+        shape, limits, num_gpus, est_kwargs, micro, rungs, optimizer_type,
+        allow_low_precision_states,
+    )  # fmt: skip
+    state_line, notes = states_text(rows, chosen, allow_low_precision_states)
     if activation_bytes is None and micro is None:
         notes.append(
             "activations are not included: pass activation_bytes (rough rule with "
@@ -458,6 +383,9 @@ def plan(
         host_memory=None if host_memory is None else int(host_memory),
         nvme_bytes=None if nvme_bytes is None else int(nvme_bytes),
         headroom=headroom,
+        states=tuple(rows),
+        policy=chosen.policy,
+        allow_low_precision_states=allow_low_precision_states,
     )
     if choice is None:
         lines = [
@@ -495,6 +423,8 @@ def plan(
         "offload_param": choice.offload_param,
         "dtype": _dtype_name(dtype),
     }
+    if not chosen.policy.is_default:
+        kwargs.update(policy_keys(chosen.policy))
     if choice.stage == 3:
         kwargs["prefetch_depth"] = prefetch_depth
     if choice.measures is not None:
@@ -532,7 +462,8 @@ def plan(
         f"{_gb(usable_gpu)} usable, host {_gb(e.host_bytes_per_node)} "
         + ("(not checked)" if usable_host is None else f"of {_gb(usable_host)}")
         + f" per node, NVMe {_gb(e.nvme_bytes_per_node)} per "
-        f"node.{_split_text(choice)}{explain(choice.measures, choice.cheaper, micro)}{why}{trains}"
+        f"node.{split_text(choice)}{state_line}"
+        f"{explain(choice.measures, choice.cheaper, micro)}{why}{trains}"
     )
     return outcome(
         fits=True, kwargs=kwargs, choice=choice, explanation=explanation, notes=tuple(notes)

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from ..memory.sizes import pool_bytes as _pool
 from ..grads.reducer import reductions_alive
 from ..grads.host import STAGING_BUFFERS
-from ..update.nvme_sizing import OptimizerSplit
+from ..optim.policy import MasterPrecision, StatePolicy
 from ..params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from ..update.updaters import GRAD_SLICE
 from ..params.units import UnitPlan, unit_build_bytes
+from .state import StateSplit, moment_bytes, per_param_text, state_names
 
 __all__ = [
     "Term",
@@ -87,7 +88,7 @@ class HostSplit:
     budget: int  # the whole of it (``swap.budget``)
     staging: int  # the device-to-host gradient staging buffers, taken first
     param_budget: int  # the NVMe parameter pool's share
-    split: OptimizerSplit  # the optimizer's state between host memory and files
+    split: StateSplit  # the optimizer's state between host memory and files
 
 
 @dataclass
@@ -107,6 +108,7 @@ class TermBuilder:
     host: HostSplit
     gradient_accumulation_steps: int
     step_during_backward: bool = False  # the engine's keyword, where no clipping turns it off
+    policy: StatePolicy = field(default_factory=StatePolicy)  # the optimizer state's bytes
     terms: list[Term] = field(default_factory=list)
 
     @property
@@ -292,7 +294,8 @@ class TermBuilder:
         for it."""
         b, lay, T = self.b, self.layout, self.T
         making = unit_build_bytes(lay.largest, math.ceil(lay.largest / self.shards), b)
-        later = (8 + b) * lay.s_t if self.offload_optimizer == "none" else 0
+        moments = moment_bytes(self.policy, lay.s_t, self.host.split.rate)
+        later = moments + b * lay.s_t if self.offload_optimizer == "none" else 0
         self.add(
             "unit being made",
             "device",
@@ -301,15 +304,19 @@ class TermBuilder:
             max(0, making - later),
             f"(4{f' + {b}' if b != 4 else ''}) bytes × largest unit + 4 bytes × its shard"
             + (
-                f", less Adam's m, v and the grad shard ({8 + b}{T}/N, made later)" if later else ""
+                f", less {state_names(self.policy, master=False)} and the grad shard "
+                f"({per_param_text(later / lay.s_t)}{T}/N, made later)"
+                if later
+                else ""
             ),
         )
 
     def add_optimizer_state(self) -> None:
-        """fp32 master + Adam m + v, of the trainable params only (with the optimizer on
-        NVMe, the leading sub-groups' state in host memory), and the fp32 gradient slice
-        torch's fused AdamW steps from."""
-        b, s_t, T, split = self.b, self.layout.s_t, self.T, self.host.split
+        """The optimizer state (the policy's master and moments: fp32 master + Adam m + v
+        by default), of the trainable params only (with the optimizer on NVMe, the leading
+        sub-groups' state in host memory), and the fp32 gradient slice torch's fused AdamW
+        steps from."""
+        b, s_t, T, split, policy = self.b, self.layout.s_t, self.T, self.host.split, self.policy
         if self.offload_optimizer == "none" and b != 4 and not self.on_cpu:
             self.add(
                 "fp32 grad slice",
@@ -321,14 +328,17 @@ class TermBuilder:
             )
         o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_optimizer]
         on_nvme = split.nvme_numel if self.offload_optimizer == "nvme" else s_t
+        rate = split.rate
+        per = per_param_text(rate)
         if self._params_are_master():
             self.add(
                 "optimizer state",
                 o_tier,
                 RESIDENT,
                 MODEL_STATE,
-                8 * s_t,
-                f"8{T}/N: m, v (the fp32 params are the master)",
+                moment_bytes(policy, s_t, rate),
+                f"{per_param_text(rate - policy.master_bytes(1))}{T}/N: "
+                f"{state_names(policy, master=False)} (the fp32 params are the master)",
             )
         else:
             self.add(
@@ -336,10 +346,10 @@ class TermBuilder:
                 o_tier,
                 RESIDENT,
                 MODEL_STATE,
-                12 * on_nvme,
-                f"12{T}/N: fp32 master, m, v"
+                split.state_bytes(on_nvme),
+                f"{per}{T}/N: {state_names(policy)}"
                 if on_nvme == s_t
-                else f"12 bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
+                else f"{per} bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
             )
         if on_nvme != s_t:
             self.add(
@@ -348,7 +358,7 @@ class TermBuilder:
                 RESIDENT,
                 MODEL_STATE,
                 split.host_state_bytes,
-                f"12 bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
+                f"{per} bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
                 "the leading sub-groups, in host memory",
             )
 
@@ -375,8 +385,9 @@ class TermBuilder:
             "nvme",
             FORWARD_BACKWARD,
             BUFFER,  # a second copy for a while, not more model state
-            12 * on_nvme,
-            f"12 bytes × the sub-groups in files of {T}/N: beside the old until step()",
+            self.host.split.nvme_state_bytes,
+            f"{per_param_text(self.host.split.rate)} bytes × the sub-groups in files "
+            f"of {T}/N: beside the old until step()",
         )
         self.add(
             "values stepped in backward",
@@ -388,10 +399,12 @@ class TermBuilder:
         )
 
     def _params_are_master(self) -> bool:
-        """fp32 params beside the optimizer are its master (updaters.make_updater)."""
+        """fp32 params beside the optimizer are its master (updaters.make_updater), when the
+        policy keeps an fp32 master."""
         stage, offload_param = self.stage, self.offload_param
         return (
-            self.offload_optimizer == "none"
+            self.policy.master is MasterPrecision.FP32
+            and self.offload_optimizer == "none"
             and self.b == 4
             and (
                 stage == 0
@@ -410,8 +423,9 @@ class TermBuilder:
                 "host",
                 RESIDENT,
                 BUFFER,
-                sizing.state_bytes(),
-                f"{count} sub-groups × 12 bytes, as the pool rounds them",
+                self.host.split.pipeline_bytes,
+                f"{count} sub-groups × {per_param_text(self.host.split.rate)} bytes, "
+                "as the pool rounds them",
             )
             if self.grads_on_disk:
                 self.add(
