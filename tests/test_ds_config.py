@@ -1,6 +1,6 @@
 """DeepSpeed JSON configs taken by ``initialize`` and ``zero-offload convert-config``, read as
-DeepSpeed reads them (the decision table of ``zero_offload.ds_keys``): the keys that mean
-something here map to the same engine settings, the ones this library does not need are
+DeepSpeed reads them (the decision table of ``zero_offload.deepspeed_config.table``): the keys
+that mean something here map to the same engine settings, the ones this library does not need are
 accepted with one log line each, the ones it cannot honour are a ConfigError naming the key,
 DeepSpeed's aliases, sentinels ("auto", ``sub_group_size: 0``) and defaults (clipping at 1.0,
 hysteresis 2) behave as there, and the batch keys give the accumulation DeepSpeed derives.
@@ -20,7 +20,7 @@ import torch
 
 import zero_offload as zo
 from zero_offload.cli import main
-from zero_offload.ds_config import translate
+from zero_offload.deepspeed_config import translate
 
 from models import batch, loss_fn, make
 
@@ -205,7 +205,7 @@ def test_zero2_recipe_maps_every_key():
 def test_zero3_recipe_builds_the_engine_config(tmp_path, caplog):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(_no_scheduler(HF_ZERO3)))
-    with caplog.at_level(logging.INFO, logger="zero_offload.ds_config"):
+    with caplog.at_level(logging.INFO, logger="zero_offload.deepspeed_config"):
         cfg = zo.build_config(str(path))
     assert (cfg.stage, cfg.offload.optimizer, cfg.offload.param) == (3, "cpu", "cpu")
     assert cfg.precision.dtype == torch.float16

@@ -1,4 +1,5 @@
-"""The decision table of ``zero_offload.ds_keys`` is what ``translate`` does: every key (and
+"""The decision table of ``zero_offload.deepspeed_config.table`` is what ``translate`` does: every
+key (and
 each of DeepSpeed's other names for it) is translated, accepted with one log line, or refused
 with a ConfigError naming it (accepted at the values that leave its feature off); the
 DeepSpeed-migration docs page is that table; and DeepSpeed's sentinels and defaults behave as
@@ -13,11 +14,12 @@ from typing import Any
 import pytest
 
 import zero_offload as zo
-from zero_offload.ds_config import translate
-from zero_offload.ds_keys import KEYS, Decision, counts, markdown
+from zero_offload.deepspeed_config import translate
+from zero_offload.deepspeed_config.table import KEYS, Decision, counts, markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "deepspeed.md"
-BEGIN, END = "<!-- decisions: generated from zero_offload/ds_keys.py -->", "<!-- /decisions -->"
+BEGIN = "<!-- decisions: generated from zero_offload/deepspeed_config/ -->"
+END = "<!-- /decisions -->"
 
 
 def _nest(path: str, value: Any) -> dict:
@@ -40,7 +42,7 @@ def test_the_docs_page_is_the_table():
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip() + "\n"
     assert table == markdown(), (
         "docs/deepspeed.md is out of date: replace its decisions block with "
-        "zero_offload.ds_keys.markdown()"
+        "zero_offload.deepspeed_config.table.markdown()"
     )
     c = counts()
     assert sum(c.values()) == len(KEYS) and min(c.values()) > 0
@@ -48,7 +50,7 @@ def test_the_docs_page_is_the_table():
 
 @pytest.mark.parametrize("name, key", _names(Decision.ACCEPTED), ids=lambda v: str(v))
 def test_accepted_keys_log_why_once(name, key, caplog):
-    with caplog.at_level(logging.INFO, logger="zero_offload.ds_config"):
+    with caplog.at_level(logging.INFO, logger="zero_offload.deepspeed_config"):
         translate({**_nest(name, {"enabled": True, "x": 1}), "steps_per_print": 1})
     lines = [r.getMessage() for r in caplog.records if repr(name) in r.getMessage()]
     assert lines == [f"DeepSpeed config key {name!r} is not needed: {key.why}"]
@@ -68,7 +70,7 @@ def test_refused_keys_name_the_key_and_accept_off(name, key, caplog):
         translate(_nest(name, _refused_value(key)))
     assert repr(name) in str(err.value) and key.why in str(err.value)
     off = key.off[0] if key.off else {"enabled": False, "x": 1}
-    with caplog.at_level(logging.INFO, logger="zero_offload.ds_config"):
+    with caplog.at_level(logging.INFO, logger="zero_offload.deepspeed_config"):
         translate(_nest(name, off))
     assert any(f"{name!r} is off" in r.getMessage() for r in caplog.records)
 
@@ -162,7 +164,7 @@ def test_aliases_are_one_key():
 
 def test_auto_and_sentinels_as_in_deepspeed(caplog):
     # "auto" in a section DeepSpeed validates: its default; elsewhere a keyword fills it
-    with caplog.at_level(logging.INFO, logger="zero_offload.ds_config"):
+    with caplog.at_level(logging.INFO, logger="zero_offload.deepspeed_config"):
         kw = translate({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
     assert "reduce_bucket_size" not in kw and any(
         '"auto"' in r.getMessage() for r in caplog.records
@@ -192,7 +194,7 @@ def test_batch_keys_give_the_accumulation_deepspeed_derives():
 
 
 def test_unknown_keys_as_deepspeed_treats_them(caplog):
-    with caplog.at_level(logging.WARNING, logger="zero_offload.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="zero_offload.deepspeed_config"):
         kw = translate(
             {"zero_optimization": {"stage": 2}, "cuda_visible_devices": 0, "_comment": "x"}
         )

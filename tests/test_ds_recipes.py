@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.ds_config import translate
+from zero_offload.deepspeed_config import translate
 
 from models import batch, loss_fn, make
 

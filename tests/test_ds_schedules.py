@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.ds_config import translate
-from zero_offload.ds_schedules import lr_scheduler
+from zero_offload.deepspeed_config import lr_scheduler, translate
 from zero_offload.update.loss_scale import LossScaler
 
 from models import batch, loss_fn, make

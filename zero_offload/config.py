@@ -22,8 +22,7 @@ import torch
 
 from .activations.config import ActivationConfig
 from .device.threads import check_threads
-from .ds_config import is_deepspeed, keyword_autos, translate
-from .ds_schedules import check_schedule
+from .deepspeed_config import check_schedule, is_deepspeed, keyword_autos, translate
 from .errors import ConfigError
 from .fields import keyword
 from .optim.policy import StatePolicy
@@ -600,7 +599,7 @@ def build_config(
     config: Mapping[str, Any] | str | os.PathLike | None = None, **kwargs: Any
 ) -> ZeroConfig:
     """Build and validate a :class:`ZeroConfig` from a dict / JSON path and keyword arguments
-    (keywords win over the file). A DeepSpeed config is translated (:mod:`.ds_config`), its
+    (keywords win over the file). A DeepSpeed config is translated (:mod:`.deepspeed_config`), its
     ``"auto"`` values taken from the keywords of the same meaning (``lr``, ``dtype``, ...)."""
     if isinstance(config, ZeroConfig):
         if kwargs:

@@ -66,8 +66,8 @@ def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
 def _scheduler(state: Any, groups: list[dict[str, Any]]) -> Any:
     """DeepSpeed's own schedules save only ``last_batch_iteration`` (-1 before the first
     step): as a torch scheduler's state that is ``last_epoch``, the steps taken (what
-    ``ds_schedules.DeepSpeedSchedule`` counts), and the last lr is the groups' (the engine has
-    one group). A torch scheduler's state passes as it is."""
+    ``deepspeed_config.schedules.DeepSpeedSchedule`` counts), and the last lr is the groups'
+    (the engine has one group). A torch scheduler's state passes as it is."""
     if isinstance(state, dict) and set(state) == {"last_batch_iteration"}:
         taken = int(state["last_batch_iteration"]) + 1
         out: dict[str, Any] = {"last_epoch": taken, "_step_count": taken + 1}

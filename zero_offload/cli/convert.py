@@ -9,7 +9,7 @@ import logging
 import sys
 
 from ..config import ConfigError, _load, build_config
-from ..ds_config import translate
+from ..deepspeed_config import translate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("zero_offload.ds_config").setLevel(logging.INFO)  # say what is not needed
+    # say what is not needed
+    logging.getLogger("zero_offload.deepspeed_config").setLevel(logging.INFO)
     try:
         keywords = translate(_load(args.config))
         build_config(**keywords)  # the translated values must also be valid keywords

@@ -23,7 +23,7 @@ import torch.nn as nn
 from ..activations.wiring import build_offload, forward_context
 from ..comm import Comm
 from ..config import ZeroConfig, build_config
-from ..ds_schedules import schedule
+from ..deepspeed_config import schedule
 from .inputs import move_inputs
 from ..memory.ledger import MemoryReport
 from .optimizer_state import attach_state_dict

@@ -52,8 +52,7 @@ from transformers import Trainer
 from ..activations.tiled_loss import check_tiled_model
 from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError, _load
-from ..ds_config import is_deepspeed, translate
-from ..ds_schedules import lr_scheduler
+from ..deepspeed_config import is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .hf_tiled import tiled_loss_model

@@ -34,8 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from ..config import ConfigError, _load
-from ..ds_config import is_deepspeed, translate
-from ..ds_schedules import SCHEDULES, lr_scheduler
+from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["DeepSpeedSchedule", "lr_scheduler", "schedule", "check_schedule", "SCHEDULES"]
 
