@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 
@@ -27,6 +26,8 @@ import torch
 
 from ..planning.estimate import describe_params
 from ..planning.planner import Plan, plan
+from . import step_time
+from .units import parse_count, parse_size
 
 __all__ = [
     "add_arguments",
@@ -36,44 +37,6 @@ __all__ = [
     "parse_count",
     "parse_micro_batch",
 ]
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _parse(text: str, units: dict[str, int], what: str) -> int:
-    m = _NUMBER.match(text)
-    if not m or m.group(2).lower() not in units:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a {what} (e.g. {'24GB, 24GiB' if what == 'size' else '13e9, 13B'})"
-        )
-    return int(float(m.group(1)) * units[m.group(2).lower()])
-
-
-def parse_size(text: str) -> int:
-    """'24GB' -> 24_000_000_000; '24GiB' -> 25_769_803_776; '1024' -> 1024 bytes."""
-    return _parse(text, _SIZE_UNITS, "size")
-
-
-def parse_count(text: str) -> int:
-    """'13e9', '13B', '6.7b', '350M' -> a parameter count."""
-    return _parse(text, _COUNT_UNITS, "count")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of each memory kept free (default 0.1)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    step_time.add_arguments(parser)
 
 
 def parse_micro_batch(text: str) -> tuple[int, int]:
@@ -363,8 +327,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # the recommendation's predicted step, when rates are given
+        step = step_time.for_plan(result, args, model, tokens) if step_time.wanted(args) else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        print(json.dumps(out if step is None else {**out, "step_time": step.to_dict()}, indent=2))
     else:
-        print(format_plan(result))
+        print(format_plan(result) + ("" if step is None else f"\n\n{step}"))
     return 0 if result.fits else 1

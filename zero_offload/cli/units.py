@@ -1,0 +1,58 @@
+"""Sizes, counts and rates on the command line: one parser for ``plan``, ``rehearse`` and
+the predicted step time's options.
+
+Sizes take decimal (KB, MB, GB, TB = 1e3…1e12 bytes) or binary (KiB, MiB, GiB, TiB) units;
+counts take K, M, B (or G), T suffixes or plain numbers such as 13e9; rates are either
+followed by ``/s`` (``6GB/s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+__all__ = ["parse_size", "parse_count", "parse_rate"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _parse(text: str, units: dict[str, int], what: str) -> int:
+    m = _NUMBER.match(text)
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a {what} (e.g. {'24GB, 24GiB' if what == 'size' else '13e9, 13B'})"
+        )
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+def parse_size(text: str) -> int:
+    """'24GB' -> 24_000_000_000; '24GiB' -> 25_769_803_776; '1024' -> 1024 bytes."""
+    return _parse(text, _SIZE_UNITS, "size")
+
+
+def parse_count(text: str) -> int:
+    """'13e9', '13B', '6.7b', '350M' -> a parameter count."""
+    return _parse(text, _COUNT_UNITS, "count")
+
+
+def parse_rate(text: str) -> float:
+    """'6GB/s', '3.5GiB/s', '6e9' -> bytes (or FLOPs) per second."""
+    body = text.strip()
+    return float(parse_size(body[:-2] if body.lower().endswith("/s") else body))
