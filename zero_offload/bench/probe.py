@@ -40,19 +40,26 @@ def _median(fn: Callable[[], None], seconds: float) -> float:
 
 
 def probe_gemm(
-    dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seconds: float = 1.0
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    seconds: float = 1.0,
+    shape: tuple[int, int, int] | None = None,
 ) -> float:
-    """FLOP/s of a square matmul in ``dtype`` on ``device``, with torch's threads as set."""
+    """FLOP/s of a matmul in ``dtype`` on ``device``, with torch's threads as set.
+    ``shape``: (tokens, width, 4 · width), a transformer MLP's, so the rate is the one the
+    model's matmuls get (a small one runs well below a large square's); default a square
+    large enough for the blocked kernel's full rate."""
     n = _GEMM_SIZE * (4 if device != "cpu" else 1)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    m, k, o = shape or (n, n, n)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, o, device=device).to(dtype)
 
     def mm() -> None:
         torch.mm(a, b)
         if device != "cpu":
             torch.cuda.synchronize()
 
-    return 2 * n**3 / _median(mm, seconds)
+    return 2 * m * k * o / _median(mm, seconds)
 
 
 def probe_adam(threads: int | None = None, seconds: float = 1.0) -> float:
@@ -118,10 +125,14 @@ class ProbeResult:
 
 
 def probe(
-    nvme_path: Path | None = None, dtype: torch.dtype = torch.bfloat16, seconds: float = 1.0
+    nvme_path: Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seconds: float = 1.0,
+    shape: tuple[int, int, int] | None = None,
 ) -> ProbeResult:
-    """This machine's rates, each probe about ``seconds`` long (the disk: 256 MiB each way)."""
-    gemm = probe_gemm(dtype, seconds=seconds)
+    """This machine's rates, each probe about ``seconds`` long (the disk: 256 MiB each way);
+    ``shape``: the model's MLP matmul (``probe_gemm``)."""
+    gemm = probe_gemm(dtype, seconds=seconds, shape=shape)
     adam = probe_adam(seconds=seconds)
     read = write = None
     if nvme_path is not None:

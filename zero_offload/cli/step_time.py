@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..planning.hardware import (
     GPU_EFFICIENCY,
     GPUS,
@@ -71,14 +73,16 @@ def wanted(args: argparse.Namespace) -> bool:
     return bool(args.gpu or args.probe or args.tflops)
 
 
-def rates(args: argparse.Namespace, dtype: Any = None) -> Rates:
+def rates(args: argparse.Namespace, shape: tuple[int, int, int] | None = None) -> Rates:
     """The rates the arguments name, explicit figures over named or probed ones
-    (ValueError: what is missing or wrong)."""
+    (ValueError: what is missing or wrong). ``shape``: the model's MLP matmul, for the
+    GEMM probe."""
     if args.probe:
         from ..bench.probe import probe
 
         disk = args.probe_disk or (Path(args.nvme) if getattr(args, "nvme", None) else None)
-        r = (probe(disk, dtype=dtype) if dtype is not None else probe(disk)).rates()
+        dtype = getattr(torch, getattr(args, "dtype", "bfloat16"))
+        r = probe(disk, dtype=dtype, shape=shape).rates()
     elif args.gpu:
         r = target_rates(args.gpu, pcie=args.pcie, nvme=args.nvme_drive, drives=args.nvme_drives)
     elif args.tflops:
@@ -129,4 +133,5 @@ def for_plan(p: Plan, args: argparse.Namespace, model: Any, micro_batch: Any) ->
         checkpointing=bool(m is not None and m.checkpointing),
         attention_flops=0.0 if shape is None else attention_flops(shape, b, s),
     )
-    return predict_step(work, rates(args))
+    mlp = None if shape is None else (b * s, shape.hidden, shape.intermediate)
+    return predict_step(work, rates(args, mlp))

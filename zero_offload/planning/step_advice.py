@@ -10,7 +10,7 @@ from ..optim.policy import StatePolicy
 from .hardware import Rates
 from .step_time import PhaseWork, StepPrediction, Workload, predict
 
-__all__ = ["predict_step", "advice", "LOW_PRECISION"]
+__all__ = ["predict_step", "advice", "with_state_bytes", "LOW_PRECISION"]
 
 LOW_PRECISION = StatePolicy(moments="8bit", master="bf16_sr")
 """8-bit moments and a bf16 master (stochastic rounding): the smallest optimizer state the
@@ -41,10 +41,11 @@ def advice(pred: StepPrediction) -> list[str]:
         )
         low = LOW_PRECISION.bytes_per_param
         if low < w.state_bytes:
-            t = _with_state_bytes(w, low)
+            t = with_state_bytes(w, low)
             out.append(
                 f"low-precision optimizer states (8-bit moments + bf16 master, {low:.1f} "
-                f"instead of {w.state_bytes:.0f} bytes/param): {_seconds(t, r, pred)}"
+                f"instead of {w.state_bytes:.0f} bytes/param, the same host memory for them: "
+                f"{_fraction(t, t.update.nvme_params)} on NVMe): {_seconds(t, r, pred)}"
             )
     if pred.bound != "compute" and w.tokens:
         doubled = replace(w, forward=_twice(w.forward), backward=_twice(w.backward))
@@ -92,10 +93,18 @@ def _with_nvme_params(w: Workload, nvme: float) -> Workload:
     )
 
 
-def _with_state_bytes(w: Workload, state_bytes: float) -> Workload:
-    u, d = w.update, (state_bytes - w.state_bytes) * w.update.nvme_params
+def with_state_bytes(w: Workload, state_bytes: float) -> Workload:
+    """The update with ``state_bytes`` a parameter, its host memory for the optimizer state
+    unchanged: smaller states keep more sub-groups in host memory, and move fewer bytes for
+    those left in files."""
+    u = w.update
+    host_bytes = w.state_bytes * (u.cpu_params - u.nvme_params)
+    nvme = max(0.0, u.cpu_params - host_bytes / state_bytes)
+    moved = _with_nvme_params(w, nvme)
+    d = (state_bytes - w.state_bytes) * nvme
+    v = moved.update
     return replace(
-        w,
+        moved,
         state_bytes=state_bytes,
-        update=replace(u, disk_read=u.disk_read + d, disk_write=u.disk_write + d),
+        update=replace(v, disk_read=v.disk_read + d, disk_write=v.disk_write + d),
     )

@@ -121,7 +121,7 @@ class StepPrediction:
         b = self.bound
         sec, amount, unit = self.totals[b]
         scale, name = _UNITS[unit]
-        rate = f" at {amount / sec / scale:.1f} {name}/s" if sec > 0 else ""
+        rate = f" at {amount / sec / scale:.3g} {name}/s" if sec > 0 else ""
         others = [f"{k} {v[0]:.1f} s" for k, v in self.totals.items() if k != b and v[0] > 0]
         return f"{b}-bound: {amount / scale:.1f} {name}/step{rate} = {sec:.1f} s" + (
             f"; {', '.join(others)}" if others else ""
@@ -277,8 +277,12 @@ def predict(work: Workload, rates: Rates) -> StepPrediction:
     io = _disk(u.disk_read, u.disk_write, rates, node)
     left = 1.0  # share of the update not yet placed
     if work.step_during_backward and (io or adam):
-        room = max(parts["backward"].values()) - parts["backward"]["disk"]
-        done = min(1.0, room / io) if io else 1.0
+        # the pass runs while the backward does: the disk's idle time bounds it, and on a
+        # GPU node the host's cores too (on a CPU device its Adam takes the model's cores)
+        length = max(parts["backward"].values())
+        done = min(1.0, (length - parts["backward"]["disk"]) / io) if io else 1.0
+        if adam and not rates.cpu_device:
+            done = min(done, length / adam)
         _add_update(parts["backward"], rates, done * io, done * adam)
         # the forward reads the new values the pass wrote aside
         parts["forward"]["disk"] += _disk(done * u.values, 0.0, rates, node)
@@ -288,7 +292,10 @@ def predict(work: Workload, rates: Rates) -> StepPrediction:
         left = 0.0
     if left > 0:
         parts["step"]["disk"] += left * io
-        parts["step"]["CPU optimizer"] = left * adam  # the pipeline overlaps it with the disk
+        # the pipeline overlaps Adam with the disk; the step's passes over the gradients
+        # (norm, zeroing) run before and after it on the same cores
+        passes = work.step.host / rates.host_memory
+        parts["step"]["CPU optimizer"] = left * adam + passes
     phases = tuple(Phase(n, max(parts[n].values()), parts[n]) for n in PHASES)
     return StepPrediction(phases, _totals(work, rates, parts, adam), rates, work)
 
