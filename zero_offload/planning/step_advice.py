@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..optim.policy import StatePolicy
+from ..optim.policy import MasterPrecision, MomentPrecision, StatePolicy
 from .hardware import Rates
 from .step_time import PhaseWork, StepPrediction, Workload, predict
 
 __all__ = ["predict_step", "advice", "with_state_bytes", "LOW_PRECISION"]
 
-LOW_PRECISION = StatePolicy(moments="8bit", master="bf16_sr")
+LOW_PRECISION = StatePolicy(moments=MomentPrecision.INT8, master=MasterPrecision.BF16_SR)
 """8-bit moments and a bf16 master (stochastic rounding): the smallest optimizer state the
 library offers for AdamW (``docs/optimizer_states.md``)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..memory.sizes import dtype_bytes
 from .activations import DecoderShape
 from .estimate import MemoryEstimate
 from .hardware import Rates
@@ -168,7 +169,7 @@ def workload(
     again in backward (from host memory over PCIe, or read from NVMe); gradients of an
     offloaded optimizer go to the host; the update moves ``state_bytes`` a parameter each
     way for its sub-groups in files, and writes new parameters kept on NVMe."""
-    n, b = e.num_gpus, _dtype_bytes(e.dtype)
+    n, b = e.num_gpus, dtype_bytes(e.dtype)
     s, s_t = e.shard_numel, e.trainable_shard_numel
     shards = (n - 1) / n if n > 1 else 0.0
     fwd_flops = 2.0 * e.num_params * tokens + attention_flops
@@ -233,10 +234,6 @@ def attention_flops(shape: DecoderShape, batch: int, seq: int) -> float:
     """Forward FLOPs of a decoder's attention scores and their weighted sum (the s² part
     that 2 · params · tokens leaves out), as a dense kernel computes them."""
     return 4.0 * batch * seq * seq * shape.heads * shape.head_dim * shape.layers
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
 
 
 def _parts(w: PhaseWork, r: Rates, node: int) -> dict[str, float]:
