@@ -244,3 +244,34 @@ def test_arguments_parse():
     args = parser.parse_args(["--gpu", "l40s", "--nvme-read", "3GB/s", "--nvme-write", "2GB/s"])
     r = step_time.rates(args)
     assert r.flops == 362.05e12 and r.disk_read == 3e9 and r.disk_write == 2e9
+
+
+def test_rehearse_prints_the_predicted_step_from_its_counts(tmp_path, capsys):
+    """``zero-offload rehearse --gpu ...`` on a Hugging Face config.json: the report ends
+    with the predicted step, its forward at the rehearsed FLOPs over the GPU's rate."""
+    pytest.importorskip("transformers")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["rehearse", "--model", str(tmp_path), "--gpus", "2", "--gpu-memory", "1GB"]
+    argv += ["--stage", "3", "--offload-optimizer", "cpu", "--micro-batch", "2x64"]
+    rc = main([*argv, "--gpu", "a100-80gb", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    step = out["step_time"]
+    fwd_flops = out["phases"]["forward"]["flops"]
+    assert fwd_flops > 2 * 2 * 64 * (2 * 4 * 64 * 64 + 2 * 3 * 64 * 128)  # the layers' matmuls
+    assert step["phases"]["forward"]["parts"]["compute"] == pytest.approx(
+        fwd_flops / (312e12 * 0.45), rel=1e-6
+    )
+    assert step["seconds"] > 0 and step["headline"]
