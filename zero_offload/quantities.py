@@ -3,7 +3,7 @@
 Sizes: decimal units (KB, MB, GB, TB = 1e3 … 1e12 bytes), binary ones (KiB, MiB, GiB, TiB),
 and the bare letters K, M, G, T, which are binary as in ``fio`` and ``dd`` (``--size 4G`` is
 4 GiB); a plain number is bytes. Counts: K, M, B (or G), T suffixes or plain numbers such as
-``13e9``.
+``13e9``. Rates: a size per second, with or without ``/s`` (``6GB/s``, ``6e9``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["parse_count", "parse_size"]
+__all__ = ["parse_count", "parse_rate", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -48,3 +48,9 @@ def parse_size(text: str) -> int:
 def parse_count(text: str) -> int:
     """'13e9', '13B', '6.7b', '350M' -> a parameter count."""
     return _parse(text, _COUNT_UNITS, "count", "13e9, 13B")
+
+
+def parse_rate(text: str) -> float:
+    """'6GB/s', '3.5GiB/s', '6e9' -> bytes (or FLOPs) per second."""
+    body = text.strip()
+    return float(parse_size(body[:-2] if body.lower().endswith("/s") else body))

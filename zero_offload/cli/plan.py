@@ -27,6 +27,7 @@ import torch
 from ..planning.estimate import describe_params
 from ..quantities import parse_count, parse_size
 from ..planning.planner import Plan, plan
+from . import step_time
 
 __all__ = [
     "add_arguments",
@@ -144,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "where it needs less offload than fp32 (default: fp32, the savings shown)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    step_time.add_arguments(parser)
 
 
 def parse_micro_batch(text: str) -> tuple[int, int]:
@@ -371,8 +373,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # the recommendation's predicted step, when rates are given
+        step = step_time.for_plan(result, args, model, tokens) if step_time.wanted(args) else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        print(json.dumps(out if step is None else {**out, "step_time": step.to_dict()}, indent=2))
     else:
-        print(format_plan(result))
+        print(format_plan(result) + ("" if step is None else f"\n\n{step}"))
     return 0 if result.fits else 1

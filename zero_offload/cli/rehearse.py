@@ -20,6 +20,7 @@ from typing import Any
 from ..planning.estimate import activation_memory
 from ..rehearsal.attention import KERNELS
 from ..quantities import parse_size
+from . import step_time
 from .plan import parse_micro_batch
 
 __all__ = ["add_arguments", "run", "parse_micro_batch"]
@@ -125,6 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    step_time.add_arguments(parser)
 
 
 _ENOUGH_HOST = 1 << 50  # no --host-memory: host memory is not what decides the fit
@@ -233,5 +235,20 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else str(result))
+    try:  # the predicted step from the rehearsal's counts, when rates are given
+        step = _predicted(result, args) if step_time.wanted(args) else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = result.to_dict()
+        print(json.dumps(out if step is None else {**out, "step_time": step.to_dict()}, indent=2))
+    else:
+        print(str(result) + ("" if step is None else f"\n\n{step}"))
     return 0 if result.fits else 1
+
+
+def _predicted(result: Any, args: argparse.Namespace) -> Any:
+    from ..rehearsal.step_time import predicted_step
+
+    return predicted_step(result, step_time.rates(args))

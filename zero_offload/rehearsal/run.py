@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..activations.config import DEFAULT_TILE_TOKENS
 from ..activations.tiled_loss import tiled_causal_lm_loss
@@ -290,10 +291,14 @@ def _rehearse(
                 for _ in range(iterations):
                     inputs = batch()
                     tracker.begin("forward")
-                    loss = forward(engine, inputs)
+                    with FlopCounterMode(display=False) as flops:
+                        loss = forward(engine, inputs)
+                    tracker.add_flops(flops.get_total_flops())
                     tracker.end()
                     tracker.begin("backward")
-                    engine.backward(loss)
+                    with FlopCounterMode(display=False) as flops:
+                        engine.backward(loss)
+                    tracker.add_flops(flops.get_total_flops())
                     del loss
                     tracker.end()
                     tracker.begin("step")

@@ -111,6 +111,7 @@ class PhaseMemory:
     nvme_end: int = 0
     nvme_read: int = 0
     nvme_written: int = 0
+    flops: int = 0  # FLOPs of the operations the phase ran (torch's FlopCounterMode)
 
     def merge(self, other: "PhaseMemory") -> None:
         """Keep the larger peak (and its breakdown) of two runs of the same phase."""
@@ -126,6 +127,7 @@ class PhaseMemory:
         self.nvme_end = other.nvme_end
         self.nvme_read = max(self.nvme_read, other.nvme_read)
         self.nvme_written = max(self.nvme_written, other.nvme_written)
+        self.flops = max(self.flops, other.flops)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -167,6 +169,10 @@ class MemoryTracker(TorchDispatchMode):
         if self.disk is not None:
             self.disk.reset_peak()
             self._disk_io = (self.disk.read, self.disk.written)
+
+    def add_flops(self, flops: int) -> None:
+        """FLOPs the current phase ran, counted by the caller."""
+        self._current.flops += int(flops)
 
     def end(self) -> PhaseMemory:
         self._scan()
