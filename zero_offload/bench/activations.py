@@ -42,7 +42,7 @@ import torch.utils.checkpoint
 import zero_offload as zo
 from ..activations.tiled_loss import tiled_lm_loss
 from .gpt import GPT, GPTConfig, synthetic_batch
-from .io import _progress
+from .io import show_progress
 from .rss import PeakSampler
 
 __all__ = ["add_arguments", "run", "CASES"]
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for i in range(args.rounds):
         results = {}
         for case in cases:
-            _progress(f"bench activations: round {i + 1}/{args.rounds}: {case}")
+            show_progress(f"bench activations: round {i + 1}/{args.rounds}: {case}")
             results[case] = _child(case, args, argv)
         rounds.append(results)
     if sys.stderr.isatty():

@@ -81,7 +81,7 @@ class OpResult:
         return statistics.median(self.ours) / statistics.median(self.baseline)
 
 
-def _progress(msg: str) -> None:
+def show_progress(msg: str) -> None:
     """One updating line on a terminal, plain lines otherwise."""
     if sys.stderr.isatty():
         print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
@@ -89,7 +89,7 @@ def _progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _fs_type(directory: Path) -> str:
+def fs_type(directory: Path) -> str:
     """Filesystem type of the mount holding ``directory`` (from /proc/mounts), '' if unknown."""
     best, kind = "", ""
     target = str(directory.resolve())
@@ -142,7 +142,7 @@ def _fio(path: Path, op: str, size: int) -> float:
     return job[op]["bw_bytes"] / 1e9
 
 
-def _raw(path: Path, op: str, size: int, buf: HostBuffer) -> float:
+def raw_direct_io(path: Path, op: str, size: int, buf: HostBuffer) -> float:
     view = buf.tensor.numpy().data
     flags = (os.O_RDONLY if op == "read" else os.O_WRONLY | os.O_CREAT) | os.O_DIRECT
     call = os.preadv if op == "read" else os.pwritev
@@ -171,7 +171,7 @@ def _ours(engine: FileIOEngine, path: Path, op: str, size: int, buf: HostBuffer)
     return size / (time.perf_counter() - t0) / 1e9
 
 
-def _check_path(directory: Path, size: int) -> str | None:
+def check_path(directory: Path, size: int) -> str | None:
     """None if the directory can host the test file with O_DIRECT, else why not."""
     if not directory.is_dir():
         return f"--path {directory} is not a directory"
@@ -181,9 +181,9 @@ def _check_path(directory: Path, size: int) -> str | None:
             f"--path {directory} has {free / 2**30:.2f} GiB free; the test needs "
             f"{size / 2**30:.2f} GiB + 256 MiB"
         )
-    if _fs_type(directory) in MEMORY_FILESYSTEMS:
+    if fs_type(directory) in MEMORY_FILESYSTEMS:
         return (
-            f"--path {directory} is on {_fs_type(directory)}, which lives in memory; it would "
+            f"--path {directory} is on {fs_type(directory)}, which lives in memory; it would "
             "not measure a disk"
         )
     probe = directory / f".zo_bench_probe_{os.getpid()}"
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    why = _check_path(args.path, size)
+    why = check_path(args.path, size)
     if why:
         print(f"bench io: {why}", file=sys.stderr)
         return 2
@@ -224,12 +224,14 @@ def run(args: argparse.Namespace) -> int:
     path = args.path / f"zo_bench_io_{os.getpid()}.dat"
     results = {"write": OpResult(), "read": OpResult()}
     try:
-        _progress(f"bench io: allocating {min(size, MAX_BUFFER) >> 20} MiB huge-page buffer")
+        show_progress(f"bench io: allocating {min(size, MAX_BUFFER) >> 20} MiB huge-page buffer")
         buf = HostBuffer(min(size, MAX_BUFFER))
-        _progress(f"bench io: filling {size / 2**30:.2f} GiB test file (untimed)")
-        _raw(path, "write", size, buf)
+        show_progress(f"bench io: filling {size / 2**30:.2f} GiB test file (untimed)")
+        raw_direct_io(path, "write", size, buf)
         baseline: Callable[[str], float] = (
-            (lambda op: _fio(path, op, size)) if use_fio else (lambda op: _raw(path, op, size, buf))
+            (lambda op: _fio(path, op, size))
+            if use_fio
+            else (lambda op: raw_direct_io(path, op, size, buf))
         )
         with FileIOEngine(args.block_size, args.queue_depth) as engine:
             for r in range(args.rounds):
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                         ("ours", lambda o: _ours(engine, path, o, size, buf)),
                     ]
                     for name, fn in order if r % 2 == 0 else order[::-1]:
-                        _progress(f"bench io: round {r + 1}/{args.rounds} {op} {name}")
+                        show_progress(f"bench io: round {r + 1}/{args.rounds} {op} {name}")
                         getattr(results[op], name).append(fn(op))
         buf.close()
     finally:

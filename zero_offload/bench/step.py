@@ -53,7 +53,7 @@ from .step_report import (
     overlap_ratios,
     print_tables,
 )
-from .io import MEMORY_FILESYSTEMS, _check_path, _fs_type, _progress, _raw
+from .io import MEMORY_FILESYSTEMS, check_path, fs_type, show_progress, raw_direct_io
 from ..quantities import parse_size
 
 DEFAULT_PARAMS = 300_000_000
@@ -284,7 +284,7 @@ def run_one(
         return res
     try:
         for i in range(args.warmup + args.steps):
-            _progress(
+            show_progress(
                 f"bench step: {res.label}: step {i + 1}/{args.warmup + args.steps}"
                 + (" (warm-up)" if i < args.warmup else "")
             )
@@ -347,11 +347,11 @@ def disk_baseline(directory: Path, size: int) -> dict[str, float]:
     path = directory / f"zo_bench_step_{os.getpid()}.dat"
     buf = HostBuffer(min(size, 512 * 2**20))
     try:
-        _raw(path, "write", size, buf)
+        raw_direct_io(path, "write", size, buf)
         return {
             "size": size,
-            "write_gbps": _raw(path, "write", size, buf),
-            "read_gbps": _raw(path, "read", size, buf),
+            "write_gbps": raw_direct_io(path, "write", size, buf),
+            "read_gbps": raw_direct_io(path, "read", size, buf),
         }
     finally:
         buf.close()
@@ -408,20 +408,21 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         args.nvme_path.mkdir(parents=True, exist_ok=True)
-        fs = _fs_type(args.nvme_path)
+        fs = fs_type(args.nvme_path)
         why = (
             f"--nvme-path {args.nvme_path} is on {fs}, which lives in memory; it would not measure "
             "a disk"
             if fs in MEMORY_FILESYSTEMS
             else None
-        ) or _check_path(
+        ) or check_path(
             args.nvme_path, state_bytes(FP32_STATE, cfg.num_params) + max(args.baseline_size, 0)
         )
         if why:
             print(f"bench step: {why.replace('--path ', '--nvme-path ')}", file=sys.stderr)
             return 2
         if args.baseline_size > 0:
-            _progress(f"bench step: raw O_DIRECT baseline, {args.baseline_size / 2**30:.2f} GiB")
+            gib = args.baseline_size / 2**30
+            show_progress(f"bench step: raw O_DIRECT baseline, {gib:.2f} GiB")
             baseline = disk_baseline(args.nvme_path, args.baseline_size)
     load_start = os.getloadavg()[0]
     wanted = _runs_wanted(args)
