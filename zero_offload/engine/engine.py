@@ -44,6 +44,7 @@ from ..params.store import ParamStore, param_host_numel, param_pool_bytes
 from ..device.threads import ThreadBudget
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
+from ..update.host_state import run_layout
 from ..update.updaters import make_updater, params_are_master
 from ..weak import weak_hook
 from ..swap.budget import (
@@ -170,6 +171,7 @@ class Engine(EngineLifecycle, EngineState):
             optimizer_budget,
             self.threads,
             self._runtime.device_optimizer,
+            run_layout(config.optimizer.policy, plans, self.comm.rank),
         )
         self._leftovers.closers.append(updater.close)
         self.units = build_units(

@@ -1,0 +1,108 @@
+"""The engine carries every optimizer kind and state precision in host memory (stages 1-3,
+offload_optimizer="cpu" and, on a CPU device, no offload): it trains to the parameters of
+optimizers we did not write on the same global batch (torch's Adagrad, Lion as its paper
+writes it, zero_offload.optim.CPUAdamW8bit, which test_cpu_optim holds to bitsandbytes'
+AdamW8bit), and every CPU tier computes the same bits."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import states_cases as S
+from distributed import run_ranks
+from zero_offload.errors import ConfigError
+
+pytestmark = pytest.mark.multiprocess
+
+F32 = ("dtype", torch.float32)
+
+
+def _case(name, ref, clip, stage, **kw):
+    return (name, ref, clip, tuple(sorted({"stage": stage, "dtype": torch.float32, **kw}.items())))
+
+
+LION = [_case("gpt", "lion", S.CLIP, s, optimizer_type="lion") for s in (1, 2, 3)]
+ADAGRAD = [_case("gpt", "adagrad", S.CLIP, s, optimizer_type="adagrad") for s in (1, 2, 3)]
+INT8 = [_case("wide", "adamw8bit", None, s, moment_precision="8bit") for s in (1, 2, 3)]
+INT8_CPU = [
+    _case("wide", "adamw8bit", None, 3, moment_precision="8bit", offload_optimizer="cpu"),
+    _case("gpt", "lion", S.CLIP, 2, optimizer_type="lion", offload_optimizer="cpu"),
+]
+LOW = [
+    _case("wide", "adamw", S.CLIP, s, moment_precision=mo, master_precision=ma)
+    for s, mo, ma in ((2, "bf16", "fp32"), (3, "8bit", "bf16_kahan"), (1, "bf16", "bf16_sr"))
+]
+CASES = LION + ADAGRAD + INT8 + INT8_CPU + LOW
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> dict:
+    return run_ranks(world, S.run_cases, CASES)[0]
+
+
+def _diffs(r: dict) -> tuple[float, float]:
+    ref = r["reference"]
+    d = torch.cat([(r["params"][k] - ref[k]).abs().flatten() for k in r["params"]])
+    return d.max().item() / S.LR, d.mean().item()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", LION + ADAGRAD, ids=lambda c: f"{c[1]}-stage{dict(c[3])['stage']}")
+def test_fp32_kinds_match_plain_torch(world, case):
+    max_lr, mean = _diffs(results(world)[case])
+    if case[1] == "adagrad":
+        assert max_lr <= 0.03 and mean <= 1e-6, (max_lr, mean)
+    else:  # a momentum within rounding of zero may take the other sign: 2 lr for that element
+        assert max_lr <= 2.01 and mean <= 1e-5, (max_lr, mean)
+
+
+@pytest.mark.parametrize("case", INT8, ids=lambda c: f"stage{dict(c[3])['stage']}")
+def test_8bit_adamw_is_cpu_adamw8bit_bit_for_bit_on_one_rank(case):
+    """One rank: each parameter is one piece of the run, its blocks those of CPUAdamW8bit on
+    the parameter, the gradients the same bits: parameters and (dequantized) moments equal."""
+    r = results(1)[case]
+    ref = r["reference"]
+    for k, v in {**r["params"], **r["moments"]}.items():
+        assert torch.equal(v, ref[k]), k
+
+
+@pytest.mark.parametrize("case", INT8, ids=lambda c: f"stage{dict(c[3])['stage']}")
+def test_8bit_adamw_on_two_ranks_stays_with_cpu_adamw8bit(case):
+    """Two ranks: gradients summed across ranks round differently, and a shard boundary
+    cuts a block in two (each with its absmax): a moment code may move by one map entry,
+    which moves a parameter by a fraction of lr."""
+    max_lr, mean = _diffs(results(2)[case])
+    assert max_lr <= 0.5 and mean <= 1e-4, (max_lr, mean)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", INT8_CPU, ids=lambda c: f"{c[1]}-stage{dict(c[3])['stage']}")
+def test_host_offload_is_the_cpu_device_run_bit_for_bit(world, case):
+    same = dict(case[3])
+    del same["offload_optimizer"]
+    twin = (case[0], case[1], case[2], tuple(sorted(same.items())))
+    a, b = results(world)[case]["params"], results(world)[twin]["params"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", LOW, ids=lambda c: "-".join(str(v) for _, v in c[3]))
+def test_low_precision_states_train_like_fp32_adamw(world, case):
+    r = results(world)[case]
+    assert r["losses"][-1] < r["losses"][0]
+    max_lr, mean = _diffs(r)
+    assert max_lr <= 1.0 and mean <= 0.05 * S.LR, (max_lr, mean)
+
+
+def test_a_policy_on_an_accelerator_optimizer_is_refused():
+    from zero_offload.config import build_config
+    from zero_offload.update.updaters import make_updater
+    from zero_offload.optim import StateLayout
+
+    cfg = build_config(stage=1, optimizer_type="lion")
+    layout = StateLayout.uniform(cfg.optimizer.policy, 8)
+    with pytest.raises(ConfigError, match='offload_optimizer="cpu"'):
+        make_updater(8, cfg, torch.device("meta"), torch.bfloat16, 0, state_layout=layout)
