@@ -106,3 +106,27 @@ def test_a_policy_on_an_accelerator_optimizer_is_refused():
     layout = StateLayout.uniform(cfg.optimizer.policy, 8)
     with pytest.raises(ConfigError, match='offload_optimizer="cpu"'):
         make_updater(8, cfg, torch.device("meta"), torch.bfloat16, 0, state_layout=layout)
+
+
+def test_the_ledger_counts_the_smaller_state():
+    """8-bit moments with a bf16_sr master: the host holds what the layout says (master 2
+    bytes, each moment a code per element and an fp32 absmax per 256-element block, 4 more
+    bytes for elements of tensors under 4096), where fp32 AdamW holds 12 bytes each."""
+    import state_ckpt_cases as C
+    from zero_offload.optim import StateLayout
+
+    kw = dict(stage=1, offload_optimizer="cpu", moment_precision="8bit")
+    engine = C.build(master_precision="bf16_sr", **kw)
+    fp32 = C.build(stage=1, offload_optimizer="cpu")
+    C.train(engine, C.batches(1))
+    C.train(fp32, C.batches(1))
+    held = engine.memory_report().bytes["host"]["optimizer"]
+    n = engine.trainable_numel
+    units = sorted(engine.units, key=lambda u: u.shard_offset)
+    layout = StateLayout.for_shards(engine.state_policy, [(u.layout, 0) for u in units])
+    # the wide model: a 5120-element weight quantized (20 blocks), the rest fp32 moments
+    assert layout.blocks == 20 and layout.side_numel == n - 5120
+    assert held == 2 * n + 2 * (n + 4 * layout.blocks + 4 * layout.side_numel) == layout.nbytes
+    assert fp32.memory_report().bytes["host"]["optimizer"] == 12 * n
+    engine.close()
+    fp32.close()

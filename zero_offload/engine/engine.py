@@ -525,14 +525,21 @@ class Engine(EngineLifecycle, EngineState):
         return save_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
 
     def load_checkpoint(
-        self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+        self,
+        directory: str | os.PathLike,
+        tag: str | None = None,
+        lr_scheduler: Any = None,
+        convert_state: bool = False,
     ) -> str:
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
-        stage; returns the tag. Collective."""
+        stage; returns the tag. Collective. ``convert_state``: accept optimizer state saved
+        with another kind or precision, converted through fp32 (else a CheckpointError)."""
         self._check_open()
         from ..checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
+        return load_checkpoint(
+            self, directory, tag, lr_scheduler or self.lr_scheduler, convert_state
+        )
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..config import ZeroConfig
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..grads.disk import DiskGrads
 from ..memory.ledger import MemoryReport
 from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
@@ -66,7 +66,7 @@ class HostState:
         master: torch.Tensor | None = None,
         crosses_pcie: bool = False,
     ) -> None:
-        self.layout, self.policy, self.tier = layout, layout.policy, tier
+        self.layout, self.policy, self.tier, self.dtype = layout, layout.policy, tier, dtype
         n = layout.numel
         fp32_master = self.policy.master is MasterPrecision.FP32
         if master is None or not fp32_master:
@@ -219,6 +219,37 @@ class HostState:
         """Elements [a, b) not stepped: their compute-dtype values are the master's."""
         if self.out is not None and a < b:
             self.out[a:b].copy_(self._master_fp32(a, b))
+
+    def native_tensors(self) -> dict[str, torch.Tensor]:
+        """The state as it is stored (codes, absmax, side arrays, bf16 master and its
+        compensation), by ShardState name: what a checkpoint keeps to resume bit for bit."""
+        return dict(self.state().tensors())
+
+    def load_native(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`native_tensors` saved by a run of the same policy and layout."""
+        mine = self.native_tensors()
+        if set(tensors) != set(mine):
+            raise CheckpointError(
+                f"the stored optimizer state has arrays {sorted(tensors)}, "
+                f"{self.policy.describe()} keeps {sorted(mine)}"
+            )
+        for name, t in mine.items():
+            src = tensors[name]
+            if src.dtype != t.dtype or src.numel() != t.numel():
+                raise CheckpointError(
+                    f"the stored optimizer state {name!r} is {src.dtype} x {src.numel()}, "
+                    f"this rank keeps {t.dtype} x {t.numel()} (another layout)"
+                )
+        for name, t in mine.items():
+            if t.data_ptr() != tensors[name].data_ptr():
+                t.copy_(tensors[name].reshape(-1))
+
+    def param_values(self, lo: int, hi: int) -> torch.Tensor:
+        """The compute-dtype values the kernel writes for run elements [lo, hi): a bf16
+        master's own bits when the compute dtype is bf16, else the value it stands for."""
+        if self.master.dtype == self.dtype:
+            return self.master[lo:hi]
+        return self._master_fp32(lo, hi)
 
     def master_values(self) -> torch.Tensor:
         """The fp32 master (a new tensor unless the master is fp32)."""
