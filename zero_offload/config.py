@@ -136,8 +136,9 @@ class OptimizerConfig:
     optimizer_type: str = keyword(
         "adamw",
         'the update rule: "adamw", "adam" (L2 weight decay added to the gradient, as '
-        '`torch.optim.Adam`), "lion" (one momentum, sign update), "adagrad"; see '
-        "[optimizer_states.md](optimizer_states.md)",
+        '`torch.optim.Adam`), "lion" (one momentum, sign update), "adagrad". Any choice but '
+        'the default three is stepped by the CPU kernel: `offload_optimizer="cpu"`, or no '
+        "offload on a CPU device (not yet on NVMe); see [optimizer_states.md](optimizer_states.md)",
     )
     moment_precision: str = keyword(
         "fp32",
