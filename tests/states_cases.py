@@ -100,7 +100,7 @@ def train(rank: int, world: int, name: str, clip: float | None, **kwargs):
         loss = _loss(name, engine(x[sl]), y[sl])
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return engine, initial, losses
 
 

@@ -130,3 +130,31 @@ def test_the_ledger_counts_the_smaller_state():
     assert fp32.memory_report().bytes["host"]["optimizer"] == 12 * n
     engine.close()
     fp32.close()
+
+
+def test_no_decay_parameters_step_without_weight_decay():
+    """Each range carries its own weight decay: Lion with the biases in no_decay equals the
+    plain-torch Lion with the biases in a group of weight_decay 0."""
+    import copy
+
+    torch.manual_seed(0)
+    model = S.make_model("wide")
+    initial = copy.deepcopy(model)
+    names = ["0.bias", "2.bias"]
+    engine, _, _ = S.train(0, 1, "wide", None, stage=2, optimizer_type="lion", no_decay=names)
+    ref = copy.deepcopy(initial)
+    groups = [
+        {"params": [p for n, p in ref.named_parameters() if n not in names]},
+        {"params": [p for n, p in ref.named_parameters() if n in names], "weight_decay": 0.0},
+    ]
+    opt = S.Lion(groups, lr=S.LR, weight_decay=S.WD)
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(S.STEPS):
+        x, y = S._batch("wide", gen)
+        S._loss("wide", ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+    engine.close()

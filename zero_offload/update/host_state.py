@@ -216,9 +216,10 @@ class HostState:
         return b if b > a else hi
 
     def _copy_master(self, a: int, b: int) -> None:
-        """Elements [a, b) not stepped: their compute-dtype values are the master's."""
+        """Elements [a, b) not stepped: their compute-dtype values are what the kernel would
+        write from the master as it is."""
         if self.out is not None and a < b:
-            self.out[a:b].copy_(self._master_fp32(a, b))
+            self.out[a:b].copy_(self.param_values(a, b))
 
     def native_tensors(self) -> dict[str, torch.Tensor]:
         """The state as it is stored (codes, absmax, side arrays, bf16 master and its
