@@ -158,3 +158,47 @@ def test_no_decay_parameters_step_without_weight_decay():
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
     engine.close()
+
+
+class _Branches(torch.nn.Module):
+    """A branch that only some steps use: its parameters miss those updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 320)
+        self.b = torch.nn.Linear(16, 320)
+        self.out = torch.nn.Linear(320, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x) + (self.b(x) if use_b else 0)
+        return self.out(torch.tanh(h))
+
+
+def test_parameters_that_miss_updates_keep_their_own_step_count():
+    """8-bit AdamW: a parameter without a gradient in a step is not stepped and its bias
+    correction does not advance, as CPUAdamW8bit (and torch) skip a parameter with no .grad."""
+    import copy
+
+    import zero_offload as zo
+    from zero_offload.optim import CPUAdamW8bit
+
+    torch.manual_seed(0)
+    model = _Branches()
+    ref = copy.deepcopy(model)
+    engine = zo.initialize(
+        model, stage=2, lr=S.LR, weight_decay=S.WD, moment_precision="8bit", dtype=torch.float32
+    )
+    opt = CPUAdamW8bit(ref.parameters(), lr=S.LR, weight_decay=S.WD)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(6):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        use_b = step % 3 == 0
+        engine.backward(torch.nn.functional.mse_loss(engine(x, use_b), y))
+        engine.step()
+        torch.nn.functional.mse_loss(ref(x, use_b), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+    engine.close()
