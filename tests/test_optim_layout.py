@@ -71,9 +71,10 @@ def test_config_keys_choose_the_policy_and_kind_defaults() -> None:
         OptimizerConfig(master_precision="fp8")
     with pytest.raises(ConfigError, match="did you mean 'moment_precision'"):
         build_config(moments_precision="8bit")
-    # until the engine carries them, initialize refuses rather than silently running fp32 AdamW
-    with pytest.raises(ConfigError, match="fp32 Adam"):
-        build_config(optimizer_type="lion")
+    # the host tiers carry every policy; the NVMe pipeline refuses rather than running fp32
+    assert build_config(optimizer_type="lion", stage=2, offload_optimizer="cpu").optimizer
+    with pytest.raises(ConfigError, match='offload_optimizer="cpu"'):
+        build_config(optimizer_type="lion", stage=3, offload_optimizer="nvme", nvme_path="/tmp")
 
 
 def test_blocks_start_at_each_parameter_and_shards_cut_them() -> None:

@@ -28,10 +28,12 @@ from .fields import keyword
 from .optim.policy import StatePolicy
 
 
-# Which non-default optimizer-state policies the engine carries (its updaters, NVMe pipeline,
-# checkpoints and estimates): widened as they are wired through.
-def _engine_carries(policy: StatePolicy) -> bool:
-    return False
+# Where the engine carries a non-default optimizer-state policy: the optimizer in host memory
+# (offload_optimizer="cpu", or no offload on a CPU device: the CPU kernel steps it). The NVMe
+# pipeline still sizes its buffers and files for fp32 AdamW; an accelerator's optimizer is
+# refused when the engine is built (make_updater knows the device).
+def _engine_carries(policy: StatePolicy, offload_optimizer: str) -> bool:
+    return policy.is_default or offload_optimizer != "nvme"
 
 
 _POLICY_FIELDS = {
@@ -133,8 +135,9 @@ class OptimizerConfig:
     optimizer_type: str = keyword(
         "adamw",
         'the update rule: "adamw", "adam" (L2 weight decay added to the gradient, as '
-        '`torch.optim.Adam`), "lion" (one momentum, sign update), "adagrad"; see '
-        "[optimizer_states.md](optimizer_states.md)",
+        '`torch.optim.Adam`), "lion" (one momentum, sign update), "adagrad". Any choice but '
+        'the default three is stepped by the CPU kernel: `offload_optimizer="cpu"`, or no '
+        "offload on a CPU device (not yet on NVMe); see [optimizer_states.md](optimizer_states.md)",
     )
     moment_precision: str = keyword(
         "fp32",
@@ -517,12 +520,13 @@ class ZeroConfig:
                 "only stage 3 shards the parameters; use stage=3 or offload_param='none'"
             )
         policy = self.optimizer.policy
-        if not policy.is_default and not _engine_carries(policy):
+        if not _engine_carries(policy, self.offload.optimizer):
             raise ConfigError(
-                f"optimizer_type / moment_precision / master_precision = {policy.describe()}: "
-                "the engine steps fp32 Adam(W) state only for now; the other kinds and "
-                "precisions run in zero_offload.optim's CPUOptimizer, CPUAdamW8bit, CPULion, "
-                "CPULion8bit, CPUAdagrad for your own loop; use the defaults with initialize()"
+                f"optimizer_type / moment_precision / master_precision = {policy.describe()} "
+                'with offload_optimizer="nvme": the NVMe optimizer steps fp32 AdamW state only '
+                'for now; use offload_optimizer="cpu" for this state (it is smaller: '
+                f"{policy.bytes_per_param:.2f} bytes a parameter instead of 12), or the "
+                "defaults on NVMe"
             )
         if self.offload.optimizer != "none" and self.stage == 0:
             raise ConfigError(

@@ -6,14 +6,21 @@
                                (original parameter names, shapes, offsets), per-rank checksums
     DIR/<tag>/rank<r>.state    rank r's flat fp32 shards: [master | exp_avg | exp_avg_sq],
                                each ``numel`` elements, little-endian
+    DIR/<tag>/rank<r>.native.pt  an optimizer-state policy other than fp32 AdamW: rank r's
+                               state as the optimizer keeps it (8-bit codes, absmax and side
+                               arrays, a bf16 master and its compensation), by array name;
+                               the sections above then hold it as fp32 (the master with its
+                               compensation added, each moment dequantized: Lion's momentum
+                               as exp_avg, Adagrad's sum as exp_avg_sq)
     DIR/<tag>/rank<r>.extra.pt step counts, loss scaler, RNG states, hyperparameters,
                                (rank 0) lr scheduler state and module buffers: tensors and
                                plain data only, read with ``torch.load(weights_only=True)``
 
 The low-precision parameters are not stored: they are always the round-to-nearest cast of the
-fp32 master, and loading recomputes them. Names and offsets in the manifest let any world size
-and stage read any other's files, and let consolidation build one state dict without a
-converter and without the optimizer state.
+fp32 master, and loading recomputes them. A resume at the saving world size, stage and policy
+restores the native state bit for bit; any other load reads the fp32 sections. Names and
+offsets in the manifest let any world size and stage read any other's files, and let
+consolidation build one state dict without a converter and without the optimizer state.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..optim.policy import StatePolicy
 from ..partition import split_range
 from ..errors import CheckpointError
 
@@ -47,6 +55,8 @@ __all__ = [
     "SECTIONS",
     "load_plain",
     "refusal_reason",
+    "native_file",
+    "policy_record",
 ]
 
 FORMAT_VERSION = 1
@@ -91,6 +101,7 @@ class Manifest:
     units: list[UnitRecord]
     ranks: list[RankRecord]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> stored name
+    optimizer: dict[str, str] | None = None  # the StatePolicy's values; None: fp32 AdamW
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -118,8 +129,29 @@ class Manifest:
         except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{path}: manifest is missing or has bad fields ({exc})") from exc
 
+    @property
+    def policy(self) -> StatePolicy:
+        """The optimizer kind and state precisions the checkpoint was saved with."""
+        if self.optimizer is None:
+            return StatePolicy()
+        o = self.optimizer
+        return StatePolicy.parse(o["kind"], o["moments"], o["master"])
+
     def slots_by_name(self) -> dict[str, tuple[UnitRecord, SlotRecord]]:
         return {s.name: (u, s) for u in self.units for s in u.slots}
+
+
+def policy_record(policy: StatePolicy) -> dict[str, str]:
+    return {
+        "kind": policy.kind.value,
+        "moments": policy.moments.value,
+        "master": policy.master.value,
+    }
+
+
+def native_file(rank: int) -> str:
+    """The file of rank ``rank``'s optimizer state as stored (see the module's table)."""
+    return f"rank{rank}.native.pt"
 
 
 def read_manifest(folder: Path) -> Manifest:

@@ -23,7 +23,9 @@ import torch
 from ..progress import Progress
 from ..params.units import persistent_buffers
 from . import dcp, deepspeed
-from .format import CheckpointError, Manifest, verify_rank_file
+from ..optim.policy import StatePolicy
+from .format import CheckpointError, Manifest, load_plain, native_file, verify_rank_file
+from .save import unit_records
 from .source import OwnSource, Source, match_names
 from .tags import resolve_tag, tag_folder
 
@@ -107,8 +109,44 @@ def _tied_names(engine: "Engine") -> dict[str, list[str]]:
     return out
 
 
-def restore(engine: "Engine", source: Source, lr_scheduler: Any = None) -> None:
+def _check_policy(engine: "Engine", source: Source, convert_state: bool) -> bool:
+    """Whether the stored native state restores as it is (same policy, world size and
+    units); a policy other than the engine's raises unless ``convert_state``."""
+    saved = source.manifest.policy if isinstance(source, OwnSource) else StatePolicy()
+    want = engine.state_policy
+    if saved != want and not convert_state:
+        raise CheckpointError(
+            f"{source.where}: the optimizer state was saved as {saved.describe()}, this "
+            f"engine keeps {want.describe()}; build the engine with optimizer_type="
+            f"{saved.kind.value!r}, moment_precision={saved.moments.value!r}, "
+            f"master_precision={saved.master.value!r} to resume as saved, or pass "
+            "convert_state=True to load_checkpoint to convert it through fp32"
+        )
+    exact = (
+        isinstance(source, OwnSource)
+        and saved == want
+        and not want.is_default
+        and source.manifest.world_size == engine.comm.world_size
+        and source.manifest.units == unit_records(engine)
+    )
+    if not want.is_default and not exact or saved != want:
+        log.info(
+            "load_checkpoint: optimizer state saved as %s (world size %s) loaded as %s "
+            "(world size %d) through fp32: 8-bit moments requantized (within one "
+            "quantization step), a bf16 master rounded",
+            saved.describe(),
+            getattr(getattr(source, "manifest", None), "world_size", "?"),
+            want.describe(),
+            engine.comm.world_size,
+        )
+    return exact
+
+
+def restore(
+    engine: "Engine", source: Source, lr_scheduler: Any = None, convert_state: bool = False
+) -> None:
     """Fill every unit of ``engine`` from ``source``, then the counters. Collective."""
+    exact = _check_policy(engine, source, convert_state)
     names = match_names(
         source,
         {n: tuple(s.shape) for u in engine.units for n, s in zip(u.names, u.layout.slots)},
@@ -134,6 +172,9 @@ def restore(engine: "Engine", source: Source, lr_scheduler: Any = None) -> None:
                 source.read(name, o.slot_start, o.slot_end, [a[dst] for a in arrays])
             engine.load_unit_state(unit, *arrays)
             progress.update(unit.shard_numel)
+        if exact:  # the state as the saving run kept it, bit for bit
+            assert isinstance(source, OwnSource)
+            engine.load_native_state(load_plain(source.where / native_file(rank)))
         engine.finish_load()
     finally:
         progress.close()
@@ -141,14 +182,20 @@ def restore(engine: "Engine", source: Source, lr_scheduler: Any = None) -> None:
 
 
 def load_checkpoint(
-    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+    engine: "Engine",
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    lr_scheduler: Any = None,
+    convert_state: bool = False,
 ) -> str:
     """Restore params, optimizer state, step counts, loss scaler and RNG; returns the tag
     (a DeepSpeed checkpoint's folder name, or the DCP folder's name). Collective: every rank
-    must call it."""
+    must call it. ``convert_state``: load optimizer state saved with another kind or
+    precision (``optimizer_type``, ``moment_precision``, ``master_precision``) through fp32;
+    without it that is a :class:`CheckpointError`."""
     source = open_source(directory, tag)
     try:
-        restore(engine, source, lr_scheduler)
+        restore(engine, source, lr_scheduler, convert_state)
     finally:
         source.close()
     return source.tag

@@ -30,6 +30,8 @@ from .format import (
     SlotRecord,
     UnitRecord,
     fsync_dir,
+    native_file,
+    policy_record,
     section_offset,
     write_atomically,
 )
@@ -38,7 +40,7 @@ from .tags import LATEST, check_tag, commit_tag, recover_tag
 if TYPE_CHECKING:
     from ..engine.engine import Engine
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "unit_records"]
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +156,9 @@ def _check_plain(extra: dict) -> None:
             ) from exc
 
 
-def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
-    units = [
+def unit_records(engine: "Engine") -> list[UnitRecord]:
+    """The engine's units as the manifest records them."""
+    return [
         UnitRecord(
             u.shard_offset,
             u.layout.padded_numel,
@@ -164,6 +167,10 @@ def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
         )
         for u in engine.units
     ]
+
+
+def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
+    units = unit_records(engine)
     stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
     aliases = {
         name: stored[id(p)]
@@ -178,6 +185,7 @@ def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
         units,
         ranks,
         aliases,
+        policy_record(engine.state_policy),
     )
 
 
@@ -199,6 +207,13 @@ def save_checkpoint(
     rank = comm.rank
     record = _write_state(engine, partial / f"rank{rank}.state")
     write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
+    native = engine.native_state()
+    if native is not None:  # views of larger storages are saved as themselves only
+        native = {
+            k: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+            for k, t in native.items()
+        }
+        write_atomically(partial / native_file(rank), lambda f: torch.save(native, f))
     records = comm.all_gather_object(record)
     if rank == 0:
         manifest = _manifest(engine, records)

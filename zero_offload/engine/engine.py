@@ -45,6 +45,7 @@ from ..params.store import ParamStore, param_host_numel, param_pool_bytes
 from ..device.threads import ThreadBudget
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
+from ..update.host_state import run_layout
 from ..update.updaters import make_updater, params_are_master
 from ..weak import weak_hook
 from ..swap.budget import (
@@ -171,6 +172,7 @@ class Engine(EngineLifecycle, EngineState):
             optimizer_budget,
             self.threads,
             self._runtime.device_optimizer,
+            run_layout(config.optimizer.policy, plans, self.comm.rank),
         )
         self._leftovers.closers.append(updater.close)
         self.units = build_units(
@@ -524,14 +526,21 @@ class Engine(EngineLifecycle, EngineState):
         return save_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
 
     def load_checkpoint(
-        self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+        self,
+        directory: str | os.PathLike,
+        tag: str | None = None,
+        lr_scheduler: Any = None,
+        convert_state: bool = False,
     ) -> str:
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
-        stage; returns the tag. Collective."""
+        stage; returns the tag. Collective. ``convert_state``: accept optimizer state saved
+        with another kind or precision, converted through fp32 (else a CheckpointError)."""
         self._check_open()
         from ..checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
+        return load_checkpoint(
+            self, directory, tag, lr_scheduler or self.lr_scheduler, convert_state
+        )
 
     # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -6,7 +6,15 @@ files, so the torch state would be empty or partial. Hooks (torch's public ones)
 
     state[0] = {"step": tensor, "exp_avg": fp32[n], "exp_avg_sq": fp32[n],
                 "master": fp32[n],  # the fp32 parameters the moments belong to
-                "zero_offload": {"rank", "world_size", "stage", "numel"}}
+                "zero_offload": {"rank", "world_size", "stage", "numel", "policy"},
+                "native": {name: tensor}}  # any policy but fp32 AdamW: see below
+
+With another optimizer kind or state precision, ``master`` and the moments are its state as
+fp32 (the master with its compensation term added, each moment dequantized; Lion's momentum
+as ``exp_avg``, Adagrad's sum as ``exp_avg_sq``), and ``native`` holds the state as it is
+stored (8-bit codes, absmax and side arrays, a bf16 master and its compensation), which
+loading restores bit for bit. ``policy`` names the kind and precisions; a dict loads only
+into an engine of the same policy.
 
 The tensors are filled chunk by chunk as the tier streams them (sub-group by sub-group from
 NVMe), so nothing but the returned dict is held whole. Loading streams them back unit by
@@ -35,12 +43,13 @@ _RESHARD = (
 )
 
 
-def _layout(engine: "Engine") -> dict[str, int]:
+def _layout(engine: "Engine") -> dict[str, int | str]:
     return {
         "rank": engine.comm.rank,
         "world_size": engine.comm.world_size,
         "stage": engine.stage,
         "numel": engine.trainable_numel,
+        "policy": engine.state_policy.describe(),
     }
 
 
@@ -61,10 +70,13 @@ def _state(engine: "Engine") -> dict[str, Any]:
         for key, values in zip(KEYS, arrays):
             assert values is not None
             out[key][lo : lo + values.numel()].copy_(values)
+    native = engine.native_state()
+    extra = {} if native is None else {"native": {k: t.clone() for k, t in native.items()}}
     return {
         "step": torch.tensor(float(engine.optimizer_steps), dtype=torch.float32),
         **out,
         "zero_offload": _layout(engine),
+        **extra,
     }
 
 
@@ -104,6 +116,8 @@ def _load(engine: "Engine", entry: dict[str, Any]) -> None:
     for unit in sorted((u for u in engine.units if not u.frozen), key=lambda u: u.shard_offset):
         lo, hi = unit.shard_offset, unit.shard_offset + unit.shard_numel
         engine.load_unit_state(unit, *(entry[k][lo:hi].to("cpu") for k in KEYS))
+    if "native" in entry:  # the state as it was stored, bit for bit
+        engine.load_native_state(entry["native"])
     engine.finish_load()
     step = entry["step"]
     engine.optimizer_steps = int(step.item() if isinstance(step, torch.Tensor) else step)

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
+from ..optim.policy import StatePolicy
+from ..update.host_state import HostState
+
 if TYPE_CHECKING:
+    from ..config import ZeroConfig
     from ..activations.offload import ActivationOffload
     from ..swap.swapper import Swapper
     from ..update.nvme_sizing import OptimizerSplit
@@ -28,6 +32,7 @@ __all__ = ["EngineState"]
 class EngineState:
     """Checkpoint accessors, counters and last-step views of an engine."""
 
+    config: ZeroConfig
     units: list[FlatUnit]
     reducer: GradReducer
     stepper: ShardStepper
@@ -68,6 +73,31 @@ class EngineState:
         if not unit.frozen:
             self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
         self.stepper.sink.write(unit, master)
+
+    @property
+    def state_policy(self) -> StatePolicy:
+        """The optimizer's kind and state precisions."""
+        return self.config.optimizer.policy
+
+    def native_state(self) -> dict[str, torch.Tensor] | None:
+        """This rank's optimizer state as stored, by array name (8-bit codes, absmax, side
+        arrays, a bf16 master and its compensation), for a policy the fp32 sections of
+        :meth:`state_chunks` do not hold exactly; None for fp32 AdamW (they do)."""
+        self._check_open()
+        updater = self.stepper.updater
+        return updater.native_tensors() if isinstance(updater, HostState) else None
+
+    def load_native_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`native_state` saved at this rank, world size, stage and policy
+        (after the units are loaded: it replaces their optimizer state bit for bit)."""
+        self._check_open()
+        updater = self.stepper.updater
+        assert isinstance(updater, HostState), "fp32 AdamW state loads through state_chunks"
+        updater.load_native(tensors)
+        for unit in self.units:  # the parameters the restored master gives, as a step does
+            if not unit.frozen:
+                lo = unit.shard_offset
+                self.stepper.sink.write(unit, updater.param_values(lo, lo + unit.shard_numel))
 
     def finish_load(self) -> None:
         """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""

@@ -12,11 +12,11 @@ gradients) and hand the new parameter values to ``sink`` — plus a torch ``opti
   to the device. Every CPU tier runs this same kernel, so offloading changes no bit.
 - :class:`~.nvme_adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
   a pipeline over sub-groups (see its module).
+- :class:`~.host_state.HostState`: any other optimizer kind or state precision, in host memory.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable, Iterator
 
@@ -31,6 +31,9 @@ from ..optim import CPUAdam
 from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from ..grads.disk import DiskGrads
+from ..optim import StateLayout
+from ..optim.policy import MasterPrecision
+from .host_state import HostState, check_device
 from .nvme import NvmeAdam
 from .range_step import adam_over_ranges
 from .api import (
@@ -55,8 +58,6 @@ __all__ = [
     "make_updater",
     "params_are_master",
 ]
-
-log = logging.getLogger(__name__)
 
 GRAD_SLICE = 1 << 22  # gradients per kernel call (they may be on a device, and widened)
 
@@ -317,7 +318,12 @@ class HostAdam(_ResidentAdam):
 def params_are_master(cfg: ZeroConfig, dtype: torch.dtype) -> bool:
     """Stage 0 with fp32 compute and the optimizer beside the params: the params, laid out in
     one rank-flat buffer, are the fp32 master (the optimizer steps them in place)."""
-    return cfg.stage == 0 and dtype == torch.float32 and cfg.offload.optimizer == "none"
+    return (
+        cfg.stage == 0
+        and dtype == torch.float32
+        and cfg.offload.optimizer == "none"
+        and cfg.optimizer.policy.master is MasterPrecision.FP32
+    )
 
 
 def make_updater(
@@ -330,6 +336,7 @@ def make_updater(
     host_memory_limit: int | None = None,
     threads: ThreadBudget | None = None,
     device_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    state_layout: StateLayout | None = None,
 ) -> Updater:
     """Build the updater ``offload_optimizer`` asks for, empty: fill it with ``load_state``.
     ``param_shards``: the rank-flat compute-dtype params when resident (stage 3's shards;
@@ -337,9 +344,12 @@ def make_updater(
     them in place when they are in host memory, and fp32 ones on the optimizer's device are
     the master itself. ``host_memory_limit``: this updater's share of the host budget (NVMe
     pool). ``threads``: the rank's thread budget (None: decided here for a CPU).
-    ``device_optimizer``: what steps a master on an accelerator (None: torch's fused AdamW)."""
+    ``device_optimizer``: what steps a master on an accelerator (None: torch's fused AdamW).
+    ``state_layout``: the run's pieces under the state policy (needed by any but fp32 AdamW)."""
     where = cfg.offload.optimizer
     threads = threads or ThreadBudget.decide(device.type, cfg.threads)
+    policy = cfg.optimizer.policy
+    check_device(cfg, device)
     if where == "nvme":
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit, threads)
     out = (
@@ -357,6 +367,20 @@ def make_updater(
         and param_shards.dtype == torch.float32
         and param_shards.device == device
     )
+    if not policy.is_default:
+        assert state_layout is not None and state_layout.numel == numel
+        state = HostState(
+            state_layout,
+            cfg,
+            dtype,
+            tier="host" if where == "cpu" else "device",
+            out=out,
+            num_threads=threads.optimizer,
+            master=param_shards[:numel] if shared and param_shards is not None else None,
+            crosses_pcie=crosses,
+        )
+        state.master_is_params = shared and policy.master is MasterPrecision.FP32
+        return state
     if shared:
         assert param_shards is not None
         master = param_shards[:numel]  # the fp32 params: no second copy of them
