@@ -18,7 +18,6 @@ from zero_offload.integrations.lightning_optimizers import hyperparameters
 from zero_offload.integrations.optimizers import HF_OPTIMS, hf_optim_keys, optimizer_keys
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-NEEDS_ENGINE = "needs the engine to carry state policies"
 HF_EXPECTED = {
     "adamw_torch": ("adamw", "fp32"),
     "adamw_torch_fused": ("adamw", "fp32"),
@@ -149,15 +148,13 @@ def test_torchao_class():
 
 
 # -- two steps end to end ----------------------------------------------------------------------
-# AdamW (the default) runs today and holds the harness; the others until the engine steps them
-_UNTIL_ENGINE = pytest.mark.xfail(strict=True, reason=NEEDS_ENGINE, raises=zo.ConfigError)
 
 
 @pytest.mark.parametrize(
     "optim",
     [
-        pytest.param("lion_32bit", marks=_UNTIL_ENGINE),
-        pytest.param("adamw_torch_8bit", marks=_UNTIL_ENGINE),
+        "lion_32bit",
+        "adamw_torch_8bit",
         "adamw_torch",
     ],
 )
@@ -189,9 +186,7 @@ def test_hf_trainer_trains_two_steps(tmp_path, optim):
     assert moved >= 1.0, "two steps must move the weights by about the lr"
 
 
-@pytest.mark.parametrize(
-    "optimizer", [pytest.param("bnb.AdamW8bit", marks=_UNTIL_ENGINE), "torch.AdamW"]
-)
+@pytest.mark.parametrize("optimizer", ["bnb.AdamW8bit", "torch.AdamW"])
 def test_lightning_strategy_trains_two_steps(optimizer):
     L = pytest.importorskip("lightning")
     if optimizer == "bnb.AdamW8bit":
