@@ -334,6 +334,71 @@ def test_a_deepspeed_config_trains_like_its_keywords():
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+@pytest.mark.parametrize(
+    "ds_type, params, reference",
+    [
+        ("Adagrad", {}, lambda p: torch.optim.Adagrad(p, lr=1e-2, eps=1e-10)),
+        (
+            "Adam",
+            {"adam_w_mode": False, "lr": 1e-2, "weight_decay": 0.1},
+            lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-8, weight_decay=0.1),
+        ),
+    ],
+    ids=["Adagrad", "Adam-L2"],
+)
+def test_deepspeed_optimizer_types_train_like_torch(ds_type, params, reference):
+    """DeepSpeed's Adagrad (its CPU class's defaults: lr 1e-2, eps 1e-10) and Adam with
+    adam_w_mode false (L2 decay) train like the matching torch optimizer."""
+    ds = {
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": ds_type, "params": params},
+        "gradient_clipping": 0.0,
+    }
+    torch.manual_seed(0)
+    model = make("mlp")
+    ref = copy.deepcopy(model)
+    opt = reference(ref.parameters())
+    engine = zo.initialize(model, config=ds)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = batch("mlp", 4, gen)
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+        opt.zero_grad()
+        loss_fn("mlp", ref(x), y).backward()
+        opt.step()
+    ours = engine.full_state_dict()
+    engine.close()
+    diff = max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    assert diff <= 1e-3 * 1e-2, f"max |diff| = {diff / 1e-2:.2e} lr"
+
+
+def test_deepspeed_lion_is_the_lion_keywords():
+    """``type: Lion`` is optimizer_type='lion' with DeepSpeedCPULion's defaults (betas
+    (0.9, 0.999), no weight decay): the same parameters, bit for bit, as the keywords."""
+    ds = {"optimizer": {"type": "Lion", "params": {"lr": 1e-3}}, "gradient_clipping": 0.0}
+    kw = translate(ds)
+    assert kw["optimizer_type"] == "lion" and kw["betas"] == (0.9, 0.999)
+
+    def run(**kwargs):
+        torch.manual_seed(0)
+        engine = zo.initialize(make("mlp"), **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = batch("mlp", 4, gen)
+            engine.backward(loss_fn("mlp", engine(x), y))
+            engine.step()
+        sd = engine.full_state_dict()
+        engine.close()
+        return sd
+
+    a = run(config=ds)
+    b = run(optimizer_type="lion", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    with pytest.raises(zo.ConfigError, match="Adam, AdamW, Lion and Adagrad"):
+        translate({"optimizer": {"type": "OneBitAdam", "params": {}}})
+
+
 def test_convert_config_prints_the_keywords(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_no_scheduler(HF_ZERO3)))

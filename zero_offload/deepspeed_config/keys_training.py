@@ -29,7 +29,8 @@ TRAINING_KEYS: tuple[Key, ...] = (
     Key(
         "optimizer.type",
         T,
-        "Adam and AdamW run zero_offload's AdamW; any other optimizer is a ConfigError",
+        "optimizer_type: Adam and AdamW (adamw), Lion (lion), Adagrad (adagrad), with the defaults "
+        "of DeepSpeed's CPU classes for them; any other optimizer is a ConfigError",
     ),
     Key("optimizer.params.lr", T, "lr", default=1e-3),
     Key("optimizer.params.betas", T, "betas", default=(0.9, 0.999)),
@@ -43,8 +44,8 @@ TRAINING_KEYS: tuple[Key, ...] = (
     Key(
         "optimizer.params.adam_w_mode",
         T,
-        "true (the default) is AdamW, decoupled weight decay; false (L2 added to the gradient) "
-        "is a ConfigError",
+        "with type Adam: true (the default) is AdamW, decoupled weight decay; false is "
+        "optimizer_type='adam' (L2 decay added to the gradient, as torch.optim.Adam)",
         default=True,
     ),
     Key("optimizer.params.amsgrad", R, "AMSGrad keeps a running max of v", off=(False,)),

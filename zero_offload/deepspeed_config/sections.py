@@ -78,28 +78,48 @@ def read_precision(r: Reader, out: dict[str, Any]) -> int:
     return 2
 
 
+# DeepSpeed's optimizer types (it compares them lower-cased) that the engine steps, and the
+# defaults of DeepSpeed's CPU classes for them (DeepSpeedCPUAdam, DeepSpeedCPULion,
+# DeepSpeedCPUAdagrad) where a key is absent
+_KINDS = {"adam": "adamw", "adamw": "adamw", "lion": "lion", "adagrad": "adagrad"}
+_DEFAULTS = {
+    "adamw": {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "betas": (0.9, 0.999)},
+    "lion": {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+}
+
+
 def read_optimizer(r: Reader, out: dict[str, Any]) -> None:
+    """``optimizer.type`` Adam / AdamW (``adam_w_mode: false``: Adam with L2 decay), Lion or
+    Adagrad, with the hyperparameters DeepSpeed's own class for it would take."""
     if not r.section("optimizer"):
         return
-    kind = str(r.get("optimizer.type", "AdamW"))
-    adamw = flag("optimizer.params.adam_w_mode", r.get("optimizer.params.adam_w_mode", True))
-    if kind.lower() not in ("adam", "adamw") or (kind.lower() == "adam" and not adamw):
+    name = str(r.get("optimizer.type", "AdamW"))
+    kind = _KINDS.get(name.lower())
+    if kind is None:
         raise ConfigError(
-            f"DeepSpeed config key 'optimizer.type'={kind!r}"
-            + (", adam_w_mode=false" if kind.lower() == "adam" else "")
-            + ": zero_offload runs AdamW (decoupled weight decay); use type 'AdamW'"
+            f"DeepSpeed config key 'optimizer.type'={name!r}: zero_offload steps Adam, AdamW, "
+            "Lion and Adagrad; use one of those types"
         )
-    torch_adam = flag("optimizer.params.torch_adam", r.get("optimizer.params.torch_adam", False))
-    defaults = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.01 if torch_adam else 0.0}
-    for name, default in defaults.items():
-        path = f"optimizer.params.{name}"
-        out[name] = number(path, r.get(path, default), float)
-    betas = r.get("optimizer.params.betas", (0.9, 0.999))
-    if not isinstance(betas, (list, tuple)):
-        raise ConfigError(
-            f"DeepSpeed config key 'optimizer.params.betas'={betas!r}: expected two numbers"
-        )
-    out["betas"] = tuple(betas)
+    defaults = dict(_DEFAULTS[kind])
+    if name.lower() == "adam":
+        path = "optimizer.params.adam_w_mode"
+        if not flag(path, r.get(path, True)):
+            kind = "adam"  # the weight decay is added to the gradient
+        path = "optimizer.params.torch_adam"
+        if flag(path, r.get(path, False)):
+            defaults["weight_decay"] = 0.01
+    if kind != "adamw":  # the default: the keywords of an AdamW config stay as they were
+        out["optimizer_type"] = kind
+    for key, default in defaults.items():
+        path = f"optimizer.params.{key}"
+        value = r.get(path, default)
+        if key != "betas":
+            out[key] = number(path, value, float)
+        elif isinstance(value, (list, tuple)):
+            out[key] = tuple(value)
+        else:
+            raise ConfigError(f"DeepSpeed config key {path!r}={value!r}: expected two numbers")
 
 
 def read_batch(r: Reader, out: dict[str, Any], world: int) -> None:

@@ -71,8 +71,8 @@ def _leaves(data: Mapping[str, Any], prefix: str = "") -> list[str]:
     out = []
     for name, value in data.items():
         path = f"{prefix}{name}"
-        if isinstance(value, Mapping) and value and path in _PREFIXES:
-            out.extend(_leaves(value, path + "."))
+        if isinstance(value, Mapping) and path in _PREFIXES:
+            out.extend(_leaves(value, path + "."))  # an empty section holds no key
         else:
             out.append(path)
     return out
