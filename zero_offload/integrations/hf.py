@@ -56,7 +56,9 @@ from ..ds_config import is_deepspeed, translate
 from ..ds_schedules import lr_scheduler
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
+from .hf_preemption import PreemptionCallback
 from .hf_tiled import tiled_loss_model
+from .preemption import check_trainer_preemption
 from .stats import step_stats
 
 __all__ = [
@@ -296,6 +298,8 @@ class ZeroOffloadMixin(_TrainerBase):
                 self.get_decay_parameter_names(self.model),
             )
             self.engine = initialize(self.model, **kw)
+            if check_trainer_preemption(self.engine, "ZeroOffloadTrainer"):
+                self.add_callback(PreemptionCallback(self.engine))
             if self.engine.config.activations.tiled_loss:
                 check_tiled_model(self.model)  # a clear error now, not at the first step
             self._engine_module = EngineModule(self.engine)

@@ -37,6 +37,8 @@ from ..config import ConfigError, _load
 from ..ds_config import is_deepspeed, translate
 from ..ds_schedules import SCHEDULES, lr_scheduler
 from ..engine.engine import Engine, initialize
+from .lightning_preemption import PreemptionCallback
+from .preemption import check_trainer_preemption
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
 from .stats import step_stats
@@ -234,6 +236,8 @@ class ZeroOffloadStrategy(DDPStrategy):
                 hyper = hyperparameters(user_opt, module)
             kw = self._keywords(trainer, hyper)
             self.engine = initialize(module, **kw)
+            if check_trainer_preemption(self.engine, "ZeroOffloadStrategy"):
+                trainer.callbacks.append(PreemptionCallback(self.engine))
             log.info(
                 "ZeroOffloadStrategy: %s",
                 {k: f"{len(v)} parameters" if k == "no_decay" else v for k, v in kw.items()},
