@@ -90,7 +90,7 @@ def _child(spec: dict[str, Any]) -> None:
     try:
         while i < until:
             x, y = synthetic_batch(cfg, 4 * world, torch.Generator().manual_seed(100 + i))
-            loss = engine(x[rank::world], y[rank::world])
+            loss = engine(x[rank::world].contiguous(), y[rank::world].contiguous())
             engine.backward(loss)
             engine.step()
             i = engine.optimizer_steps
