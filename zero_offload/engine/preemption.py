@@ -59,7 +59,7 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received:  # the second one: as without the keyword
-            self.close()
+            self._restore()
             signal.raise_signal(signum)
             return
         self.received = signum
@@ -84,7 +84,13 @@ class Preemption:
             signal.signal(sig, self._handle)
 
     def close(self) -> None:
-        """Put back the dispositions that were there (where nothing replaced ours since)."""
+        """Put back the dispositions that were there (where nothing replaced ours since);
+        not once the ranks agreed to stop: the process is on its way out with the signal's
+        status, and a rank's own signal arriving after the agreement must not kill it."""
+        if not self.agreed:
+            self._restore()
+
+    def _restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         previous, self._previous = self._previous, {}

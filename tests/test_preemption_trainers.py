@@ -1,0 +1,81 @@
+"""``save_on_preemption=True`` under ZeroOffloadTrainer: SIGTERM during training makes Trainer
+save ``checkpoint-<step>`` after the step in flight, the process exits with status 143, and
+``resume_from_checkpoint=True`` in a new process ends where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+
+import pytest
+import torch
+
+from children import next_line, start_python
+
+T = 300
+
+TRAIN = """
+import sys, time, torch
+sys.path.insert(0, "tests")
+from transformers import TrainerCallback
+from hf_trainer_worker import arguments, dataset, make
+from zero_offload.integrations.hf import ZeroOffloadTrainer
+
+out, nvme, steps, resume, state = sys.argv[1:6]
+steps = int(steps)
+
+class Lines(TrainerCallback):
+    def on_step_end(self, args, st, control, **kw):
+        print("step", st.global_step, flush=True)
+        time.sleep(0.3)  # room for the signal to land inside the next step
+
+trainer = ZeroOffloadTrainer(
+    model=make("gpt2"),
+    args=arguments(out, max_steps=steps, lr_scheduler_type="constant", warmup_steps=0),
+    train_dataset=dataset(),
+    zero_offload=dict(
+        stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
+        sub_group_size=4096, save_on_preemption=True,
+    ),
+    callbacks=[Lines()],
+)
+trainer.train(resume_from_checkpoint=True if resume == "resume" else None)
+torch.save(trainer.engine.full_state_dict(), state)
+print("ended", trainer.state.global_step, flush=True)
+trainer.engine.close()
+"""
+
+
+def _start(tmp, out: str, steps: int, resume: str, state: str):
+    (tmp / "nvme").mkdir(exist_ok=True)
+    return start_python(
+        textwrap.dedent(TRAIN),
+        str(tmp / out),
+        str(tmp / "nvme"),
+        str(steps),
+        resume,
+        str(tmp / state),
+    )
+
+
+@pytest.mark.multiprocess
+def test_sigterm_under_zero_offload_trainer_saves_a_trainer_checkpoint(tmp_path):
+    first = _start(tmp_path, "run", 1000, "no", "first.pt")
+    assert next_line(first, T) == "step 1"
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=T)
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = sorted((tmp_path / "run").glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "zero_offload" / "latest").is_file(), saved
+    at = int(saved[0].name.split("-")[1])
+    resumed = _start(tmp_path, "run", at + 2, "resume", "resumed.pt")
+    out, err = resumed.communicate(timeout=T)
+    assert resumed.returncode == 0 and f"ended {at + 2}" in out, err[-3000:]
+    straight = _start(tmp_path, "straight", at + 2, "no", "straight.pt")
+    out, err = straight.communicate(timeout=T)
+    assert straight.returncode == 0, err[-3000:]
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert list((tmp_path / "nvme").iterdir()) == []
