@@ -283,7 +283,13 @@ def delivery(work: Path, record: Path, kind: int, seed: int, steps: int) -> Tria
         run.procs[rank].send_signal(signum)
     trial.exit_codes, outs, err = run.finish()
     want = 0 if handler == "loop" else 128 + signum
-    if any(code != want for code in trial.exit_codes):
+    # A rank whose own signal lands once it is exiting after the agreed save (the others
+    # stopped it first) dies by the signal: Python gives back the default dispositions as
+    # the interpreter ends. That is the same status to a scheduler; it is counted apart.
+    late = [r for r, code in enumerate(trial.exit_codes) if code == -signum and want]
+    if late:
+        trial.error = f"rank(s) {late} ended by their own signal while exiting"
+    if any(code != want and r not in late for r, code in enumerate(trial.exit_codes)):
         trial.why = f"exit codes {trial.exit_codes}, expected {want}: {err[-1500:]}"
         return trial
     trial.leftover_files = _files(Path(spec["nvme"]))
