@@ -367,13 +367,17 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
             continue
         records[world] = reference(work, world, args.steps)
     jobs: list[tuple[Callable[..., Trial], tuple[Any, ...]]] = []  # each in its own folder
+    faults: list[tuple[Callable[..., Trial], tuple[Any, ...]]] = []
     for n in range(args.deliveries):
         kind = n % len(KINDS) if args.deliveries >= len(KINDS) else (0, 1)[n % 2]
         record = records[KINDS[kind][0]]
         jobs.append((delivery, (work / f"trial{n}", record, kind, rng.randrange(2**31))))
     for n in range(args.disk_faults):
         seed = rng.randrange(2**31)
-        jobs.append((disk_fault, (work / f"fault{n}", records[1], seed)))
+        faults.append((disk_fault, (work / f"fault{n}", records[1], seed)))
+    # interleaved, so that a campaign stopped early has run both kinds
+    for n, fault in enumerate(faults):
+        jobs.insert(min(len(jobs), n * 3 // 2 + n), fault)
 
     def run(job: tuple) -> Trial:
         fn, fargs = job
