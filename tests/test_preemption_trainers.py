@@ -12,7 +12,7 @@ import torch
 
 from children import next_line, start_python
 
-T = 300
+T = 900  # seconds per child: Trainer and Lightning imports on a loaded machine
 
 TRAIN = """
 import sys, time, torch
