@@ -136,3 +136,19 @@ def test_ctrl_c_anywhere_in_a_step_saves_and_resumes_bit_for_bit(
     assert_bit_equal(got, want)
     for run in "abc":  # every swap file (the pass's .next/.out ones too) went with its engine
         assert list((tmp_path / run).iterdir()) == []
+
+
+def test_a_signal_held_in_a_block_is_raised_as_the_outermost_block_ends(sigint_raises):
+    from zero_offload.interrupts import signals_held
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                reached.append("inner")
+            reached.append("outer")  # the inner block's end raised nothing
+    assert reached == ["inner", "outer"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    with signals_held():
+        pass  # nothing arrived: nothing raised
