@@ -45,4 +45,4 @@ class PreemptionCallback(Callback):
         if self.engine.preempted:
             path = hpc_path(str(trainer.default_root_dir))
             trainer.save_checkpoint(path)  # the strategy uses rank 0's path on every rank
-            stop_after_save(self.engine, path)
+            stop_after_save(self.engine, path, hand_back=True)  # teardown calls .cpu()

@@ -34,9 +34,11 @@ def check_trainer_preemption(engine: Engine, trainer: str) -> bool:
     return engine.preemption is not None
 
 
-def stop_after_save(engine: Engine, where: Any) -> None:
-    """The Trainer saved after an agreed preemption: end the process as the signal would."""
+def stop_after_save(engine: Engine, where: Any, hand_back: bool = False) -> None:
+    """The Trainer saved after an agreed preemption: end the process as the signal would.
+    ``hand_back``: the model gets its values back first (for a Trainer whose teardown moves
+    the module, as Lightning's does); otherwise stage 3's parameters are left empty."""
     signum = engine.preempted
     log.warning("preempted: the Trainer saved %s; exiting with status %d", where, 128 + signum)
-    engine.close(hand_back=False)
+    engine.close(hand_back=hand_back)
     raise SystemExit(exit_status(signum))
