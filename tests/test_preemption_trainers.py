@@ -84,7 +84,8 @@ def test_sigterm_under_zero_offload_trainer_saves_a_trainer_checkpoint(tmp_path)
 FIT = """
 import sys, time, torch, lightning as L
 sys.path.insert(0, "tests")
-from lightning_worker import LitGPT, loader
+from lightning_worker import LitGPT
+from models import batch
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
 
 root, nvme, steps, resume, state = sys.argv[1:6]
@@ -99,11 +100,15 @@ strategy = ZeroOffloadStrategy(
     sub_group_size=4096, save_on_preemption=True,
 )
 trainer = L.Trainer(
-    accelerator="cpu", devices=1, strategy=strategy, max_steps=int(steps),
+    accelerator="cpu", devices=1, strategy=strategy, max_steps=int(steps), max_epochs=-1,
     default_root_dir=root, logger=False, enable_checkpointing=False,
     enable_progress_bar=False, enable_model_summary=False, callbacks=[Lines()],
 )
-trainer.fit(LitGPT(), loader(), ckpt_path="hpc" if resume == "resume" else None)
+# one batch an epoch: each step ends an epoch, where Lightning resumes the data order exactly
+# (mid-epoch it restarts a plain loader's epoch)
+x, y = batch("gpt", 8, torch.Generator().manual_seed(1234))
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+trainer.fit(LitGPT(), data, ckpt_path="hpc" if resume == "resume" else None)
 torch.save(strategy.engine.full_state_dict(), state)
 print("ended", trainer.global_step, flush=True)
 strategy.engine.close()
