@@ -100,3 +100,32 @@ def test_sigterm_mid_run_saves_at_the_step_end_and_resumes_bit_exact(name, tmp_p
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert list((tmp_path / "nvme").iterdir()) == []  # every run's swap folder went with it
+
+
+@pytest.mark.multiprocess
+def test_save_on_preemption_saves_at_the_step_end_and_exits_with_the_signal(tmp_path):
+    """The keyword instead of the loop's handler: the engine saves at the step that ends
+    after SIGTERM, and the process ends with the status a kill by SIGTERM has."""
+    kwargs = dict(
+        CONFIGS["stage3-nvme-bf16"],
+        save_on_preemption=str(tmp_path / "ckpt"),
+        max_grad_norm=None,  # with the pass during backward too
+    )
+    (tmp_path / "nvme").mkdir()
+    first = _start(tmp_path, "preempted", 10_000, "first.pt", kwargs)
+    assert _line(first) == "step 1"
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=T)
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = int((tmp_path / "ckpt" / "latest").read_text().removeprefix("step"))
+    assert saved >= 1
+    resumed = _start(tmp_path, "resume", saved + 2, "resumed.pt", kwargs)
+    assert _ended(resumed) == saved + 2
+    straight = _start(tmp_path, "straight", saved + 2, "straight.pt", kwargs)
+    assert _ended(straight) == saved + 2
+    a = torch.load(tmp_path / "straight.pt")
+    b = torch.load(tmp_path / "resumed.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert list((tmp_path / "nvme").iterdir()) == []

@@ -475,6 +475,17 @@ class ZeroConfig:
         "WarmupLR, WarmupDecayLR, WarmupCosineLR): `engine.lr_scheduler`, stepped after each "
         "applied update and saved with checkpoints, as DeepSpeed runs it",
     )
+    save_on_preemption: str | bool | None = keyword(
+        None,
+        "a folder: on SIGTERM (how schedulers preempt) or SIGINT the step in flight ends, the "
+        "ranks agree at the `step()` that ends an accumulation window (a one-integer "
+        "all-reduce, since a signal reaches each rank at its own moment), every rank saves a "
+        "checkpoint there (`load_checkpoint` resumes it) and the process exits with status "
+        "128 + the signal's number. `True`: the ranks agree and `engine.preempted` names the "
+        "signal; the caller saves (`ZeroOffloadTrainer` and the Lightning strategy save the "
+        "Trainer's own checkpoint, which `resume_from_checkpoint` / `ckpt_path` find). A "
+        "second signal acts as without it. See [preemption.md](preemption.md)",
+    )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -497,6 +508,7 @@ class ZeroConfig:
         if not isinstance(self.step_during_backward, bool):
             raise _bad("step_during_backward", self.step_during_backward, "expected True or False")
         check_threads(self.threads)
+        self._check_preemption()
         if self.lr_schedule is not None:
             check_schedule(self.lr_schedule, self.optimizer.lr)
         if self.device is not None:
@@ -536,6 +548,16 @@ class ZeroConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.precision.dtype
+
+    def _check_preemption(self) -> None:
+        value = self.save_on_preemption
+        if value is None or isinstance(value, bool):
+            if value is False:
+                object.__setattr__(self, "save_on_preemption", None)
+            return
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise _bad("save_on_preemption", value, "expected a checkpoint folder, True or None")
+        object.__setattr__(self, "save_on_preemption", os.fspath(value))
 
 
 # Flat user-facing key -> (section attribute or None for top level, field name).

@@ -9,17 +9,19 @@ sub-group, never whole in memory.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import random
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 
+from ..errors import SwapIOError
 from ..progress import Progress
 from ..params.units import persistent_buffers
 from .format import (
@@ -205,22 +207,40 @@ def save_checkpoint(
         partial.mkdir()
     comm.barrier()
     rank = comm.rank
-    record = _write_state(engine, partial / f"rank{rank}.state")
-    write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
-    native = engine.native_state()
-    if native is not None:  # views of larger storages are saved as themselves only
-        native = {
-            k: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-            for k, t in native.items()
-        }
-        write_atomically(partial / native_file(rank), lambda f: torch.save(native, f))
+    with _disk_errors(root, tag, partial / f"rank{rank}.state"):
+        record = _write_state(engine, partial / f"rank{rank}.state")
+        write_atomically(partial / f"rank{rank}.extra.pt", lambda f: torch.save(extra, f))
+        native = engine.native_state()
+        if native is not None:  # views of larger storages are saved as themselves only
+            native = {
+                k: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+                for k, t in native.items()
+            }
+            write_atomically(partial / native_file(rank), lambda f: torch.save(native, f))
     records = comm.all_gather_object(record)
     if rank == 0:
         manifest = _manifest(engine, records)
-        write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
-        fsync_dir(partial)
-        commit_tag(root, tag)
-        write_atomically(root / LATEST, lambda f: f.write(tag.encode()))
-        fsync_dir(root)
+        with _disk_errors(root, tag, partial / MANIFEST):
+            write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
+            fsync_dir(partial)
+            commit_tag(root, tag)
+            write_atomically(root / LATEST, lambda f: f.write(tag.encode()))
+            fsync_dir(root)
     comm.barrier()
     return root / tag
+
+
+@contextlib.contextmanager
+def _disk_errors(root: Path, tag: str, where: Path) -> Iterator[None]:
+    """A write that fails (a full disk) is a CheckpointError naming the file; what ``latest``
+    names is untouched (the next save removes the partial folder)."""
+    try:
+        yield
+    except SwapIOError:
+        raise  # reading the swapped state: it names its file already
+    except OSError as err:
+        raise CheckpointError(
+            f"saving checkpoint {tag!r} in {root} failed writing {err.filename or where}: "
+            f"{err.strerror or err}; the checkpoint 'latest' names is unchanged. Free space "
+            "(or pick another folder) and save again"
+        ) from err

@@ -29,6 +29,11 @@ _COMMANDS = [
         "step time and peak RSS with activation offload and the tiled loss, beside without",
     ),
     (
+        ("bench", "interrupts"),
+        "zero_offload.bench.interrupts",
+        "SIGINT/SIGTERM and full disks at random moments of an NVMe run: saved, resumed exactly",
+    ),
+    (
         ("bench", "state-quality"),
         "zero_offload.bench.state_quality",
         "GPT training runs per optimizer-state precision: loss against fp32 AdamW",

@@ -82,7 +82,7 @@ def read_precision(r: Reader, out: dict[str, Any]) -> int:
 # defaults of DeepSpeed's CPU classes for them (DeepSpeedCPUAdam, DeepSpeedCPULion,
 # DeepSpeedCPUAdagrad) where a key is absent
 _KINDS = {"adam": "adamw", "adamw": "adamw", "lion": "lion", "adagrad": "adagrad"}
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "betas": (0.9, 0.999)},
     "lion": {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},

@@ -48,6 +48,8 @@ from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, t
 from ..update.host_state import run_layout
 from ..update.updaters import make_updater, params_are_master
 from ..weak import weak_hook
+from ..interrupts import signals_held
+from .preemption import Preemption, exit_status
 from ..swap.budget import (
     activation_host_share,
     host_memory_budget,
@@ -273,6 +275,10 @@ class Engine(EngineLifecycle, EngineState):
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
         self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
+        # save_on_preemption: SIGTERM/SIGINT end the run at an agreed step (engine.preemption)
+        self.preemption = Preemption(self.comm, self.device) if config.save_on_preemption else None
+        if self.preemption is not None:
+            self._leftovers.closers.append(self.preemption.close)
         self.micro_steps = 0
         self.global_steps = 0
         self._last_comm: dict = {}
@@ -437,7 +443,34 @@ class Engine(EngineLifecycle, EngineState):
         """Count a micro-step; at the accumulation boundary reduce, clip and apply the update.
         Returns True when an update was applied (False between boundaries, on overflow, or
         when no parameter had a gradient since the last update: nothing is stepped then,
-        like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None)."""
+        like ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None). A SIGINT or
+        SIGTERM that arrives meanwhile is raised once the step has ended (docs/preemption.md)."""
+        boundary = self.is_accumulation_boundary
+        with signals_held():
+            applied = self._step()
+        if boundary and self.preemption is not None:
+            self._stop_if_preempted()
+        return applied
+
+    @property
+    def preempted(self) -> int:
+        """The signal the ranks agreed to stop for at the last ``step()`` (0: none), with
+        ``save_on_preemption``."""
+        return 0 if self.preemption is None else self.preemption.agreed
+
+    def _stop_if_preempted(self) -> None:
+        """With ``save_on_preemption``: collective, after a step that ended a window."""
+        assert self.preemption is not None
+        signum = self.preemption.agree()
+        folder = self.config.save_on_preemption
+        if not signum or not isinstance(folder, str):
+            return
+        path = self.save_checkpoint(folder)
+        log.warning("preempted: checkpoint saved at %s; exiting", path)
+        self.close(hand_back=False)  # its files go now; the values are in the checkpoint
+        raise SystemExit(exit_status(signum))
+
+    def _step(self) -> bool:
         self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1

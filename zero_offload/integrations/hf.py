@@ -55,8 +55,10 @@ from ..config import ConfigError, _load
 from ..deepspeed_config import is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
+from .hf_preemption import PreemptionCallback
 from .hf_tiled import tiled_loss_model
 from .optimizers import hf_optim_keys
+from .preemption import check_trainer_preemption
 from .stats import step_stats
 
 __all__ = [
@@ -294,6 +296,8 @@ class ZeroOffloadMixin(_TrainerBase):
                 self.get_decay_parameter_names(self.model),
             )
             self.engine = initialize(self.model, **kw)
+            if check_trainer_preemption(self.engine, "ZeroOffloadTrainer"):
+                self.add_callback(PreemptionCallback(self.engine))
             if self.engine.config.activations.tiled_loss:
                 check_tiled_model(self.model)  # a clear error now, not at the first step
             self._engine_module = EngineModule(self.engine)

@@ -36,6 +36,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from ..config import ConfigError, _load
 from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
+from .lightning_preemption import PreemptionCallback
+from .preemption import check_trainer_preemption
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
 from .optimizers import POLICY_KEYS
@@ -235,6 +237,8 @@ class ZeroOffloadStrategy(DDPStrategy):
                 hyper = hyperparameters(user_opt, module)
             kw = self._keywords(trainer, hyper)
             self.engine = initialize(module, **kw)
+            if check_trainer_preemption(self.engine, "ZeroOffloadStrategy"):
+                trainer.callbacks.append(PreemptionCallback(self.engine))
             log.info(
                 "ZeroOffloadStrategy: %s",
                 {k: f"{len(v)} parameters" if k == "no_decay" else v for k, v in kw.items()},

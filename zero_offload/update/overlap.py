@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterator
 
+from ..interrupts import signals_held
+
 __all__ = ["DeferredUpdate"]
 
 log = logging.getLogger(__name__)
@@ -49,11 +51,19 @@ class DeferredUpdate:
             self._advance()
 
     def finish(self) -> None:
-        """Step every remaining sub-group and wait until all is stored."""
-        while not self.done:
-            self._advance()
+        """Step every remaining sub-group and wait until all is stored (a Ctrl-C meanwhile
+        waits for the end: whoever asked for the whole update gets it)."""
+        with signals_held():
+            while not self.done:
+                self._advance()
 
     def _advance(self) -> None:
+        """One sub-group, whole: a signal arriving meanwhile is raised after it
+        (:mod:`zero_offload.interrupts`), and the sub-groups left stay to be run."""
+        with signals_held():
+            self._step_one()
+
+    def _step_one(self) -> None:
         try:
             self.stored = next(self._steps)
         except StopIteration:

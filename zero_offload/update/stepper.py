@@ -369,9 +369,14 @@ class ShardStepper:
 
     def settle(self) -> None:
         """Run an update left under the forward (:attr:`pending`) to its end."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
+        pending = self.pending
+        if pending is None:
+            return
+        try:
             pending.finish()
+        finally:
+            if pending.done:
+                self.pending = None
 
     def settle_through(self, unit: FlatUnit) -> None:
         """Before a unit's shard is read: step the pending update's sub-groups until the
