@@ -12,7 +12,7 @@ from zero_offload.config import (
     OptimizerConfig,
     PrecisionConfig,
     ZeroConfig,
-    _flat_keys,
+    flat_keys,
     build_config,
     describe,
 )
@@ -90,7 +90,7 @@ def _integer_keys() -> list[str]:
         "activations": ActivationConfig,
     }
     out = []
-    for key, (section, name) in _flat_keys().items():
+    for key, (section, name) in flat_keys().items():
         hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
         if hint in (int, int | None):
             out.append(key)

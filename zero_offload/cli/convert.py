@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from ..config import ConfigError, _load, build_config
+from ..config import ConfigError, build_config, load_config
 from ..deepspeed_config import translate
 
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     # say what is not needed
     logging.getLogger("zero_offload.deepspeed_config").setLevel(logging.INFO)
     try:
-        keywords = translate(_load(args.config))
+        keywords = translate(load_config(args.config))
         build_config(**keywords)  # the translated values must also be valid keywords
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -35,7 +35,7 @@ and a DeepSpeed config is read as DeepSpeed reads it ([deepspeed.md](deepspeed.m
 validated before anything is touched: a bad one raises `zo.ConfigError` naming the key, the
 value and what is allowed (with "did you mean" for a misspelt key).
 
-This page is generated from the config's own field docs (`zero_offload/config.py` and the
+This page is generated from the config's own field docs (`zero_offload/config/` and the
 sections it holds) by `zero-offload keywords > docs/keywords.md`; edit the docs there."""
 
 

@@ -51,7 +51,7 @@ from transformers import Trainer
 
 from ..activations.tiled_loss import check_tiled_model
 from ..checkpoint.tags import TRAINER_SUBDIR
-from ..config import ConfigError, _load
+from ..config import ConfigError, load_config
 from ..deepspeed_config import is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer
@@ -169,7 +169,7 @@ def engine_keywords(
     TrainingArguments, other values required to agree with them, and its ``optimizer``
     (if any) decaying every parameter, as DeepSpeed's optimizer does."""
     optim = getattr(args.optim, "value", args.optim)
-    user = _load(zero_offload)
+    user = load_config(zero_offload)
     deepspeed = is_deepspeed(user)
     kind = {} if deepspeed and "optimizer" in user else hf_optim_keys(optim)
     kw: dict[str, Any] = dict(
@@ -212,7 +212,7 @@ def deepspeed_schedule(
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The ``scheduler`` of a DeepSpeed config, with its "auto" values filled as Hugging
     Face's integration fills them (None without one: Trainer's own schedule runs)."""
-    config = _load(zero_offload)
+    config = load_config(zero_offload)
     if not is_deepspeed(config) or "scheduler" not in config:
         return None
     warmup = max(1, args.get_warmup_steps(num_training_steps))

@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from ..config import ConfigError, _load
+from ..config import ConfigError, load_config
 from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
 from .lightning_preemption import PreemptionCallback
@@ -93,13 +93,13 @@ class ZeroOffloadStrategy(DDPStrategy):
     # -- building the engine ----------------------------------------------------------------
     def _deepspeed(self) -> dict[str, Any] | None:
         """The config when it is a DeepSpeed one."""
-        user = _load(self.zero_offload_config)
+        user = load_config(self.zero_offload_config)
         return user if is_deepspeed(user) else None
 
     def _stage(self) -> int:
         if "stage" in self.zero_offload_keywords:
             return int(self.zero_offload_keywords["stage"])
-        user = _load(self.zero_offload_config)
+        user = load_config(self.zero_offload_config)
         if not is_deepspeed(user):
             return int(user.get("stage", 0))
         zero = user.get("zero_optimization", {})
@@ -154,7 +154,7 @@ class ZeroOffloadStrategy(DDPStrategy):
             raise ConfigError(
                 f"precision={precision!r}: use '32-true' or 'bf16-mixed' with ZeroOffloadStrategy"
             )
-        user = _load(self.zero_offload_config)
+        user = load_config(self.zero_offload_config)
         if is_deepspeed(user):
             user = translate(
                 user,
