@@ -346,7 +346,7 @@ def results(tmp_path_factory):
                     make(name).save_pretrained(root / "weights" / name)
                 cache[world] = run_ranks(world, run_matrix, str(root), CASES)
                 assert os.listdir(root / "nvme") == [], "swap files must be removed on close"
-            except BaseException as exc:  # spawn once: every test of this world reports it
+            except BaseException as exc:  # noqa: BLE001 - spawned once: every test of this world re-raises it
                 cache[world] = exc
         if isinstance(cache[world], BaseException):
             raise cache[world]

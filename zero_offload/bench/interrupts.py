@@ -52,90 +52,6 @@ KINDS = (  # (world, signal, the loop's way to handle it)
 )
 
 
-# -- the training process -------------------------------------------------------------------
-def _child(spec: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    import zero_offload as zo
-    from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
-    from zero_offload.errors import ZeroOffloadError
-
-    world, rank = spec["world"], spec["rank"]
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    cfg = GPTConfig(layers=2, width=64, heads=4, vocab=256, seq=32)
-    kw: dict[str, Any] = dict(
-        stage=3,
-        offload_optimizer="nvme",
-        offload_param="nvme",
-        nvme_path=spec["nvme"],
-        dtype=torch.bfloat16,
-        lr=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=None,  # the pass during backward runs
-        sub_group_size=4096,
-        overlap_step=True,
-        step_during_backward=True,
-    )
-    if spec["handler"] == "keyword":
-        kw["save_on_preemption"] = spec["ckpt"]
-    engine = zo.initialize(GPT(cfg), **kw)
-    until = spec["until"]
-    if spec["resume"]:
-        engine.load_checkpoint(spec["ckpt"])
-        print(f"resumed {engine.optimizer_steps}", flush=True)
-        until = min(until, engine.optimizer_steps + 2)  # two more steps
-    i = engine.optimizer_steps
-    try:
-        while i < until:
-            x, y = synthetic_batch(cfg, 4 * world, torch.Generator().manual_seed(100 + i))
-            loss = engine(x[rank::world].contiguous(), y[rank::world].contiguous())
-            engine.backward(loss)
-            engine.step()
-            i = engine.optimizer_steps
-            if spec["save_every"]:
-                _save_only_latest(engine, spec["ckpt"])
-            if spec["record"]:
-                torch.save(_training_state(engine), Path(spec["record"]) / f"{i}.{rank}.pt")
-            print(f"step {i}", flush=True)
-    except KeyboardInterrupt:
-        engine.zero_grad()
-        engine.save_checkpoint(spec["ckpt"])
-        print(f"saved {engine.optimizer_steps}", flush=True)
-        engine.close(hand_back=False)
-        return
-    except ZeroOffloadError as err:
-        chain, cause = [], err  # type: list[str], BaseException | None
-        while cause is not None:
-            chain.append(type(cause).__name__)
-            cause = cause.__cause__
-        print(f"error {'<-'.join(chain)}: {err}", flush=True)
-        engine.close(hand_back=False)
-        sys.exit(3)
-    if spec["out"]:
-        torch.save(_training_state(engine), spec["out"] + f".{rank}")
-    print(f"ended {i}", flush=True)
-    engine.close(hand_back=False)
-
-
-def _training_state(engine: Any) -> dict[str, torch.Tensor]:
-    out = {f"param.{k}": v.clone() for k, v in engine.full_state_dict().items()}
-    for index, tensors in engine.optimizer.state_dict()["state"].items():
-        for k, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                out[f"opt.{index}.{k}"] = v.clone()
-    return out
-
-
-def _save_only_latest(engine: Any, ckpt: str) -> None:
-    """Save, then drop older tags (one rank: the disk-fault runs are on one rank)."""
-    path = engine.save_checkpoint(ckpt)
-    for old in Path(ckpt).iterdir():
-        if old.is_dir() and old.name.startswith("step") and old.name != Path(path).name:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 # -- the campaign ---------------------------------------------------------------------------
 @dataclass
 class Trial:
@@ -168,7 +84,7 @@ class _Run:
             child = json.dumps(dict(spec, rank=rank, world=world))
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "zero_offload.bench.interrupts", "--child", child],
+                    [sys.executable, "-m", "zero_offload.bench.interrupt_child", child],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
@@ -418,7 +334,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-mb", type=int, default=24, help="the tmpfs of a disk fault")
     parser.add_argument("--workdir", default="interrupts-campaign")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,9 +343,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.child:
-        _child(json.loads(args.child))
-        return 0
     result = campaign(args)
     if args.json:
         print(json.dumps(result, indent=1))
