@@ -285,6 +285,7 @@ class Rehearsal:
             "checkpointing": self.checkpointing,
             "attention": self.attention,
             "attention_calls": dict(self.attention_calls),
+            "optimizer_state": self.state_precision,
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "verdict": self.verdict(),
@@ -306,6 +307,12 @@ class Rehearsal:
             "tiers": tiers_note(self.nvme_simulated),
             "simulated": HONESTY,
         }
+
+    @property
+    def state_precision(self) -> str:
+        """The optimizer-state policy rehearsed (and estimated), with its bytes per param."""
+        policy = self.estimate.policy
+        return f"{policy.describe()} ({policy.bytes_per_param:.2f} B/param)"
 
     def _planned_lines(self) -> list[str]:
         pa, pe = self.planned_activations, self.planned_estimate
@@ -339,6 +346,7 @@ class Rehearsal:
             f"{', activation checkpointing' if self.checkpointing else ''}",
             f"  initialize({kw})",
             f"  attention: {self.attention or 'not recorded'}",
+            f"  optimizer state: {self.state_precision}",
             "",
             "GPU GB per phase (peak, and what it held then):",
             f"  {'phase':<10} {'peak':>7}  "
