@@ -311,8 +311,7 @@ class Rehearsal:
     @property
     def state_precision(self) -> str:
         """The optimizer-state policy rehearsed (and estimated), with its bytes per param."""
-        policy = self.estimate.policy
-        return f"{policy.describe()} ({policy.bytes_per_param:.2f} B/param)"
+        return self.estimate.policy.describe()
 
     def _planned_lines(self) -> list[str]:
         pa, pe = self.planned_activations, self.planned_estimate
@@ -392,9 +391,13 @@ class Rehearsal:
             tiers.append(("NVMe", self.estimate.nvme_bytes_per_rank, "nvme_peak"))
         for tier, estimated, attr in tiers:
             got = max((getattr(m, attr) for m in self.phases.values()), default=0)
+            # what the step leaves is what the estimate counts as held (the peak adds
+            # whatever the phases allocate for a moment)
+            after = self.phases["step"].host_end if "step" in self.phases else None
+            held = f", {_gb(after)} GB after the step" if tier == "host" and after else ""
             lines.append(
                 f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
-                f"measured {_gb(got):>7} GB"
+                f"measured {_gb(got):>7} GB{held}"
             )
         lines += self._planned_lines()
         lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]
