@@ -123,3 +123,31 @@ def test_cli_takes_the_state_precisions(tmp_path, capsys):
     assert "moment_precision='8bit'" in out and "master_precision='bf16_sr'" in out
     line = next(x for x in out.splitlines() if x.startswith("  optimizer state:"))
     assert line == "  optimizer state: adamw, 8bit moments, bf16_sr master (4.03 B/param)"
+
+
+def test_a_share_of_the_state_in_host_memory_is_estimated_there(tmp_path):
+    """``offload_optimizer_fraction`` (what the plan picks for fp32 13B on 128 GB nodes)
+    keeps the leading sub-groups' state in host memory: the estimate the rehearsal sets
+    beside its counts splits the state the same way between the host and the disk."""
+    pytest.importorskip("transformers")
+    r = rehearse(
+        _llama_13b_widths(tmp_path),
+        world_size=4,
+        gpu_memory=24 * 10**9,
+        micro_batch=(1, 256),
+        checkpointing=True,
+        host_memory=128 * 10**9,
+        iterations=1,
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="none",
+        offload_optimizer_fraction=0.5,
+        dtype="bfloat16",
+    )
+    assert r.failure is None, r.failure
+    nvme = max(m.nvme_peak for m in r.phases.values())
+    est = r.estimate
+    assert est.nvme_fraction == pytest.approx(0.5, abs=0.05)  # whole sub-groups
+    assert abs(nvme - est.nvme_bytes_per_rank) <= 0.05 * nvme, (nvme, est.nvme_bytes_per_rank)
+    held = r.phases["step"].host_end
+    assert abs(held - est.host_bytes_per_rank) <= 0.05 * held, (held, est.host_bytes_per_rank)
