@@ -28,6 +28,7 @@ from ..planning.estimate import describe_params
 from ..quantities import parse_count, parse_size
 from ..planning.planner import Plan, plan
 from . import step_time
+from .states import add_state_arguments
 
 __all__ = [
     "add_arguments",
@@ -132,18 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fraction of each memory kept free (default 0.1)",
     )
-    parser.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=["adamw", "adam", "lion", "adagrad"],
-        help="the update rule (optimizer_type); its state precisions get a row each",
-    )
-    parser.add_argument(
-        "--allow-low-precision-states",
-        action="store_true",
-        help="recommend bf16 or 8-bit optimizer state (moment_precision, master_precision) "
-        "where it needs less offload than fp32 (default: fp32, the savings shown)",
-    )
+    add_state_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     step_time.add_arguments(parser)
 

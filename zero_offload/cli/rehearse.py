@@ -21,6 +21,7 @@ from ..planning.estimate import activation_memory
 from ..rehearsal.attention import KERNELS
 from ..quantities import parse_size
 from . import step_time
+from .states import add_state_arguments, state_kwargs
 from .plan import parse_micro_batch
 
 __all__ = ["add_arguments", "run", "parse_micro_batch"]
@@ -125,6 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)"
     )
+    add_state_arguments(parser, precisions=True)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     step_time.add_arguments(parser)
 
@@ -170,6 +172,8 @@ def _recommended(args: argparse.Namespace, model: Any) -> Any:
         nvme_bytes=args.nvme_bytes or 0,
         dtype=args.dtype,
         headroom=args.headroom,
+        optimizer_type=args.optimizer,
+        allow_low_precision_states=args.allow_low_precision_states,
         **measures,
         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth else {}),
     )
@@ -212,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             kwargs["offload_activations"] = args.offload_activations
         if args.tiled_loss is not None:
             kwargs["tiled_loss"] = args.tiled_loss
+    kwargs.update(state_kwargs(args))  # given precisions override the planner's
     kwargs.update(dict(args.set))
     # the node's disk is shared by its ranks (as the planner counts it)
     nvme_per_rank = (

@@ -285,6 +285,7 @@ class Rehearsal:
             "checkpointing": self.checkpointing,
             "attention": self.attention,
             "attention_calls": dict(self.attention_calls),
+            "optimizer_state": self.state_precision,
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "verdict": self.verdict(),
@@ -306,6 +307,11 @@ class Rehearsal:
             "tiers": tiers_note(self.nvme_simulated),
             "simulated": HONESTY,
         }
+
+    @property
+    def state_precision(self) -> str:
+        """The optimizer-state policy rehearsed (and estimated), with its bytes per param."""
+        return self.estimate.policy.describe()
 
     def _planned_lines(self) -> list[str]:
         pa, pe = self.planned_activations, self.planned_estimate
@@ -339,6 +345,7 @@ class Rehearsal:
             f"{', activation checkpointing' if self.checkpointing else ''}",
             f"  initialize({kw})",
             f"  attention: {self.attention or 'not recorded'}",
+            f"  optimizer state: {self.state_precision}",
             "",
             "GPU GB per phase (peak, and what it held then):",
             f"  {'phase':<10} {'peak':>7}  "
@@ -384,9 +391,13 @@ class Rehearsal:
             tiers.append(("NVMe", self.estimate.nvme_bytes_per_rank, "nvme_peak"))
         for tier, estimated, attr in tiers:
             got = max((getattr(m, attr) for m in self.phases.values()), default=0)
+            # what the step leaves is what the estimate counts as held (the peak adds
+            # whatever the phases allocate for a moment)
+            after = self.phases["step"].host_end if "step" in self.phases else None
+            held = f", {_gb(after)} GB after the step" if tier == "host" and after else ""
             lines.append(
                 f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
-                f"measured {_gb(got):>7} GB"
+                f"measured {_gb(got):>7} GB{held}"
             )
         lines += self._planned_lines()
         lines += ["", f"device-clean: {'yes' if self.device_clean else 'NO'}"]

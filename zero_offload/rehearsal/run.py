@@ -333,9 +333,13 @@ def _rehearse(
         offload_optimizer=config.offload.optimizer,
         offload_param=config.offload.param,
         dtype=config.precision.dtype,
+        optimizer_type=config.optimizer.optimizer_type,
+        moment_precision=config.optimizer.moment_precision,
+        master_precision=config.optimizer.master_precision,
         prefetch_depth=config.prefetch_depth,
         reduce_bucket_size=config.reduce_bucket_size,
         sub_group_size=config.offload.sub_group_size,
+        offload_optimizer_fraction=config.offload.optimizer_fraction,
         host_memory_limit=config.offload.host_memory_limit,
         host_available=host_memory,
         # a rehearsal's fake gradients have no values to step during backward: its disk is
