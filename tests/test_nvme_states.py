@@ -18,6 +18,7 @@ import state_ckpt_cases as C
 import states_cases as S
 from distributed import run_ranks
 import zero_offload as zo
+from zero_offload.errors import ConfigError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -112,3 +113,12 @@ def test_8bit_moments_move_at_most_055x_the_disk_bytes_of_fp32():
     int8 = _disk_bytes(step_during_backward=False, **INT8)
     assert int8[0] == int8[1] > 0
     assert int8[0] <= 0.55 * fp32[0] and int8[1] <= 0.55 * fp32[1], (int8, fp32)
+
+
+def test_a_budget_that_sends_gradients_to_files_is_refused_naming_the_fix():
+    """The fp32 AdamW pipeline would put the gradients in files; these states need them in
+    host memory for now, and say so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    with pytest.raises(ConfigError, match="gradient shard .* host_memory_limit"):
+        zo.initialize(model, stage=3, host_memory_limit=400_000, **_nvme(**INT8))

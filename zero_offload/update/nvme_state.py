@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..device.threads import ThreadBudget
 from ..grads.disk import DiskGrads
-from ..errors import BufferBudgetError, CheckpointError, IncompleteStepError
+from ..errors import CheckpointError, ConfigError, IncompleteStepError
 from ..memory.ledger import MemoryReport
 from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
 from ..optim import step as optim_step
@@ -83,7 +83,13 @@ class NvmeState:
         # sized as fp32 AdamW's pipeline: what this policy holds is no larger
         split = optimizer_split(n, off.sub_group_size, budget, itemsize, off.optimizer_fraction)
         if split.sizing.grads_on_disk:
-            raise BufferBudgetError(budget, split.sizing.host_bytes(n, itemsize) + 4 * n, 1)
+            raise ConfigError(
+                f"{self.policy.describe()} on NVMe keeps the fp32 gradient shard "
+                f"({4 * n / 2**30:.2f} GiB) in host memory beside the pipeline, which "
+                f"host_memory_limit={budget} bytes cannot hold; raise host_memory_limit, "
+                'use offload_optimizer="nvme" with the fp32 AdamW defaults (gradients in '
+                "files), or a smaller model shard (more ranks)"
+            )
         self.split = split
         self.bounds = group_bounds(layout, split.sizing.group)
         self.spans = [layout.span(lo, hi) for lo, hi in self.bounds]
