@@ -111,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "both: each run with and without, interleaved",
     )
     parser.add_argument(
+        "--moment-precision",
+        default="fp32",
+        choices=["fp32", "bf16", "8bit"],
+        help="moment_precision of every run: the optimizer state's moments (default fp32)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -246,6 +252,7 @@ def _engine_kwargs(
         # with the raw disk's; the pass during backward is measured side by side
         # (docs/bench_step.md, "Stepping during backward")
         step_during_backward=False,
+        moment_precision=args.moment_precision,
     )
     if fraction is not None:
         kw["offload_optimizer_fraction"] = fraction
@@ -452,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "dtype": args.dtype,
         "stage": args.stage,
+        "moment_precision": args.moment_precision,
         "steps": args.steps,
         "warmup": args.warmup,
         "nvme_path": os.fspath(args.nvme_path) if args.nvme_path else None,

@@ -13,21 +13,12 @@ from ..device.threads import check_threads
 from ..deepspeed_config import check_schedule
 from ..errors import ConfigError
 from ..fields import keyword
-from ..optim.policy import StatePolicy
 from .checks import bad, number, whole_numbers
 from .offload import OffloadConfig
 from .optimizer import OptimizerConfig
 from .precision import PrecisionConfig
 
 __all__ = ["ZeroConfig"]
-
-
-# Where the engine carries a non-default optimizer-state policy: the optimizer in host memory
-# (offload_optimizer="cpu", or no offload on a CPU device: the CPU kernel steps it). The NVMe
-# pipeline still sizes its buffers and files for fp32 AdamW; an accelerator's optimizer is
-# refused when the engine is built (make_updater knows the device).
-def _engine_carries(policy: StatePolicy, offload_optimizer: str) -> bool:
-    return policy.is_default or offload_optimizer != "nvme"
 
 
 @dataclass(frozen=True)
@@ -173,15 +164,6 @@ class ZeroConfig:
             raise ConfigError(
                 f"offload_param={self.offload.param!r} needs stage=3 (got stage={self.stage}): "
                 "only stage 3 shards the parameters; use stage=3 or offload_param='none'"
-            )
-        policy = self.optimizer.policy
-        if not _engine_carries(policy, self.offload.optimizer):
-            raise ConfigError(
-                f"optimizer_type / moment_precision / master_precision = {policy.describe()} "
-                'with offload_optimizer="nvme": the NVMe optimizer steps fp32 AdamW state only '
-                'for now; use offload_optimizer="cpu" for this state (it is smaller: '
-                f"{policy.bytes_per_param:.2f} bytes a parameter instead of 12), or the "
-                "defaults on NVMe"
             )
         if self.offload.optimizer != "none" and self.stage == 0:
             raise ConfigError(

@@ -14,6 +14,7 @@ import torch
 
 from ..optim.policy import StatePolicy
 from ..update.host_state import HostState
+from ..update.nvme_state import NvmeState
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
@@ -85,14 +86,16 @@ class EngineState:
         :meth:`state_chunks` do not hold exactly; None for fp32 AdamW (they do)."""
         self._check_open()
         updater = self.stepper.updater
-        return updater.native_tensors() if isinstance(updater, HostState) else None
+        return updater.native_tensors() if isinstance(updater, (HostState, NvmeState)) else None
 
     def load_native_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`native_state` saved at this rank, world size, stage and policy
         (after the units are loaded: it replaces their optimizer state bit for bit)."""
         self._check_open()
         updater = self.stepper.updater
-        assert isinstance(updater, HostState), "fp32 AdamW state loads through state_chunks"
+        assert isinstance(updater, (HostState, NvmeState)), (
+            "fp32 AdamW state loads through state_chunks"
+        )
         updater.load_native(tensors)
         for unit in self.units:  # the parameters the restored master gives, as a step does
             if not unit.frozen:

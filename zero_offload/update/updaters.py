@@ -12,7 +12,8 @@ gradients) and hand the new parameter values to ``sink`` — plus a torch ``opti
   to the device. Every CPU tier runs this same kernel, so offloading changes no bit.
 - :class:`~.nvme_adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
   a pipeline over sub-groups (see its module).
-- :class:`~.host_state.HostState`: any other optimizer kind or state precision, in host memory.
+- :class:`~.host_state.HostState`: any other optimizer kind or state precision, in host memory;
+  :class:`~.nvme_state.NvmeState`: the same in files.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..optim import StateLayout
 from ..optim.policy import MasterPrecision
 from .host_state import HostState, check_device
 from .nvme import NvmeAdam
+from .nvme_state import NvmeState
 from .range_step import adam_over_ranges
 from .api import (
     Sink,
@@ -350,6 +352,9 @@ def make_updater(
     threads = threads or ThreadBudget.decide(device.type, cfg.threads)
     policy = cfg.optimizer.policy
     check_device(cfg, device)
+    if where == "nvme" and not policy.is_default:
+        assert state_layout is not None and state_layout.numel == numel
+        return NvmeState(state_layout, cfg, dtype, rank, host_memory_limit, threads)
     if where == "nvme":
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit, threads)
     out = (

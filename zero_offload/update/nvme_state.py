@@ -1,0 +1,441 @@
+"""``offload_optimizer="nvme"`` for every optimizer-state policy other than fp32 AdamW.
+
+:class:`NvmeState` is :class:`~.host_state.HostState` with the run's state in files: the run
+is cut into sub-groups on the layout's block boundaries (:meth:`StateLayout.floor_boundary`,
+so every sub-group owns whole 8-bit blocks), and sub-group k's state (master, compensation,
+moments as values / absmax / side arrays, see :mod:`zero_offload.optim.layout`) is one file
+of :func:`~zero_offload.optim.state.buffer_bytes` of its span: the disk moves what the policy
+keeps, not 12 bytes a parameter. A step reads sub-group k+1 while the kernel steps sub-group
+k where it was read (:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as
+HostState steps its ranges) and sub-group k-1 is written back. The leading sub-groups stay in
+host memory (``offload_optimizer_fraction``, the one rule of :mod:`.nvme_sizing`). Every
+sub-group runs the same kernel on the same elements as HostState, so the tier changes no bit.
+
+The concatenated sub-group arrays are the run's arrays, so :meth:`native_tensors` is what
+HostState keeps and checkpoints move between the two. fp32 AdamW stays with
+:class:`~.nvme.NvmeAdam`. Not here yet: gradients in files (a budget that cannot hold the
+fp32 gradient shard is refused) and stepping during backward (``step_during_backward``
+steps at ``step()`` instead, the same bits).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..config import ZeroConfig
+from ..device.threads import ThreadBudget
+from ..grads.disk import DiskGrads
+from ..errors import CheckpointError, ConfigError, IncompleteStepError
+from ..memory.ledger import MemoryReport
+from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
+from ..optim import step as optim_step
+from ..optim.policy import MasterPrecision
+from ..optim.state import buffer_bytes
+from ..swap.budget import host_memory_budget
+from ..swap.buffers import HostBuffer
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
+from ..swap.swapper import Swapper
+from .api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
+from .host_state import SECTION_OF
+from .io_clock import IoClock
+from .nvme_sizing import optimizer_split
+
+__all__ = ["NvmeState", "group_bounds"]
+
+
+def group_bounds(layout: StateLayout, group: int) -> list[tuple[int, int]]:
+    """Sub-groups of about ``group`` elements, each cut on a block boundary."""
+    bounds, lo, n = [], 0, layout.numel
+    while lo < n:
+        hi = n if lo + group >= n else layout.floor_boundary(lo + group)
+        hi = hi if hi > lo else min(n, lo + group)  # a segment shorter than a block
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class NvmeState:
+    """Any non-default policy's state in files, one per sub-group, stepped as a pipeline."""
+
+    disk_grads: DiskGrads | None = None  # the gradients stay in the engine's host shard
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        cfg: ZeroConfig,
+        dtype: torch.dtype,
+        rank: int,
+        host_memory_limit: int | None,
+        threads: ThreadBudget | None = None,
+    ) -> None:
+        off, o = cfg.offload, cfg.optimizer
+        self.layout, self.policy, self.dtype = layout, layout.policy, dtype
+        self.numel = n = layout.numel
+        self.threads = threads or ThreadBudget.decide("cpu", cfg.threads)
+        budget = host_memory_budget(host_memory_limit)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # sized as fp32 AdamW's pipeline: what this policy holds is no larger
+        split = optimizer_split(n, off.sub_group_size, budget, itemsize, off.optimizer_fraction)
+        if split.sizing.grads_on_disk:
+            raise ConfigError(
+                f"{self.policy.describe()} on NVMe keeps the fp32 gradient shard "
+                f"({4 * n / 2**30:.2f} GiB) in host memory beside the pipeline, which "
+                f"host_memory_limit={budget} bytes cannot hold; raise host_memory_limit, "
+                'use offload_optimizer="nvme" with the fp32 AdamW defaults (gradients in '
+                "files), or a smaller model shard (more ranks)"
+            )
+        self.split = split
+        self.bounds = group_bounds(layout, split.sizing.group)
+        self.spans = [layout.span(lo, hi) for lo, hi in self.bounds]
+        self.host_groups = sum(1 for lo, _ in self.bounds if lo < split.host_numel)
+        self.resident = [ShardState.zeros(s) for s in self.spans[: self.host_groups]]
+        on_disk = self.spans[self.host_groups :]
+        self.file_bytes = max((buffer_bytes(s) for s in on_disk), default=0)
+        self.swapper = Swapper(
+            off.nvme_dir,
+            buffer_bytes=max(self.file_bytes, 1),
+            buffer_count=split.sizing.buffers,
+            min_buffers=2,
+            host_memory_limit=budget - 4 * n,
+            expected_bytes=sum(buffer_bytes(s) for s in on_disk),
+            rank=rank,
+            pin=pins(crosses_pcie=dtype == torch.float32),
+            io_threads=self.threads.io,
+        )
+        self.placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.optimizer = CPUOptimizer(
+            [self.placeholder],
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            optimizer_type=self.policy.kind.value,
+            moment_precision=self.policy.moments.value,
+            master_precision=self.policy.master.value,
+            num_threads=self.threads.optimizer,
+        )
+        # new compute-dtype values of one sub-group, unless the fp32 master is them
+        needs_out = not (self.policy.master is MasterPrecision.FP32 and dtype == torch.float32)
+        widest = max((hi - lo for lo, hi in self.bounds), default=0)
+        self.out = host_empty(widest if needs_out else 0, dtype, crosses_pcie=True)
+        self.steps = 0
+        self.last_timings = StepTimings()
+        self.io_clock = IoClock()
+        self._stale = ""  # why the files are partly stepped ("" when sound)
+        self._loading: tuple[int, ShardState, HostBuffer] | None = None
+
+    @staticmethod
+    def state_key(i: int) -> str:
+        return f"state.{i}"
+
+    def _state(self, i: int, data: torch.Tensor) -> ShardState:
+        """Sub-group i's arrays as views of ``data``, the bytes of its file."""
+        return ShardState.from_buffer(self.spans[i], data.view(torch.uint8).reshape(-1))
+
+    # -- state in -------------------------------------------------------------------------
+    def load_state(
+        self,
+        offset: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor | None = None,
+        exp_avg_sq: torch.Tensor | None = None,
+    ) -> None:
+        """fp32 values of run elements [offset, offset + n) given in increasing, gap-free
+        order (moments default to zeros); a sub-group's file is written once complete."""
+        end = offset + master.numel()
+        sections = (master, exp_avg, exp_avg_sq)
+        for i, (lo, hi) in enumerate(self.bounds):
+            a, b = max(lo, offset), min(hi, end)
+            if a >= b:
+                continue
+            if i < self.host_groups:
+                state = self.resident[i]
+            else:
+                if self._loading is None or self._loading[0] != i:
+                    self._start_loading(i)
+                assert self._loading is not None
+                state = self._loading[1]
+            values = {"master": master[a - offset : b - offset]}
+            for name in self.policy.moment_names:
+                src = sections[SECTION_OF[name]]
+                if src is not None:
+                    values[name] = src[a - offset : b - offset]
+            state.narrow(self.layout.span(a, b)).load_fp32(values)
+            if b == hi and i >= self.host_groups:
+                self._write_loaded(i)
+            if b == hi:
+                self._stale = ""
+
+    def _start_loading(self, i: int) -> None:
+        """A zeroed pool buffer for sub-group i's file (zeros: moments 0, absmax 0)."""
+        buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
+        data = buf.view(torch.uint8, (buffer_bytes(self.spans[i]),))
+        data.zero_()
+        self._loading = (i, self._state(i, data), buf)
+
+    def _write_loaded(self, i: int) -> None:
+        assert self._loading is not None
+        _, state, buf = self._loading
+        try:
+            data = buf.view(torch.uint8, (buffer_bytes(self.spans[i]),))
+            self.swapper.swap_out(self.state_key(i), data).result()
+        finally:
+            self.swapper.pool.release(buf)
+            self._loading = None
+
+    # -- the step -------------------------------------------------------------------------
+    def update(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> None:
+        for _ in self.update_in_steps(grads, factor, sink, ranges, targets):
+            pass
+
+    def update_in_steps(
+        self,
+        grads: torch.Tensor | None,
+        factor: float,
+        sink: Sink,
+        ranges: list[StepRange] | None = None,
+        targets: Targets | None = None,
+    ) -> Iterator[int]:
+        """:meth:`update` one sub-group per iteration, yielding the end of the elements
+        handed to ``sink`` so far (``overlap_step`` runs the next forward between them).
+        The hyperparameters are taken now."""
+        self.ensure_sound("step")
+        assert grads is not None
+        step = self.steps + 1
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        hyper = StepHyper(
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            grad_scale=float(factor),
+            lr_decay=float(group.get("lr_decay", 0.0)),
+        )
+        ranges = whole_range(self.numel, step) if ranges is None else ranges
+        self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
+        return self._stepped(grads, sink, hyper, ranges)
+
+    def _stepped(
+        self, grads: torch.Tensor, sink: Sink, hyper: StepHyper, ranges: list[StepRange]
+    ) -> Iterator[int]:
+        changed = False
+        try:
+            for end, changing in self._pipeline(grads, sink, hyper, ranges):
+                changed |= changing
+                yield end
+        except BaseException as exc:
+            self.io_clock.wait_idle()
+            for i in range(self.host_groups, len(self.bounds)):
+                try:
+                    self.swapper.release(self.state_key(i))
+                except OSError:
+                    pass  # the disk may be gone; the state is marked below
+            if changed:
+                self._stale = f"{type(exc).__name__}: {exc}"
+            raise
+        self.steps += 1
+
+    def _pipeline(
+        self, grads: torch.Tensor, sink: Sink, hyper: StepHyper, ranges: list[StepRange]
+    ) -> Iterator[tuple[int, bool]]:
+        timings, start = StepTimings(), time.perf_counter()
+        last = len(self.bounds) - 1
+        first = self.host_groups
+        pending = self._read(first, timings) if first <= last else None
+        writes: dict[int, Future] = {}
+        for i, (lo, hi) in enumerate(self.bounds):
+            data = None
+            if i < first:
+                state = self.resident[i]
+            else:
+                assert pending is not None
+                data = pending.result()
+                state = self._state(i, data)
+                if i < last:
+                    pending = self._read(i + 1, timings)
+            t0 = time.perf_counter()
+            out = self.out[: hi - lo] if self.out.numel() else None
+            self._step_group(state, grads, hyper, ranges, out)
+            timings.compute_s += time.perf_counter() - t0
+            sink(lo, hi, state.master if out is None else out)
+            if data is not None:
+                timings.bytes_written += buffer_bytes(self.spans[i])
+                writes[i] = self.io_clock.timed(
+                    self.swapper.swap_out(self.state_key(i), data), "write_s", timings
+                )
+                if i > first:
+                    writes[i - 1].result()
+                    self.swapper.release(self.state_key(i - 1))
+            yield hi, True
+        if first <= last:
+            writes[last].result()
+            self.swapper.release(self.state_key(last))
+        self.io_clock.wait_idle()
+        timings.wall_s = time.perf_counter() - start
+        self.last_timings = timings
+
+    def _read(self, i: int, timings: StepTimings) -> Future:
+        timings.bytes_read += buffer_bytes(self.spans[i])
+        return self.io_clock.timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
+
+    def _step_group(
+        self,
+        state: ShardState,
+        grads: torch.Tensor,
+        base: StepHyper,
+        ranges: list[StepRange],
+        out: torch.Tensor | None,
+    ) -> None:
+        """The ranges' elements of one sub-group; the rest keep their state and get the
+        values their master stands for."""
+        s = state.span
+        done = s.lo
+        for lo, hi, count, decays in ranges:
+            lo, hi = max(lo, s.lo), min(hi, s.hi)
+            if lo >= hi:
+                continue
+            self._copy_master(state, out, done, lo)
+            hyper = replace(base, step=count, weight_decay=base.weight_decay if decays else 0.0)
+            optim_step(
+                state.narrow(self.layout.span(lo, hi)),
+                grads[lo:hi].to("cpu"),
+                hyper,
+                out=None if out is None else out[lo - s.lo : hi - s.lo],
+                num_threads=self.optimizer.num_threads,
+            )
+            done = hi
+        self._copy_master(state, out, done, s.hi)
+
+    def _copy_master(self, state: ShardState, out: torch.Tensor | None, a: int, b: int) -> None:
+        if out is None or a >= b:
+            return
+        s = state.span
+        master = state.master[a - s.lo : b - s.lo]
+        if master.dtype != out.dtype:
+            master = state.narrow(self.layout.span(a, b)).master_fp32()
+        out[a - s.lo : b - s.lo].copy_(master)
+
+    def ensure_sound(self, what: str) -> None:
+        if self._stale:
+            raise IncompleteStepError(
+                f"cannot {what}: an earlier optimizer step failed halfway ({self._stale}) and "
+                "left the NVMe optimizer state partly updated; restore a saved state first "
+                "with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)"
+            )
+
+    # -- state out ------------------------------------------------------------------------
+    def _groups(self, lo: int = 0, hi: int | None = None) -> Iterator[tuple[int, ShardState]]:
+        """Each sub-group's state that meets run elements [lo, hi), read from its file
+        (used before the next is read)."""
+        self.ensure_sound("read the optimizer state")
+        hi = self.numel if hi is None else hi
+        for i, (a, b) in enumerate(self.bounds):
+            if b <= lo or a >= hi:
+                continue
+            if i < self.host_groups:
+                yield i, self.resident[i]
+                continue
+            buf = self.swapper.swap_in(self.state_key(i)).result()
+            try:
+                yield i, self._state(i, buf)
+            finally:
+                self.swapper.release(self.state_key(i))
+
+    def iter_state(self) -> Iterator[StateChunk]:
+        """(lo, hi, master, exp_avg, exp_avg_sq) fp32, a sub-group at a time."""
+        for i, state in self._groups():
+            lo, hi = self.bounds[i]
+            values = state.to_fp32()
+            sections = [values["master"]] + [torch.zeros(hi - lo) for _ in range(2)]
+            for name in self.policy.moment_names:
+                sections[SECTION_OF[name]] = values[name]
+            yield lo, hi, sections[0], sections[1], sections[2]
+
+    def native_tensors(self) -> dict[str, torch.Tensor]:
+        """The run's arrays as stored (what :meth:`HostState.native_tensors` gives)."""
+        whole = ShardState.zeros(self.layout.span())
+        for i, state in self._groups():
+            target = dict(whole.narrow(self.spans[i]).tensors())
+            for name, t in state.tensors():
+                target[name].copy_(t)
+        return dict(whole.tensors())
+
+    def load_native(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`native_tensors` saved by a run of the same policy and layout."""
+        whole = ShardState.zeros(self.layout.span())
+        mine = dict(whole.tensors())
+        if set(tensors) != set(mine):
+            raise CheckpointError(
+                f"the stored optimizer state has arrays {sorted(tensors)}, "
+                f"{self.policy.describe()} keeps {sorted(mine)}"
+            )
+        for name, t in mine.items():
+            src = tensors[name]
+            if src.dtype != t.dtype or src.numel() != t.numel():
+                raise CheckpointError(
+                    f"the stored optimizer state {name!r} is {src.dtype} x {src.numel()}, "
+                    f"this rank keeps {t.dtype} x {t.numel()} (another layout)"
+                )
+            t.copy_(src.reshape(-1))
+        for i, span in enumerate(self.spans):
+            part = dict(whole.narrow(span).tensors())
+            if i < self.host_groups:
+                for name, t in self.resident[i].tensors():
+                    t.copy_(part[name])
+                continue
+            self._start_loading(i)
+            assert self._loading is not None
+            for name, t in self._loading[1].tensors():
+                t.copy_(part[name])
+            self._write_loaded(i)
+        self._stale = ""
+
+    def param_values(self, lo: int, hi: int) -> torch.Tensor:
+        """The compute-dtype values the kernel writes for run elements [lo, hi) (a unit's
+        shard: on block boundaries), read from the sub-groups that hold them."""
+        out = torch.empty(hi - lo, dtype=self.dtype)
+        for i, state in self._groups(lo, hi):
+            a, b = max(lo, self.bounds[i][0]), min(hi, self.bounds[i][1])
+            part = state.narrow(self.layout.span(a, b))
+            same = part.master.dtype == self.dtype
+            out[a - lo : b - lo].copy_(part.master if same else part.master_fp32())
+        return out
+
+    def master_values(self) -> torch.Tensor:
+        """A host copy of the fp32 master, read sub-group by sub-group."""
+        master = torch.empty(self.numel, dtype=torch.float32)
+        for i, state in self._groups():
+            lo, hi = self.bounds[i]
+            master[lo:hi].copy_(state.master_fp32())
+        return master
+
+    def add_to(self, report: MemoryReport) -> None:
+        on_disk = sum(buffer_bytes(s) for s in self.spans[self.host_groups :])
+        held = sum(t.numel() * t.element_size() for s in self.resident for _, t in s.tensors())
+        report.add("nvme", "optimizer", on_disk)
+        report.add(
+            "host",
+            "optimizer",
+            self.swapper.host_buffer_nbytes + self.out.numel() * self.out.element_size() + held,
+            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out),
+        )
+
+    def close(self) -> None:
+        unpin(self.out)
+        self.swapper.close()
