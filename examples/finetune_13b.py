@@ -27,13 +27,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from train_gpt import finish, text_batch, train  # the sibling example: same data and training loop
 
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.cli.plan import format_plan, parse_size
 from zero_offload.planning.planner import activation_memory
-
-from train_gpt import finish, text_batch, train  # the sibling example: same data and training loop
 
 FULL = GPTConfig.preset("13b", checkpoint=True)
 

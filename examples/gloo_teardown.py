@@ -44,7 +44,7 @@ def rank_main(early: bool) -> None:
     import torch.distributed as dist
 
     if early:
-        import torch.distributed.nn.functional  # noqa: F401 - before init_process_group
+        import torch.distributed.nn.functional
     dist.init_process_group("gloo")
     t = torch.ones(4)
     dist.all_reduce(t)

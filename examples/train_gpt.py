@@ -25,7 +25,6 @@ import torch.distributed as dist
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 
-
 # Default learning rate per preset: one at which the loss falls from the first steps (no
 # warmup here). GPT-3's values for the large sizes; "small" at tiny's 3e-3 spiked at step 4.
 PRESET_LR = {"tiny": 3e-3, "small": 6e-4, "1b": 2e-4, "2.7b": 1.6e-4, "13b": 1e-4}

@@ -15,9 +15,9 @@ import warnings
 
 import torch
 import transformers
+from distributed import finish_torchrun_worker
 from transformers import Trainer, TrainingArguments
 
-from distributed import finish_torchrun_worker
 from zero_offload.integrations.hf import ZeroOffloadTrainer, deepspeed_schedule
 
 LR, CLIP, VOCAB, SEQ, SAMPLES, STEPS = 1e-2, 0.05, 128, 16, 32, 4

@@ -25,10 +25,9 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import batch, loss_fn, make
 
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
-
-from models import batch, loss_fn, make
 
 LR, SAMPLES, PER_DEVICE = 1e-2, 16, 2
 

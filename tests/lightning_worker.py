@@ -21,13 +21,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from distributed import finish_torchrun_worker
 from lightning.pytorch.loggers import CSVLogger
+from models import batch, loss_fn, make
 
 import zero_offload.integrations.lightning  # noqa: F401  (registers the strategy names)
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
-
-from distributed import finish_torchrun_worker
-from models import batch, loss_fn, make
 
 LR, WD, CLIP, SAMPLES, PER_DEVICE, ACCUMULATE = 1e-2, 0.1, 0.05, 16, 2, 2
 

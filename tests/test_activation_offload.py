@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers
+from distributed import run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import zero_offload as zo
-from distributed import run_ranks
 from zero_offload.activations.config import ActivationConfig
 from zero_offload.activations.host_slots import slot_bytes
 from zero_offload.activations.offload import ActivationOffload
-from zero_offload.rehearsal import rehearse
 from zero_offload.device.streams import Streams
+from zero_offload.rehearsal import rehearse
 
 WIDTH, LAYERS = 32, 4
 

@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 import torch
+from models import TinyGPT
 from safetensors.torch import save_file
 
 import zero_offload as zo
-from models import TinyGPT
 
 
 def _write_hf_folder(folder, state: dict[str, torch.Tensor], shards: int = 3) -> None:

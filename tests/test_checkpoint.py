@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-import zero_offload as zo
 from distributed import run_ranks
 from models import TinyGPT, batch, loss_fn
+
+import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError
 
 CONFIGS = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]

@@ -3,18 +3,18 @@ import typing
 
 import pytest
 import torch
+from models import MLP, batch, loss_fn
 
 import zero_offload as zo
-from models import MLP, batch, loss_fn
 from zero_offload.config import (
     ActivationConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     ZeroConfig,
-    flat_keys,
     build_config,
     describe,
+    flat_keys,
 )
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import zero_offload as zo
-from distributed import run_ranks
 
 LR, WD, STEPS, BATCH = 1e-2, 0.1, 4, 8
 

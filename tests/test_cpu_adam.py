@@ -17,12 +17,11 @@ import threading
 
 import pytest
 import torch
-
 from adam_reference import Float32Bound
-from zero_offload.optim import native
-from zero_offload.optim.native import KernelBuildError
-from zero_offload.optim import CPUAdam, CPUAdamW, adam_update
+
+from zero_offload.optim import CPUAdam, CPUAdamW, adam_update, native
 from zero_offload.optim import kernel as K
+from zero_offload.optim.native import KernelBuildError
 
 SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
 HYPERS = [

@@ -10,13 +10,17 @@ import itertools
 import pytest
 import torch
 
+from zero_offload.errors import KernelBuildError
 from zero_offload.optim import (
     ShardState,
     StateLayout,
     StatePolicy,
     StepHyper,
-    optim_kernel as OK,
     quant,
+)
+from zero_offload.optim import kernel as K
+from zero_offload.optim import (
+    optim_kernel as OK,
 )
 from zero_offload.optim.cpu_optim import (
     CPUAdagrad,
@@ -25,8 +29,6 @@ from zero_offload.optim.cpu_optim import (
     CPULion8bit,
     CPUOptimizer,
 )
-from zero_offload.optim import kernel as K
-from zero_offload.errors import KernelBuildError
 from zero_offload.optim.kernel import IsaUnavailable
 from zero_offload.optim.torch_step import torch_step
 from zero_offload.partition import build_layout

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import zero_offload as zo
 from distributed import run_ranks
 from equivalence import training_state
 from models import TinyGPT, batch, loss_fn
+
+import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")

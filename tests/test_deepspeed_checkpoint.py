@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_ranks
+from models import TinyGPT, batch, loss_fn
 from safetensors.torch import load_file
 
 import zero_offload as zo
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
 from zero_offload.checkpoint import CheckpointError
 from zero_offload.checkpoint.deepspeed import load_deepspeed_file
 

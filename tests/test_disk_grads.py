@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from swap_faults import FaultBackend
-from zero_offload.grads.disk import DiskGrads
+
 from zero_offload.errors import SwapIOError
+from zero_offload.grads.disk import DiskGrads
 
 
 def _pieces(numel: int, gen: torch.Generator) -> list[tuple[int, int]]:

@@ -17,12 +17,11 @@ import logging
 
 import pytest
 import torch
+from models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.cli import main
 from zero_offload.deepspeed_config import translate
-
-from models import batch, loss_fn, make
 
 # Hugging Face transformers, tests/deepspeed/ds_config_zero2.json ("auto": filled by Trainer)
 HF_ZERO2 = {

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.deepspeed_config import translate
-
-from models import batch, loss_fn, make
 
 HERE = Path(__file__).parent
 RECIPES = sorted((HERE / "data" / "ds_configs").glob("*.json"))

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.deepspeed_config import lr_scheduler, translate
 from zero_offload.update.loss_scale import LossScaler
-
-from models import batch, loss_fn, make
 
 REF = json.loads(
     (Path(__file__).parent / "data" / "deepspeed_reference" / "reference.json").read_text()

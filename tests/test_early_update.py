@@ -13,12 +13,12 @@ import threading
 
 import pytest
 import torch
-
-import zero_offload as zo
 from distributed import run_ranks
 from equivalence import assert_bit_equal, training_state
 from models import TinyGPT, batch, loss_fn
 from swap_faults import FaultBackend
+
+import zero_offload as zo
 from zero_offload.update.early import EarlyUpdate
 
 STEPS = 3

@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from models import MLP, TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import MLP, TinyGPT, batch, loss_fn
 
 
 def _step(engine, name, gen, n=4):

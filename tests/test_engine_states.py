@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-
 import states_cases as S
+import torch
 from distributed import run_ranks
+
 from zero_offload.errors import ConfigError
 
 pytestmark = pytest.mark.multiprocess
@@ -99,8 +99,8 @@ def test_low_precision_states_train_like_fp32_adamw(world, case):
 
 def test_a_policy_on_an_accelerator_optimizer_is_refused():
     from zero_offload.config import build_config
-    from zero_offload.update.updaters import make_updater
     from zero_offload.optim import StateLayout
+    from zero_offload.update.updaters import make_updater
 
     cfg = build_config(stage=1, optimizer_type="lion")
     layout = StateLayout.uniform(cfg.optimizer.policy, 8)
@@ -113,6 +113,7 @@ def test_the_ledger_counts_the_smaller_state():
     bytes, each moment a code per element and an fp32 absmax per 256-element block, 4 more
     bytes for elements of tensors under 4096), where fp32 AdamW holds 12 bytes each."""
     import state_ckpt_cases as C
+
     from zero_offload.optim import StateLayout
 
     kw = dict(stage=1, offload_optimizer="cpu", moment_precision="8bit")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-
 import equivalence
 import models
+import pytest
 from distributed import run_ranks
+
 from zero_offload.partition import SHARD_ALIGN
 
 pytestmark = pytest.mark.multiprocess

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_ranks
 
 import zero_offload as zo
-from distributed import run_ranks
 
 LR, STEPS, GLOBAL_BATCH, VOCAB, WIDTH, SEQ = 1e-2, 3, 4, 32, 16, 5
 

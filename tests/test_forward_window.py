@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batch, loss_fn, make
 
 import zero_offload as zo
-from models import batch, loss_fn, make
 
 GEN_SEED = 3
 

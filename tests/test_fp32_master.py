@@ -10,10 +10,10 @@ import copy
 
 import pytest
 import torch
+from equivalence import CLIP, GLOBAL_BATCH, LR, WD, compare, reference
+from models import batch, loss_fn, make
 
 import zero_offload as zo
-from equivalence import LR, WD, CLIP, GLOBAL_BATCH, compare, reference
-from models import batch, loss_fn, make
 
 STEPS = 4
 

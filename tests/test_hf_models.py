@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-import zero_offload as zo  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from equivalence import CLIP, LR, WD, master_step  # noqa: E402
+
+import zero_offload as zo  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -25,8 +25,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_ds_config import HF_ZERO2, HF_ZERO3_NVME  # noqa: E402
-from torchrun_cases import case_ids, per_world  # noqa: E402
+from test_ds_config import HF_ZERO2, HF_ZERO3_NVME
+from torchrun_cases import case_ids, per_world
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,12 +5,12 @@ accumulation, several backwards before one step, late pieces), so sums stay fp32
 
 from __future__ import annotations
 
+import equivalence
 import pytest
 import torch
-
-import equivalence
-import zero_offload as zo
 from models import batch, loss_fn, make
+
+import zero_offload as zo
 
 
 def _host_grad_bytes(engine: zo.Engine) -> int:

@@ -10,12 +10,12 @@ import threading
 
 import pytest
 import torch
+from swap_faults import FaultBackend
 
 import zero_offload as zo
-from swap_faults import FaultBackend
-from zero_offload.grads.target import ResidentGrads
-from zero_offload.grads.host import HostGradQueue
 from zero_offload.device.streams import Streams
+from zero_offload.grads.host import HostGradQueue
+from zero_offload.grads.target import ResidentGrads
 from zero_offload.swap import SwapIOError
 
 CPU = Streams(torch.device("cpu"))

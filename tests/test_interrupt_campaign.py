@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from children import REPO
 
 

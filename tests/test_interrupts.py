@@ -15,10 +15,10 @@ import threading
 
 import pytest
 import torch
-
-import zero_offload as zo
 from equivalence import assert_bit_equal, training_state
 from models import TinyGPT, batch, loss_fn
+
+import zero_offload as zo
 from zero_offload.update.group_step import GroupStep
 
 STEPS = 4

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import MLP
 
 import zero_offload
 import zero_offload as zo
-from models import MLP
 
 ROOT = Path(zero_offload.__file__).resolve().parent
 REPO = ROOT.parent

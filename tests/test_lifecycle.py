@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from models import MLP, batch, loss_fn
 
 import zero_offload as zo
-from models import MLP, batch, loss_fn
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent  # the zero_offload under test

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from torchrun_cases import case_ids, per_world  # noqa: E402
+from torchrun_cases import case_ids, per_world
 
 pytestmark = pytest.mark.multiprocess
 
@@ -97,7 +97,7 @@ def test_registered_names_and_a_clear_error_without_nvme_path(monkeypatch):
     from lightning.pytorch.strategies import StrategyRegistry
 
     import zero_offload as zo
-    import zero_offload.integrations.lightning  # noqa: F401
+    import zero_offload.integrations.lightning
 
     for name in (
         "zero_offload",

@@ -12,9 +12,9 @@ import errno
 import pytest
 import torch
 import torch.nn as nn
+from swap_faults import FaultBackend
 
 import zero_offload as zo
-from swap_faults import FaultBackend
 from zero_offload.errors import SwapIOError
 
 LR, WD = 1e-2, 0.1

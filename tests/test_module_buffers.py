@@ -5,15 +5,14 @@ rank; and pretrained files with buffers — any saved ``state_dict()``, or what
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_ranks
 from safetensors.torch import save_file
 
 import zero_offload as zo
-from distributed import run_ranks
 
 STEPS = 3
 

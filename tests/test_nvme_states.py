@@ -11,12 +11,12 @@ import functools
 import tempfile
 
 import pytest
-import torch
-import torch.nn as nn
-
 import state_ckpt_cases as C
 import states_cases as S
+import torch
+import torch.nn as nn
 from distributed import run_ranks
+
 import zero_offload as zo
 from zero_offload.errors import ConfigError
 

@@ -9,14 +9,14 @@ import os
 import tempfile
 from pathlib import Path
 
+import equivalence
 import pytest
 import torch
-
-import equivalence
-import zero_offload as zo
 from distributed import run_ranks
 from models import MLP, batch, loss_fn
 from swap_faults import FaultBackend
+
+import zero_offload as zo
 from zero_offload.swap import SwapIOError, SwapSpaceError
 
 STAGES = (1, 2, 3)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import copy
 
+import equivalence
 import pytest
 import torch
-
-import equivalence
-import zero_offload as zo
 from distributed import run_ranks
 from models import TinyGPT, batch, loss_fn
+
+import zero_offload as zo
 
 OFFLOADS = ("none", "cpu", "nvme")
 

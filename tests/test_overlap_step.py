@@ -11,14 +11,14 @@ import errno
 
 import pytest
 import torch
-
-import zero_offload as zo
 from distributed import run_ranks
 from equivalence import assert_bit_equal, training_state
 from models import batch, loss_fn, make
 from swap_faults import FaultBackend
-from zero_offload.update.nvme import IncompleteStepError
+
+import zero_offload as zo
 from zero_offload.swap.buffers import pool_footprint
+from zero_offload.update.nvme import IncompleteStepError
 
 STEPS = 4
 

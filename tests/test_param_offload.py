@@ -8,14 +8,14 @@ import functools
 import os
 import tempfile
 
+import equivalence
 import pytest
 import torch
 import torch.nn as nn
-
-import equivalence
-import zero_offload as zo
 from distributed import run_ranks
 from models import TinyGPT, batch, loss_fn
+
+import zero_offload as zo
 from zero_offload.swap.swapper import Tier
 
 PARAMS = ("cpu", "nvme")

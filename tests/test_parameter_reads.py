@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
-import zero_offload as zo
 from distributed import run_ranks
 from models import MLP, batch, loss_fn
+
+import zero_offload as zo
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from zero_offload.partition import SHARD_ALIGN, build_layout, bucketize, chunks, split_range
+from zero_offload.partition import SHARD_ALIGN, bucketize, build_layout, chunks, split_range
 
 SHAPES = [("a", (3, 5)), ("b", (7,)), ("c", (2, 2, 2)), ("d", (1,))]
 

@@ -12,11 +12,11 @@ from collections import Counter
 
 import pytest
 import torch
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
-from zero_offload.update.nvme_sizing import nvme_sizing
 from zero_offload.swap import pinned
+from zero_offload.update.nvme_sizing import nvme_sizing
 
 PAGE = 4096
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
 from zero_offload.device import placement
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from children import next_line, start_python
 
 T = 180  # seconds for a child to import torch and train on a loaded machine

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-
 from children import next_line, start_python
 
 T = 900  # seconds per child: Trainer and Lightning imports on a loaded machine

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 import zero_offload as zo
-from zero_offload.device import placement
 from zero_offload.bench.gpt import GPT, Block, GPTConfig
 from zero_offload.cli import main
+from zero_offload.device import placement
 from zero_offload.rehearsal.tracker import ACTIVATIONS, GATHERED, OPTIMIZER, PARAMS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -282,8 +282,8 @@ def test_nvme_tier_is_simulated(tmp_path, choice):
 def test_simulated_disk_refuses_what_was_never_written():
     """A read of bytes no write put there fails, as a real file would come up short; a full
     disk refuses the write that does not fit."""
-    from zero_offload.rehearsal.disk import SimulatedDisk
     from zero_offload.errors import SwapIOError
+    from zero_offload.rehearsal.disk import SimulatedDisk
 
     disk = SimulatedDisk(capacity=8192)
     files = disk.io_engine()

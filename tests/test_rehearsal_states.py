@@ -79,11 +79,6 @@ def test_host_bytes_of_the_state_are_the_estimates(tmp_path, moments, master, pe
     assert f"{gb:.2f} GB after the step" in text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first step's ShardState.zeros (HostState.state) allocates a master of the "
-    "run's size that HostState then replaces with its own: 2 bytes a parameter for a moment",
-)
 def test_the_first_step_allocates_only_the_state_it_keeps(tmp_path):
     r = _rehearse(tmp_path, "8bit", "bf16_sr")
     step = r.phases["step"]

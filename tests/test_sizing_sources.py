@@ -11,18 +11,18 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.planning import estimate as memory_model
-from zero_offload.planning import terms as memory_terms
-from zero_offload.planning import shape as memory_shape
 from zero_offload.config import build_config
-from zero_offload.memory.sizes import pool_bytes
-from zero_offload.partition import build_layout, padded_numel
-from zero_offload.params.gather import gathered_units
-from zero_offload.grads.reducer import reductions_alive
 from zero_offload.grads.host import staging_bytes
-from zero_offload.update.nvme import NvmeAdam
+from zero_offload.grads.reducer import reductions_alive
+from zero_offload.memory.sizes import pool_bytes
+from zero_offload.params.gather import gathered_units
 from zero_offload.params.units import unit_build_bytes
+from zero_offload.partition import build_layout, padded_numel
+from zero_offload.planning import estimate as memory_model
+from zero_offload.planning import shape as memory_shape
+from zero_offload.planning import terms as memory_terms
 from zero_offload.swap.buffers import BufferPool, pool_count, pool_footprint
+from zero_offload.update.nvme import NvmeAdam
 
 
 def _term(e: memory_model.MemoryEstimate, name: str) -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from distributed import run_ranks
 
 import zero_offload as zo
-from distributed import run_ranks
 from zero_offload.params.order import DivergentForwardError
 
 TIMEOUT = 30

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
 
 
 class _Counting(list):

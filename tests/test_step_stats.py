@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batch, loss_fn, make
 from torch.profiler import profile
 
 import zero_offload as zo
-from models import batch, loss_fn, make
 
 
 def _train_step(engine, gen, micro: int = 1) -> None:

@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 import zero_offload.engine.engine as engine_module
-from models import TinyGPT, batch, loss_fn
 from zero_offload.device.streams import Streams
 
 

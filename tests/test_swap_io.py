@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from zero_offload.swap.buffers import BufferPool, HostBuffer
-from zero_offload.errors import SwapIOError
 from swap_faults import FaultBackend
+
+from zero_offload.errors import SwapIOError
+from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.io import FileIOEngine, OsBackend
 
 BLOCK = 16 * 1024

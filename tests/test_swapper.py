@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from swap_faults import FaultBackend, mounted_tmpfs
-from zero_offload.swap.buffers import BufferPool, HostBuffer
+
 from zero_offload.errors import SwapIOError, SwapSpaceError
+from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.io import FileIOEngine
 from zero_offload.swap.swapper import Swapper, Tier
 
@@ -96,7 +96,7 @@ class _GatedWrites(FaultBackend):
         super().__init__("read", errno_=errno.EIO)
         self.gate = threading.Event()
 
-    def pwritev(self, fd, buffers, offset):  # noqa: ANN001 - the OsBackend signature
+    def pwritev(self, fd, buffers, offset):
         assert self.gate.wait(T)
         return super().pwritev(fd, buffers, offset)
 
@@ -254,7 +254,7 @@ def test_free_space_checked_up_front(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
-def test_full_small_filesystem(tiny_tmpfs: Path) -> None:  # noqa: F811
+def test_full_small_filesystem(tiny_tmpfs: Path) -> None:
     with pytest.raises(SwapSpaceError):
         _swapper(tiny_tmpfs, expected_bytes=2 << 20)
     pool = BufferPool(4 << 20, 2, host_memory_limit=1 << 30)

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 import torch
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
 from zero_offload.device import threads as T
 from zero_offload.device.threads import ThreadBudget
 

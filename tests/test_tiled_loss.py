@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from hf_trainer_worker import arguments, dataset, diff_lr
+from hf_trainer_worker import make as make_trainer_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_offload as zo
-from hf_trainer_worker import arguments, dataset, diff_lr
-from hf_trainer_worker import make as make_trainer_model
 from zero_offload.activations.tiled_loss import tiled_causal_lm_loss, tiled_lm_loss
 from zero_offload.integrations.hf import ZeroOffloadTrainer
 

@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 
 from zero_offload.comm import Comm
-from zero_offload.partition import build_layout
 from zero_offload.device.streams import Streams
 from zero_offload.params.unit_state import GatherState, TrainingState, UnitStates
 from zero_offload.params.units import FlatUnit
+from zero_offload.partition import build_layout
 
 
 def _unit(index: int, sharded: bool, trainable: int = 2) -> FlatUnit:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
 
 
 def _train(tmp_path, param: str, optim: str, dtype: torch.dtype) -> tuple[zo.Engine, list[int]]:

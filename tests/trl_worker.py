@@ -11,9 +11,9 @@ import sys
 
 import torch
 import trl
-
 from distributed import finish_torchrun_worker
 from test_trl import LR, model, train
+
 from zero_offload.integrations.hf import zero_offload_trainer
 
 

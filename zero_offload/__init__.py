@@ -7,6 +7,7 @@ loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 
 from .checkpoint import consolidate_checkpoint
 from .config import ZeroConfig, build_config, config_keys
+from .engine.engine import Engine, initialize
 from .errors import (
     BufferBudgetError,
     CheckpointError,
@@ -20,12 +21,11 @@ from .errors import (
     SwapSpaceError,
     ZeroOffloadError,
 )
-from .engine.engine import Engine, initialize
 from .memory.ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
+from .params.external import register_external_parameter
 from .planning.planner import estimate_memory, plan
 from .rehearsal import Rehearsal, rehearse
-from .params.external import register_external_parameter
 
 __all__ = [
     "ConfigError",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 # default process group, so destroy_process_group cannot free it: its gloo threads run on
 # until the interpreter's teardown destroys it, which can abort the finished process
 # ("terminate called without an active exception"). See examples/gloo_teardown.py.
-import torch.distributed.nn.functional  # noqa: F401
+import torch.distributed.nn.functional
 
 __all__ = ["Comm", "CollectiveStats", "Handle"]
 

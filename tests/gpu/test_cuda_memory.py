@@ -25,9 +25,9 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+from models import batch, loss_fn, make
 
 import zero_offload as zo
-from models import batch, loss_fn, make
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,14 +19,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import equivalence
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import equivalence
-import zero_offload as zo
 from models import batch, loss_fn, make
+
+import zero_offload as zo
 from zero_offload.swap import HostBuffer, Swapper, Tier
 
 pytestmark = [

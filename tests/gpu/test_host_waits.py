@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from zero_offload.grads.target import ResidentGrads
-from zero_offload.grads.host import HostGradQueue
 from zero_offload.device.streams import Streams
+from zero_offload.grads.host import HostGradQueue
+from zero_offload.grads.target import ResidentGrads
 
 pytestmark = [
     pytest.mark.gpu,

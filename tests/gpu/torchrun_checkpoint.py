@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the models
-import zero_offload as zo  # noqa: E402
-from models import batch, loss_fn, make  # noqa: E402
+from models import batch, loss_fn, make
+
+import zero_offload as zo
 
 
 def _gpu_processes() -> dict[str, list[int]]:

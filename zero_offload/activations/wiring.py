@@ -12,8 +12,8 @@ from .offload import ActivationOffload
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
-    from ..params.gather import ParamGatherer
     from ..device.streams import Streams
+    from ..params.gather import ParamGatherer
     from ..params.units import FlatUnit
 
 __all__ = ["build_offload", "forward_context"]

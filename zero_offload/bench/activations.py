@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import zero_offload as zo
+
 from ..activations.tiled_loss import tiled_lm_loss
 from .gpt import GPT, GPTConfig, synthetic_batch
 from .io import show_progress

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from zero_offload.optim.native import KernelBuildError, load_library
 from zero_offload.optim import kernel as K
+from zero_offload.optim.native import KernelBuildError, load_library
 
 from .adam_states import POLICIES, Variant, state_variants
 

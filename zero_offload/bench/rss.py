@@ -34,9 +34,9 @@ import torch.multiprocessing as mp
 
 import zero_offload as zo
 
-from .gpt import GPT, synthetic_batch
-from ..swap.budget import DEFAULT_HOST_FRACTION
 from ..quantities import parse_size
+from ..swap.budget import DEFAULT_HOST_FRACTION
+from .gpt import GPT, synthetic_batch
 from .step import DEFAULT_VOCAB, HEAD_DIM, model_config
 
 __all__ = ["PeakSampler", "malloc_stats", "main"]

@@ -43,9 +43,12 @@ from typing import Any
 import torch
 
 import zero_offload as zo
+
 from ..planning.state import FP32_STATE, state_bytes
+from ..quantities import parse_size
 from ..swap.buffers import HostBuffer
 from .gpt import GPT, GPTConfig, synthetic_batch
+from .io import MEMORY_FILESYSTEMS, check_path, fs_type, raw_direct_io, show_progress
 from .step_report import (
     REFERENCE_DEPTH,
     depth_sweep,
@@ -53,8 +56,6 @@ from .step_report import (
     overlap_ratios,
     print_tables,
 )
-from .io import MEMORY_FILESYSTEMS, check_path, fs_type, show_progress, raw_direct_io
-from ..quantities import parse_size
 
 DEFAULT_PARAMS = 300_000_000
 """3.6 GB of fp32 master + m + v: the NVMe optimizer phase reads and writes a few GB."""

@@ -15,8 +15,8 @@ import torch
 
 from ..progress import Progress
 from .format import load_plain, pieces, read_manifest, verify_rank_file
-from .tags import checkpoint_root, resolve_tag, tag_folder
 from .source import _Reader
+from .tags import checkpoint_root, resolve_tag, tag_folder
 
 __all__ = ["consolidate_checkpoint"]
 

@@ -59,7 +59,7 @@ def _load_planner() -> type:
             fqn = read_item.dest_index.fqn
             try:
                 self.state_dict[fqn] = torch.load(value, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - whatever weights_only refuses
+            except Exception as exc:
                 raise CheckpointError(
                     f"DCP value {fqn!r} is not plain data (loading it could run code from the "
                     f"file): {refusal_reason(exc)}"

@@ -82,7 +82,7 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
                 loaded = torch.load(path, map_location="cpu", weights_only=True)  # legacy
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
-    except Exception as exc:  # noqa: BLE001 - every way a foreign file can fail
+    except Exception as exc:
         raise CheckpointError(
             f"{path}: refused, it holds objects other than tensors, plain data and the "
             "DeepSpeed records zero_offload reads (loading it could run code from the file): "

@@ -36,9 +36,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..errors import CheckpointError
 from ..optim.policy import StatePolicy
 from ..partition import split_range
-from ..errors import CheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -245,7 +245,7 @@ def load_plain(path: Path) -> dict[str, Any]:
             loaded = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
-    except Exception as exc:  # noqa: BLE001 - every way a foreign file can fail
+    except Exception as exc:
         raise CheckpointError(
             f"{path}: refused, it is not a file of tensors and plain data (loading it could "
             f"run code from the file; re-save it with zero_offload): {refusal_reason(exc)}"

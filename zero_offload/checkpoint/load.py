@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..progress import Progress
-from ..params.units import persistent_buffers
-from . import dcp, deepspeed
 from ..optim.policy import StatePolicy
+from ..params.units import persistent_buffers
+from ..progress import Progress
+from . import dcp, deepspeed
 from .format import CheckpointError, Manifest, load_plain, native_file, verify_rank_file
 from .save import unit_records
 from .source import OwnSource, Source, match_names

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import SwapIOError
-from ..progress import Progress
 from ..params.units import persistent_buffers
+from ..progress import Progress
 from .format import (
     MANIFEST,
     CheckpointError,
@@ -150,7 +150,7 @@ def _check_plain(extra: dict) -> None:
         data.seek(0)
         try:
             torch.load(data, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - whatever weights_only refuses
+        except Exception as exc:
             raise CheckpointError(
                 f"save_checkpoint: the {key} state holds objects other than tensors and plain "
                 f"data, which a checkpoint does not store (loading them could run code); "

@@ -19,14 +19,13 @@ import argparse
 import json
 import shutil
 import sys
-
 from typing import Any
 
 import torch
 
 from ..planning.estimate import describe_params
-from ..quantities import parse_count, parse_size
 from ..planning.planner import Plan, plan
+from ..quantities import parse_count, parse_size
 from . import step_time
 from .states import add_state_arguments
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..planning.activations import DecoderShape
 from ..planning.hardware import (
     GPU_EFFICIENCY,
     GPUS,
@@ -21,7 +22,6 @@ from ..planning.hardware import (
     Rates,
     target_rates,
 )
-from ..planning.activations import DecoderShape
 from ..planning.planner import Plan
 from ..planning.step_advice import predict_step
 from ..planning.step_time import StepPrediction, attention_flops, workload

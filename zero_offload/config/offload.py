@@ -3,9 +3,8 @@ host-memory budget, and the splits between host memory and NVMe."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..fields import keyword

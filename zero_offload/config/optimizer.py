@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ..errors import ConfigError
 from ..fields import keyword
 from ..optim.policy import StatePolicy

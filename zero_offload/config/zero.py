@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import torch
 
 from ..activations.config import ActivationConfig
-from ..device.threads import check_threads
 from ..deepspeed_config import check_schedule
+from ..device.threads import check_threads
 from ..errors import ConfigError
 from ..fields import keyword
 from .checks import bad, number, whole_numbers

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .key import A, Key, R, T, BATCH, ROUNDING, TORCH_IMPL
+from .key import BATCH, ROUNDING, TORCH_IMPL, A, Key, R, T
 
 __all__ = ["TRAINING_KEYS"]
 

@@ -4,10 +4,6 @@ sections that change nothing a step computes."""
 from __future__ import annotations
 
 from .key import (
-    A,
-    Key,
-    R,
-    T,
     COMM,
     FREED,
     GATHER_SAVE,
@@ -17,6 +13,10 @@ from .key import (
     OFFLOAD_PARAM,
     SIZED,
     ZERO,
+    A,
+    Key,
+    R,
+    T,
 )
 
 __all__ = ["ZERO_KEYS"]

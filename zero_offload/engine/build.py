@@ -10,14 +10,14 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..config import ZeroConfig
+from ..params.released import guard
+from ..params.store import ParamStore
+from ..params.units import FlatUnit, UnitPlan, make_unit, parameter_references
 from ..progress import Progress
 from ..swap.budget import FreedMemory, return_freed_memory
-from .weights import PretrainedWeights
-from .handback import Leftovers
-from ..params.store import ParamStore
-from ..params.released import guard
-from ..params.units import FlatUnit, UnitPlan, make_unit, parameter_references
 from ..update.api import Updater
+from .handback import Leftovers
+from .weights import PretrainedWeights
 
 __all__ = ["build_units"]
 

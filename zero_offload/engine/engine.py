@@ -24,38 +24,38 @@ from ..activations.wiring import build_offload, forward_context
 from ..comm import Comm
 from ..config import ZeroConfig, build_config
 from ..deepspeed_config import schedule
-from .inputs import move_inputs
-from ..memory.ledger import MemoryReport
-from .optimizer_state import attach_state_dict
-from .runtime import Runtime
-from . import export
 from ..device import placement
-from .buffer_sync import broadcast_buffers
-from .forward import ForwardWindow
-from ..params.gather import ParamGatherer
+from ..device.threads import ThreadBudget
+from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
 from ..grads.reducer import GradReducer
 from ..grads.target import GradTarget, ResidentGrads
-from .build import build_units
-from .lifecycle import EngineLifecycle
-from .state import EngineState
-from .handback import Leftovers, check_parameters
-from ..update.stepper import ShardStepper
-from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
+from ..interrupts import signals_held
+from ..memory.ledger import MemoryReport
+from ..params.gather import ParamGatherer
 from ..params.store import ParamStore, param_host_numel, param_pool_bytes
-from ..device.threads import ThreadBudget
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
-from ..update.host_state import run_layout
-from ..update.updaters import make_updater, params_are_master
-from ..weak import weak_hook
-from ..interrupts import signals_held
-from .preemption import Preemption, exit_status
 from ..swap.budget import (
     activation_host_share,
     host_memory_budget,
     return_freed_memory,
     split_host_budget,
 )
+from ..update.host_state import run_layout
+from ..update.stepper import ShardStepper
+from ..update.updaters import make_updater, params_are_master
+from ..weak import weak_hook
+from . import export
+from .buffer_sync import broadcast_buffers
+from .build import build_units
+from .forward import ForwardWindow
+from .handback import Leftovers, check_parameters
+from .inputs import move_inputs
+from .lifecycle import EngineLifecycle
+from .optimizer_state import attach_state_dict
+from .preemption import Preemption, exit_status
+from .runtime import Runtime
+from .state import EngineState
 from .step_stats import StepClock, optimizer_stats, summarize
 from .weights import load_buffers, open_pretrained
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..memory.ledger import MemoryReport
-from ..progress import Progress
 from ..device import placement
-from .buffer_sync import rank0_values
+from ..memory.ledger import MemoryReport
 from ..params.unit_state import GatherState
 from ..params.units import FlatUnit, persistent_buffers
+from ..progress import Progress
+from .buffer_sync import rank0_values
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..params.store import ParamStore
 from ..params.released import unguard
+from ..params.store import ParamStore
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit
 
@@ -100,7 +100,7 @@ class Leftovers:
         for close in closers:
             try:
                 close()
-            except Exception:  # noqa: BLE001 - release the rest; this runs from finalizers
+            except Exception:
                 log.exception("zero_offload: releasing an engine part failed")
 
 

@@ -21,13 +21,13 @@ from .handback import Leftovers, hand_back_parameters
 if TYPE_CHECKING:
     from ..comm import Comm
     from ..config import ZeroConfig
-    from ..params.gather import ParamGatherer
-    from ..grads.reducer import GradReducer
     from ..grads.host import HostGradQueue
+    from ..grads.reducer import GradReducer
+    from ..params.gather import ParamGatherer
     from ..params.store import ParamStore
-    from ..update.stepper import ShardStepper
     from ..params.unit_state import UnitStates
     from ..params.units import FlatUnit
+    from ..update.stepper import ShardStepper
     from .forward import ForwardWindow
 
 __all__ = ["EngineLifecycle"]

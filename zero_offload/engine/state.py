@@ -17,15 +17,15 @@ from ..update.host_state import HostState
 from ..update.nvme_state import NvmeState
 
 if TYPE_CHECKING:
-    from ..config import ZeroConfig
     from ..activations.offload import ActivationOffload
-    from ..swap.swapper import Swapper
-    from ..update.nvme_sizing import OptimizerSplit
-    from ..params.store import ParamStore
+    from ..config import ZeroConfig
     from ..grads.reducer import GradReducer
-    from ..update.stepper import ShardStepper
+    from ..params.store import ParamStore
     from ..params.units import FlatUnit
+    from ..swap.swapper import Swapper
     from ..update.api import StepTimings
+    from ..update.nvme_sizing import OptimizerSplit
+    from ..update.stepper import ShardStepper
 
 __all__ = ["EngineState"]
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from ..config import ConfigError
-from ..partition import mismatch_message
 from ..params.units import UnitPlan, persistent_buffers
+from ..partition import mismatch_message
 
 __all__ = ["PretrainedWeights", "load_buffers", "open_pretrained"]
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..errors import SwapIOError
 from ..memory.ledger import MemoryReport
 from ..partition import chunks, split_range
 from ..swap.buffers import HostBuffer, pool_footprint
-from ..errors import SwapIOError
 from ..swap.io import FileIOEngine
 from ..swap.pinned import pins
 from ..swap.swapper import Swapper

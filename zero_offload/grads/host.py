@@ -22,11 +22,11 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
+from ..device.streams import Streams
+from ..device.threads import ThreadBudget, yield_to_compute
 from ..memory.ledger import MemoryReport
 from ..swap.pinned import pinned_nbytes, unpin
 from .target import GradTarget
-from ..device.streams import Streams
-from ..device.threads import ThreadBudget, yield_to_compute
 
 __all__ = ["HostGradQueue", "STAGING_BUFFERS", "host_grad_dtype", "staging_bytes"]
 

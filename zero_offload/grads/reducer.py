@@ -33,11 +33,11 @@ import torch
 from torch.profiler import record_function
 
 from ..comm import Comm, Handle
-from .target import GradTarget
-from .views import GradViews
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit
 from ..weak import weak_hook
+from .target import GradTarget
+from .views import GradViews
 
 __all__ = [
     "GradReducer",

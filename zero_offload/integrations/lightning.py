@@ -36,11 +36,11 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from ..config import ConfigError, load_config
 from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
-from .lightning_preemption import PreemptionCallback
-from .preemption import check_trainer_preemption
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
+from .lightning_preemption import PreemptionCallback
 from .optimizers import POLICY_KEYS
+from .preemption import check_trainer_preemption
 from .stats import step_stats
 
 __all__ = ["ZeroOffloadStrategy"]

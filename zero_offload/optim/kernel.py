@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from zero_offload.optim.native import KernelBuildError, cache_dir, compiler, load_library
 from zero_offload.errors import IsaUnavailable
+from zero_offload.optim.native import KernelBuildError, cache_dir, compiler, load_library
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
+
 from ..errors import KernelBuildError
 
 logger = logging.getLogger(__name__)

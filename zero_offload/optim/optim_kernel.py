@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .native import KernelBuildError, cache_dir, compiler
 from . import kernel as K
 from .hyper import NUM_SCALARS, StepHyper, fold_scalars
 from .layout import ROW_FIELDS
+from .native import KernelBuildError, cache_dir, compiler
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
 from .quant import dynamic_map, lookup_table
 from .rounding import STREAMS, stream_seed

@@ -13,7 +13,7 @@ from fp32 (:meth:`ShardState.to_fp32`, :meth:`ShardState.load_fp32`) serves chec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
@@ -90,9 +90,23 @@ class ShardState:
         return cls(span, arrays["master"], arrays.get("compensation"), moments)
 
     @classmethod
-    def zeros(cls, span: Span, pin: bool = False) -> "ShardState":
-        """Fresh state: master zeros (load it), moments zero (codes of 0.0 with absmax 0)."""
-        arrays = {name: torch.zeros(n, dtype=d, pin_memory=pin) for name, d, n in _arrays(span)}
+    def zeros(
+        cls, span: Span, pin: bool = False, given: Mapping[str, torch.Tensor] | None = None
+    ) -> "ShardState":
+        """Fresh state: master zeros (load it), moments zero (codes of 0.0 with absmax 0).
+        ``given``: arrays the caller holds already (e.g. the master it keeps), taken as they
+        are instead of allocated, so the state never exists twice, not even for a moment."""
+        given = given or {}
+        arrays = {}
+        for name, dtype, n in _arrays(span):
+            t = given.get(name)
+            if t is None:
+                t = torch.zeros(n, dtype=dtype, pin_memory=pin)
+            elif t.dtype != dtype or t.numel() != n:
+                raise ValueError(
+                    f"given {name!r} is {t.dtype} x {t.numel()}, the span needs {dtype} x {n}"
+                )
+            arrays[name] = t
         return cls._assemble(span, arrays)
 
     @classmethod

@@ -15,8 +15,8 @@ import torch
 from torch.profiler import record_function
 
 from . import kernel as K
-from .optim_kernel import get_optim_kernel, native_step
 from .hyper import StepHyper
+from .optim_kernel import get_optim_kernel, native_step
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
 from .state import ShardState
 from .torch_step import torch_step

@@ -31,10 +31,11 @@ import logging
 from typing import Any, Iterator
 
 import torch
-from torch.profiler import record_function
 import torch.nn as nn
+from torch.profiler import record_function
 
 from ..swap.budget import FreedMemory
+from ..weak import weak_hook
 from .autograd_side import (
     SavedInUnit,
     check_not_capturing,
@@ -48,7 +49,6 @@ from .released import gather_when_missing
 from .store import ParamStore
 from .unit_state import GatherState, UnitStates
 from .units import FlatUnit
-from ..weak import weak_hook
 
 __all__ = ["ParamGatherer", "gathered_units"]
 

@@ -26,8 +26,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from .external import reads_memory
 from ..errors import ParameterNotGatheredError
+from .external import reads_memory
 
 __all__ = [
     "ParameterNotGatheredError",

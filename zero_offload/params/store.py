@@ -27,12 +27,12 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import ZeroConfig
+from ..device.streams import Streams
 from ..memory.ledger import MemoryReport
 from ..swap.buffers import HostBuffer, pool_footprint
-from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.io import DEFAULT_QUEUE_DEPTH
+from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
-from ..device.streams import Streams
 from .units import FlatUnit
 
 __all__ = ["Lent", "ParamStore", "param_host_numel", "param_pool_buffers", "param_pool_bytes"]

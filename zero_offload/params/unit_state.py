@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from ..comm import Comm, Handle
-from ..swap.buffers import advise_huge_pages
 from ..device.streams import Streams
+from ..swap.buffers import advise_huge_pages
 from .shared import SharedStorage, can_share
 from .units import FlatUnit
 

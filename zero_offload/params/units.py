@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from ..partition import FlatLayout, bucketize, build_layout
 from ..device import placement
+from ..partition import FlatLayout, bucketize, build_layout
 
 __all__ = [
     "FlatUnit",

@@ -25,11 +25,6 @@ import torch.nn as nn
 
 from ..update.nvme_sizing import FULL_SPEED_GROUP
 from .candidate import Candidate, Plan
-from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
-from .precisions import StateRow, policy_keys, state_rows, states_text
-from .reasons import gb as _gb
-from .reasons import split_text, why_over
-from .state import state_bytes
 from .estimate import (
     MemoryEstimate,
     ModelShape,
@@ -39,6 +34,11 @@ from .estimate import (
     describe_params,
     estimate_memory,
 )
+from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
+from .precisions import StateRow, policy_keys, state_rows, states_text
+from .reasons import gb as _gb
+from .reasons import split_text, why_over
+from .state import state_bytes
 
 __all__ = [
     "estimate_memory",

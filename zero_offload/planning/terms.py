@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..memory.sizes import pool_bytes as _pool
-from ..grads.reducer import reductions_alive
 from ..grads.host import STAGING_BUFFERS
+from ..grads.reducer import reductions_alive
+from ..memory.sizes import pool_bytes as _pool
 from ..optim.policy import MasterPrecision, StatePolicy
 from ..params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
-from ..update.updaters import GRAD_SLICE
 from ..params.units import UnitPlan, unit_build_bytes
+from ..update.updaters import GRAD_SLICE
 from .state import StateSplit, moment_bytes, per_param_text, state_names
 
 __all__ = [

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..swap.buffers import ALIGNMENT, HUGE_PAGE, HostBuffer, round_up
 from ..errors import SwapIOError
+from ..swap.buffers import ALIGNMENT, HUGE_PAGE, HostBuffer, round_up
 
 __all__ = ["SimulatedDisk"]
 
@@ -84,7 +84,7 @@ class _FakeHostBuffer(HostBuffer):
     """A pool buffer of the real size without memory (a fake ``uint8`` host tensor): only
     the allocation differs from :class:`HostBuffer`; views, checks and close are its own."""
 
-    def __init__(self, nbytes: int, huge_pages: bool) -> None:  # noqa: D107 - no super(): no mmap
+    def __init__(self, nbytes: int, huge_pages: bool) -> None:
         self.nbytes = round_up(int(nbytes), ALIGNMENT)
         self.footprint = round_up(self.nbytes, HUGE_PAGE if huge_pages else ALIGNMENT)
         self.huge_pages = huge_pages

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..planning.activations import ActivationEstimate
 from ..planning.estimate import (
     FORWARD_BACKWARD,
     INITIALIZE,
@@ -19,7 +20,6 @@ from ..planning.estimate import (
     ModelShape,
     describe_params,
 )
-from ..planning.activations import ActivationEstimate
 from .tracker import KINDS, PhaseMemory
 
 __all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY", "tiers_note"]

@@ -30,9 +30,9 @@ from ..engine.engine import Engine
 from ..engine.runtime import Runtime
 from ..planning.activations import ActivationEstimate, DecoderShape, estimate_activations
 from ..planning.estimate import ModelShape, estimate_memory
-from ..update.api import adam_kwargs
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
+from ..update.api import adam_kwargs
 from .attention import KERNELS, GpuAttention, describe_kernels, kernel_scratch
 from .disk import SimulatedDisk
 from .models import build_model, causal_lm_batch, prepare_meta_model
@@ -309,7 +309,7 @@ def _rehearse(
                     tracker.end()
                 problems += device_problems(engine, "after the last step")
                 engine.close(hand_back=False)  # nothing to hand back: no values
-            except Exception as exc:  # noqa: BLE001 - reported, with the phase it stopped in
+            except Exception as exc:
                 tracker.end()
                 failure = f"{tracker.phase}: {type(exc).__name__}: {exc}"
                 log.warning("rehearsal failed", exc_info=True)

@@ -1,7 +1,7 @@
 """The swap tiers: async direct file I/O, aligned host buffers, and the swapper."""
 
-from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from ..errors import BufferBudgetError, SwapIOError, SwapSpaceError
+from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .io import FileIOEngine, IOBackend, OsBackend
 from .swapper import Swapper, Tier
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from ..errors import BufferBudgetError
 from .budget import host_memory_budget
 from .disk import current_disk
-from ..errors import BufferBudgetError
 
 __all__ = [
     "advise_huge_pages",

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from ..errors import SwapIOError, SwapSpaceError
 from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .disk import current_disk
-from ..errors import SwapIOError, SwapSpaceError
 from .io import DEFAULT_QUEUE_DEPTH, FileIOEngine
 from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 

@@ -105,9 +105,10 @@ class HostState:
     def state(self) -> ShardState:
         """The whole run's state (moments zero until loaded or stepped)."""
         if self._state is None:
-            fresh = ShardState.zeros(self.layout.span())
-            fresh.master, fresh.compensation = self.master, self.compensation
-            self._state = fresh
+            kept = {"master": self.master}
+            if self.compensation is not None:
+                kept["compensation"] = self.compensation
+            self._state = ShardState.zeros(self.layout.span(), given=kept)
         return self._state
 
     def _master_fp32(self, lo: int, hi: int) -> torch.Tensor:

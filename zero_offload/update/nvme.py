@@ -35,20 +35,16 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import ZeroConfig
-from ..memory.ledger import MemoryReport
 from ..device.threads import ThreadBudget
+from ..errors import BufferBudgetError, IncompleteStepError
+from ..grads.disk import DiskGrads
+from ..memory.ledger import MemoryReport
 from ..optim import CPUAdam
 from ..partition import chunks, split_range
 from ..swap.budget import host_memory_budget
 from ..swap.buffers import HostBuffer
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
-from ..errors import BufferBudgetError
 from ..swap.swapper import Swapper
-from ..grads.disk import DiskGrads
-from .early import EarlyUpdate, next_key, out_key
-from .group_step import GroupStep
-from .io_clock import IoClock
-from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
 from .api import (
     Sink,
     StateChunk,
@@ -59,7 +55,10 @@ from .api import (
     adam_kwargs,
     whole_range,
 )
-from ..errors import IncompleteStepError
+from .early import EarlyUpdate, next_key, out_key
+from .group_step import GroupStep
+from .io_clock import IoClock
+from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 

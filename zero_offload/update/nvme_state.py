@@ -30,8 +30,8 @@ import torch.nn as nn
 
 from ..config import ZeroConfig
 from ..device.threads import ThreadBudget
-from ..grads.disk import DiskGrads
 from ..errors import CheckpointError, ConfigError, IncompleteStepError
+from ..grads.disk import DiskGrads
 from ..memory.ledger import MemoryReport
 from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
 from ..optim import step as optim_step

@@ -16,11 +16,11 @@ import bisect
 import torch
 
 from ..comm import Comm
-from ..memory.ledger import MemoryReport
-from ..swap.pinned import host_empty, pinned_nbytes, unpin
-from ..params.store import ParamStore
 from ..device.streams import Streams
+from ..memory.ledger import MemoryReport
+from ..params.store import ParamStore
 from ..params.units import FlatUnit
+from ..swap.pinned import host_empty, pinned_nbytes, unpin
 
 __all__ = ["ParamSink"]
 

@@ -28,19 +28,19 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Comm
 from ..config import ConfigError, ZeroConfig
-from ..memory.ledger import MemoryReport
+from ..device.streams import Streams
 from ..grads.reducer import trainable_slots
+from ..grads.slices import sum_of_squares
+from ..memory.ledger import MemoryReport
+from ..params.store import ParamStore
+from ..params.units import FlatUnit
+from ..weak import weak_hook
+from .api import StepRange
+from .early import EarlyUpdate
 from .loss_scale import LossScaler
 from .overlap import DeferredUpdate
 from .sink import ParamSink
-from ..params.store import ParamStore
-from ..grads.slices import sum_of_squares
-from ..device.streams import Streams
-from .early import EarlyUpdate
-from ..params.units import FlatUnit
-from .api import StepRange
 from .updaters import Updater
-from ..weak import weak_hook
 
 __all__ = ["ShardStepper"]
 

@@ -26,18 +26,13 @@ import torch.nn as nn
 from torch.optim.adamw import adamw as _functional_adamw
 
 from ..config import ZeroConfig
-from ..memory.ledger import MemoryReport
 from ..device.threads import ThreadBudget
-from ..optim import CPUAdam
+from ..grads.disk import DiskGrads
+from ..memory.ledger import MemoryReport
+from ..optim import CPUAdam, StateLayout
+from ..optim.policy import MasterPrecision
 from ..partition import chunks
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
-from ..grads.disk import DiskGrads
-from ..optim import StateLayout
-from ..optim.policy import MasterPrecision
-from .host_state import HostState, check_device
-from .nvme import NvmeAdam
-from .nvme_state import NvmeState
-from .range_step import adam_over_ranges
 from .api import (
     Sink,
     StateChunk,
@@ -46,9 +41,13 @@ from .api import (
     Targets,
     Updater,
     adam_hyperparameters,
-    whole_range,
     adam_kwargs,
+    whole_range,
 )
+from .host_state import HostState, check_device
+from .nvme import NvmeAdam
+from .nvme_state import NvmeState
+from .range_step import adam_over_ranges
 
 __all__ = [
     "Updater",

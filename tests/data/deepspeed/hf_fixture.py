@@ -116,7 +116,6 @@ def hf_case(out: Path, config: dict[str, Any]) -> None:
         DS_ACCELERATOR="cpu",
     )
     import deepspeed
-
     from make_fixtures import masters
 
     shutil.rmtree(out, ignore_errors=True)

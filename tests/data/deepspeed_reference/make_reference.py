@@ -20,11 +20,11 @@ import torch
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29517")
 
-import deepspeed  # noqa: E402
-import deepspeed.comm as dist  # noqa: E402
-from deepspeed.runtime.config import get_gradient_clipping  # noqa: E402
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
-from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: E402
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.config import get_gradient_clipping
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 STEPS = 12
 LR = 0.1
