@@ -139,7 +139,6 @@ class CPUOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -149,15 +148,7 @@ class CPUOptimizer(torch.optim.Optimizer):
                 st = self._shard_state(p)
                 self._check_state(p, st)
                 count = int(self.state[p]["step"].item()) + 1
-                hyper = StepHyper(
-                    step=count,
-                    lr=_scalar(group["lr"]),
-                    beta1=_scalar(beta1),
-                    beta2=_scalar(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    lr_decay=float(group.get("lr_decay", 0.0)),
-                )
+                hyper = StepHyper.from_group(group, count)
                 optim_step(st, p.grad.contiguous().view(-1), hyper, num_threads=self.num_threads)
                 self.state[p]["step"].fill_(count)
         return loss

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -37,6 +38,22 @@ class StepHyper:
     def __post_init__(self) -> None:
         if int(self.step) < 1:
             raise ValueError(f"step must be the incremented step count (>= 1), got {self.step}")
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any], step: int, grad_scale: float = 1.0) -> StepHyper:
+        """A torch optimizer param group's hyperparameters (what lr schedulers change) for
+        step ``step``; a 0-dim tensor lr or beta is read as its value."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            grad_scale=float(grad_scale),
+            lr_decay=float(group.get("lr_decay", 0.0)),
+        )
 
 
 def _f32(x: float) -> float:

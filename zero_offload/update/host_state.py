@@ -171,18 +171,7 @@ class HostState:
         start = time.perf_counter()
         state, n = self.state(), self.layout.numel
         step = self.steps + 1
-        group = self.optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
-        base = StepHyper(
-            step=step,
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            grad_scale=float(factor),
-            lr_decay=float(group.get("lr_decay", 0.0)),
-        )
+        base = StepHyper.from_group(self.optimizer.param_groups[0], step, factor)
         per_call = None if grads.device.type == "cpu" else GRAD_SLICE
         done = 0
         for lo, hi, count, decays in whole_range(n, step) if ranges is None else ranges:

@@ -215,18 +215,7 @@ class NvmeState:
         self.ensure_sound("step")
         assert grads is not None
         step = self.steps + 1
-        group = self.optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
-        hyper = StepHyper(
-            step=step,
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            grad_scale=float(factor),
-            lr_decay=float(group.get("lr_decay", 0.0)),
-        )
+        hyper = StepHyper.from_group(self.optimizer.param_groups[0], step, factor)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
         return self._stepped(grads, sink, hyper, ranges)
