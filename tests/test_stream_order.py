@@ -14,9 +14,10 @@ import pytest
 import torch
 from models import TinyGPT, batch, loss_fn
 
-import zero_offload as zo
-import zero_offload.engine.engine as engine_module
+from zero_offload.config import build_config
 from zero_offload.device.streams import Streams
+from zero_offload.engine.engine import Engine
+from zero_offload.engine.runtime import Runtime
 
 
 class LateEvent:
@@ -105,26 +106,30 @@ def _train(
     tmp_path, stage, opt, param, late: bool, monkeypatch, **kwargs
 ) -> tuple[dict, list[Streams]]:
     made: list[Streams] = []
+    runtime = Runtime()
     if late:
 
         def factory(device):
             made.append(LateStreams(device))
             return made[-1]
 
-        monkeypatch.setattr(engine_module, "Streams", factory)
+        runtime = Runtime(streams=factory)
     torch.manual_seed(0)
-    engine = zo.initialize(
+    engine = Engine(
         TinyGPT(),
-        stage=stage,
-        offload_optimizer=opt,
-        offload_param=param,
-        nvme_path=tmp_path,
-        dtype=torch.bfloat16,
-        lr=1e-3,
-        max_grad_norm=1.0,
-        prefetch_depth=2,
-        gradient_accumulation_steps=2,
-        **kwargs,
+        runtime=runtime,
+        config=build_config(
+            stage=stage,
+            offload_optimizer=opt,
+            offload_param=param,
+            nvme_path=tmp_path,
+            dtype=torch.bfloat16,
+            lr=1e-3,
+            max_grad_norm=1.0,
+            prefetch_depth=2,
+            gradient_accumulation_steps=2,
+            **kwargs,
+        ),
     )
     for streams in made:
         streams.defer_copies_into = True

@@ -6,6 +6,7 @@ steps through ZeroOffloadTrainer and the Lightning strategy with Lion and 8-bit 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -147,6 +148,20 @@ def test_torchao_class():
     assert _policy(optimizer_keys(optim.AdamW8bit(_params()))) == ("adamw", "8bit")
 
 
+@pytest.fixture
+def leaves_no_process_group():
+    """The trainers run in this process: Lightning (and HF's accelerate) initialize a process
+    group and set MASTER_ADDR / MASTER_PORT, which the tests after this one in the same pytest
+    worker would inherit (a rehearsal refuses an initialized group; ranks a later test spawns
+    would find the port taken). Put both back."""
+    env = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
 # -- two steps end to end ----------------------------------------------------------------------
 
 
@@ -158,7 +173,7 @@ def test_torchao_class():
         "adamw_torch",
     ],
 )
-def test_hf_trainer_trains_two_steps(tmp_path, optim):
+def test_hf_trainer_trains_two_steps(tmp_path, optim, leaves_no_process_group):
     pytest.importorskip("transformers")
     from hf_trainer_worker import LR, arguments, dataset, make, params
 
@@ -187,7 +202,7 @@ def test_hf_trainer_trains_two_steps(tmp_path, optim):
 
 
 @pytest.mark.parametrize("optimizer", ["bnb.AdamW8bit", "torch.AdamW"])
-def test_lightning_strategy_trains_two_steps(optimizer):
+def test_lightning_strategy_trains_two_steps(optimizer, leaves_no_process_group):
     L = pytest.importorskip("lightning")
     if optimizer == "bnb.AdamW8bit":
         bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed (dev extra)")
