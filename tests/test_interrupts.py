@@ -46,6 +46,8 @@ class Trigger:
 
     def __init__(self, monkeypatch, method: str, nth: int, early: bool = False) -> None:
         self.armed, self.calls, self.fired, self.nth, self.early = False, 0, False, nth, early
+        self.step = -1  # the optimizer steps taken when the loop's step in flight began
+        self.fired_in = -1  # ... when it fired
         real = getattr(GroupStep, method)
 
         def hooked(step_self, *args, **kwargs):
@@ -53,7 +55,7 @@ class Trigger:
             if self.armed and not self.fired and in_main != self.early:
                 self.calls += 1
                 if self.calls == self.nth:
-                    self.fired = True
+                    self.fired, self.fired_in = True, self.step
                     os.kill(os.getpid(), signal.SIGINT)  # the handler runs in the main thread
             return real(step_self, *args, **kwargs)
 
@@ -66,6 +68,8 @@ def _loop(engine: zo.Engine, until: int, ckpt=None, trigger=None, where: str = "
     i = engine.optimizer_steps
     try:
         while i < until:
+            if trigger is not None:
+                trigger.step = i
             x, y = batch("gpt", 4, torch.Generator().manual_seed(100 + i))
             if trigger is not None and i == AT and where == "forward":
                 trigger.armed = True
@@ -124,7 +128,10 @@ def test_ctrl_c_anywhere_in_a_step_saves_and_resumes_bit_for_bit(
 
     resumed = _engine(tmp_path / "b", **kw)
     resumed.load_checkpoint(tmp_path / "ckpt", tag="t")
-    assert resumed.optimizer_steps in (AT, AT + 1)  # none of the step, or all of it
+    # none of the step it landed in, or all of it (on a loaded host the early pass may not
+    # have finished a sub-group by step AT, and the signal lands in a later step's replay)
+    assert trigger.fired_in >= AT
+    assert resumed.optimizer_steps in (trigger.fired_in, trigger.fired_in + 1)
     assert not _loop(resumed, STEPS)
     got = training_state(resumed)
     resumed.close()

@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..activations.config import DEFAULT_TILE_TOKENS
 from ..activations.tiled_loss import tiled_causal_lm_loss
@@ -35,6 +34,7 @@ from ..swap.disk import use_disk
 from ..update.api import adam_kwargs
 from .attention import KERNELS, GpuAttention, describe_kernels, kernel_scratch
 from .disk import SimulatedDisk
+from .flops import CountFlops
 from .models import build_model, causal_lm_batch, prepare_meta_model
 from .report import Rehearsal, device_problems
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
@@ -291,14 +291,14 @@ def _rehearse(
                 for _ in range(iterations):
                     inputs = batch()
                     tracker.begin("forward")
-                    with FlopCounterMode(display=False) as flops:
+                    with CountFlops() as flops:
                         loss = forward(engine, inputs)
-                    tracker.add_flops(flops.get_total_flops())
+                    tracker.add_flops(flops.total)
                     tracker.end()
                     tracker.begin("backward")
-                    with FlopCounterMode(display=False) as flops:
+                    with CountFlops() as flops:
                         engine.backward(loss)
-                    tracker.add_flops(flops.get_total_flops())
+                    tracker.add_flops(flops.total)
                     del loss
                     tracker.end()
                     tracker.begin("step")
