@@ -19,6 +19,7 @@ from models import TinyGPT, batch, loss_fn
 from swap_faults import FaultBackend
 
 import zero_offload as zo
+from zero_offload.swap.swapper import _FILES
 from zero_offload.update.early import EarlyUpdate
 
 STEPS = 3
@@ -173,6 +174,43 @@ def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
         adopted.append(engine.last_step_timings.early_groups)
     assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
     assert_bit_equal(training_state(engine), training_state(ref))
+    engine.close()
+    ref.close()
+
+
+class _RoomForValuesOnly:
+    """The real disk with 8 KiB free: a sub-group's new bf16 values (4 KiB) find room for
+    their file, its new state (12 KiB) does not."""
+
+    def __getattr__(self, name):
+        return getattr(_FILES, name)
+
+    def free_bytes(self, path) -> int:
+        return 8192
+
+
+def test_a_disk_too_full_for_the_new_state_costs_nothing_but_time(tmp_path, waits):
+    """The pass writes a sub-group's new values, then finds no room for its new state: the
+    step drops the pass and steps every sub-group in the files it has. (The refused file's
+    buffer was lost once, and the step's read-ahead waited for it until ``acquire_timeout``.)"""
+    ref = _engine(tmp_path / "ref", early=False)
+    _train(ref, "plain")
+    engine = _engine(tmp_path / "early", early=True)
+    gen = torch.Generator().manual_seed(1)
+    adopted = []
+    for step in range(STEPS):
+        x, y = batch("gpt", 4, gen)
+        loss = loss_fn("gpt", engine(x), y)
+        if step == 1:
+            (swapper,) = [s for s in engine.swappers if any(s.rank_dir.glob("*adam*"))]
+            swapper.acquire_timeout = 5.0  # a lost buffer fails the test rather than waits
+            swapper._disk = _RoomForValuesOnly()
+        engine.backward(loss)
+        engine.step()
+        adopted.append(engine.last_step_timings.early_groups)
+    assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] == 0
+    assert_bit_equal(training_state(engine), training_state(ref))
+    assert swapper.pool.available == swapper.pool.count
     engine.close()
     ref.close()
 

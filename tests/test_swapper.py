@@ -17,7 +17,7 @@ from swap_faults import FaultBackend, mounted_tmpfs
 from zero_offload.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.buffers import BufferPool, HostBuffer
 from zero_offload.swap.io import FileIOEngine
-from zero_offload.swap.swapper import Swapper, Tier
+from zero_offload.swap.swapper import _FILES, Swapper, Tier
 
 T = 10
 BUF = 64 * 1024
@@ -87,6 +87,31 @@ def test_owned_buffer_is_written_in_place_and_returned(tmp_path: Path) -> None:
         out = torch.empty(1001, dtype=torch.bfloat16)
         sw.swap_in("p", out).result(T)
         assert torch.equal(out, want)
+
+
+def test_an_owned_buffer_goes_back_when_its_write_cannot_start(tmp_path: Path) -> None:
+    """A full disk refuses a new key's file before any write starts: the buffer handed over
+    as ``owned`` goes back to the pool all the same. (It did not: a pass during backward
+    that met a full disk kept one buffer of three for good, and the step's read-ahead then
+    waited ``acquire_timeout`` for it instead of failing with the disk's error.)"""
+
+    class _Full:  # the real disk, with no room left for a new file
+        def __getattr__(self, name):
+            return getattr(_FILES, name)
+
+        def free_bytes(self, path: Path) -> int:
+            return 0
+
+    with _swapper(tmp_path) as sw:
+        buf = sw.acquire(4096, "p")
+        sw._disk = _Full()
+        with pytest.raises(SwapSpaceError):
+            sw.swap_out("p", buf.view(torch.float32, (1024,)), owned=buf)
+        assert sw.pool.available == sw.pool.count
+        kept = sw.acquire(4096, "q")
+        with pytest.raises(SwapSpaceError):
+            sw.swap_out("q", kept.view(torch.float32, (1024,)), owned=kept, keep=True)
+        assert sw.pool.available == sw.pool.count
 
 
 class _GatedWrites(FaultBackend):

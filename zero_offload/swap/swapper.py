@@ -232,22 +232,29 @@ class Swapper:
         ``owned``: a buffer from :meth:`acquire` that ``tensor`` starts; it is written from
         where it is (no copy) and goes back to the pool once written — or, with ``keep``,
         stays as ``key``'s host copy, so that a read that follows takes it without touching
-        the disk (until :meth:`release`)."""
-        self._check_open()
+        the disk (until :meth:`release`). An ``owned`` buffer that the arguments do not fit
+        stays the caller's (``ValueError``); past that check it is the swapper's, and a
+        failure (a full disk, a closed swapper) gives it back to the pool."""
         nbytes = tensor.numel() * tensor.element_size()
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._new_entry(key, nbytes)
-        self._settle(entry)
         padded = round_up(nbytes, ALIGNMENT)
+        if owned is not None and (
+            tensor.data_ptr() != owned.data_ptr
+            or not tensor.is_contiguous()
+            or padded > owned.nbytes
+        ):
+            raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
+        try:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._new_entry(key, nbytes)
+            self._settle(entry)
+        except BaseException:
+            if owned is not None:
+                self.pool.release(owned)
+            raise
         release_after: HostBuffer | None = None
         if owned is not None:
-            if (
-                tensor.data_ptr() != owned.data_ptr
-                or not tensor.is_contiguous()
-                or padded > owned.nbytes
-            ):
-                raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
             self._drop_host(entry)
             owned.tensor[nbytes:padded].zero_()
             src = owned.tensor[:padded]
