@@ -15,7 +15,7 @@ from ..params.store import ParamStore
 from ..params.units import FlatUnit, UnitPlan, make_unit, parameter_references
 from ..progress import Progress
 from ..swap.budget import FreedMemory, return_freed_memory
-from ..update.api import Updater
+from ..update.updater import Updater
 from .handback import Leftovers
 from .weights import PretrainedWeights
 

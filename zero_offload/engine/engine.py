@@ -543,9 +543,8 @@ class Engine(EngineLifecycle, EngineState):
         Refused with gradients accumulated and not yet stepped (a checkpoint does not carry
         them): save at an accumulation boundary, after ``step()``."""
         self._check_open()
-        ensure_sound = getattr(self.stepper.updater, "ensure_sound", None)
-        if ensure_sound is not None:  # a broken state says so first: load_checkpoint fixes it
-            ensure_sound("save a checkpoint")
+        # a broken state says so first: load_checkpoint fixes it
+        self.stepper.updater.ensure_sound("save a checkpoint")
         if self.reducer.backwards:
             raise RuntimeError(
                 f"save_checkpoint: {self.reducer.backwards} backward(s) accumulated gradients "

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from ..optim.policy import StatePolicy
-from ..update.host_state import HostState
-from ..update.nvme_state import NvmeState
 
 if TYPE_CHECKING:
     from ..activations.offload import ActivationOffload
@@ -85,17 +83,13 @@ class EngineState:
         arrays, a bf16 master and its compensation), for a policy the fp32 sections of
         :meth:`state_chunks` do not hold exactly; None for fp32 AdamW (they do)."""
         self._check_open()
-        updater = self.stepper.updater
-        return updater.native_tensors() if isinstance(updater, (HostState, NvmeState)) else None
+        return self.stepper.updater.native_tensors()
 
     def load_native_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`native_state` saved at this rank, world size, stage and policy
         (after the units are loaded: it replaces their optimizer state bit for bit)."""
         self._check_open()
         updater = self.stepper.updater
-        assert isinstance(updater, (HostState, NvmeState)), (
-            "fp32 AdamW state loads through state_chunks"
-        )
         updater.load_native(tensors)
         for unit in self.units:  # the parameters the restored master gives, as a step does
             if not unit.frozen:
@@ -147,8 +141,7 @@ class EngineState:
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
         exp_avg_sq); empty with the state on NVMe."""
-        resident = getattr(self.stepper.updater, "resident_tensors", None)
-        return resident() if resident is not None else {}
+        return self.stepper.updater.resident_tensors()
 
     def reductions_in_flight(self) -> list[torch.Tensor]:
         """The buffers of gradient reductions not yet waited for (flat input and output)."""
@@ -218,13 +211,13 @@ class EngineState:
     def optimizer_split(self) -> OptimizerSplit | None:
         """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
         in host memory and in files, its sub-group size; None when it is not on NVMe."""
-        return getattr(self.stepper.updater, "split", None)
+        return self.stepper.updater.split
 
     @property
     def swappers(self) -> list[Swapper]:
         """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
         found = [
-            getattr(self.stepper.updater, "swapper", None),
+            self.stepper.updater.swapper,
             getattr(self.param_store, "swapper", None),
         ]
         return [s for s in found if s is not None]

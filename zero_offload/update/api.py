@@ -1,19 +1,14 @@
-"""What an updater is, apart from where its state lives: the face the engine, the
-checkpoint code and the three updaters (``updaters``, ``nvme_adam``) share, in a module of its
-own so that none of them imports another to get it."""
+"""The vocabulary updaters share (what a step is given and reports), in a module of its own
+so that none of them imports another to get it; the base class is :mod:`.updater`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import Callable
 
 import torch
 
 from ..config import ZeroConfig
-from ..memory.ledger import MemoryReport
-
-if TYPE_CHECKING:
-    from ..grads.disk import DiskGrads
 
 __all__ = [
     "Sink",
@@ -21,7 +16,6 @@ __all__ = [
     "StepRange",
     "StepTimings",
     "Targets",
-    "Updater",
     "adam_hyperparameters",
     "adam_kwargs",
     "whole_range",
@@ -78,43 +72,6 @@ def whole_range(numel: int, step: int) -> list[StepRange]:
 
 StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 """(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
-
-
-class Updater(Protocol):
-    steps: int
-    last_timings: StepTimings
-    disk_grads: "DiskGrads | None"
-    """The gradient shard in files, summed there during backward (NVMe optimizer whose host
-    budget cannot hold it); None: the engine holds the gradients."""
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch-facing optimizer (read-only here: an updater may hold a subclass)."""
-
-    def load_state(
-        self,
-        offset: int,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor | None = None,
-        exp_avg_sq: torch.Tensor | None = None,
-    ) -> None: ...
-    def iter_state(self) -> Iterator[StateChunk]: ...
-    def update(
-        self,
-        grads: torch.Tensor | None,
-        factor: float,
-        sink: Sink,
-        ranges: "list[StepRange] | None" = None,
-        targets: Targets | None = None,
-    ) -> None:
-        """Step rank-flat ``ranges`` (lo, hi, Adam step count, weight decay or not; None:
-        everything at ``steps + 1`` with weight decay), leave the rest as it is, hand every
-        value to ``sink`` (or write it into its ``targets`` piece, for updaters that take
-        them); ``steps`` becomes ``steps + 1``."""
-
-    def master_values(self) -> torch.Tensor: ...
-    def add_to(self, report: MemoryReport) -> None: ...
-    def close(self) -> None: ...
 
 
 def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:

@@ -24,7 +24,6 @@ import torch.nn as nn
 
 from ..config import ZeroConfig
 from ..errors import CheckpointError, ConfigError
-from ..grads.disk import DiskGrads
 from ..memory.ledger import MemoryReport
 from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
 from ..optim import step as optim_step
@@ -32,6 +31,7 @@ from ..optim.policy import MasterPrecision, StatePolicy
 from ..params.units import UnitPlan
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 from .api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
+from .updater import Updater
 
 __all__ = ["HostState", "SECTION_OF", "check_device", "run_layout"]
 
@@ -48,12 +48,12 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class HostState:
+class HostState(Updater):
     """Any :class:`~zero_offload.optim.policy.StatePolicy` in host memory, stepped by the CPU
     optimizer kernel. ``master``: an fp32 tensor to use as the master (the fp32 params when
     they are it), for a policy with an fp32 master; None: allocated here."""
 
-    disk_grads: DiskGrads | None = None  # the gradients stay in the engine's shard
+    optimizer: CPUOptimizer
 
     def __init__(
         self,

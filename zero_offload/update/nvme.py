@@ -58,17 +58,21 @@ from .api import (
 from .early import EarlyUpdate, next_key, out_key
 from .group_step import GroupStep
 from .io_clock import IoClock
-from .nvme_sizing import PIPELINE_BUFFERS, optimizer_split
+from .nvme_sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
+from .updater import Updater
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
 log = logging.getLogger(__name__)
 
 
-class NvmeAdam:
+class NvmeAdam(Updater):
     """Master, m and v in files, one per sub-group, stepped as a read/compute/write pipeline."""
 
     BUFFERS = PIPELINE_BUFFERS
+    runs_under_forward = True
+    swapper: Swapper
+    split: OptimizerSplit
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -31,7 +31,6 @@ import torch.nn as nn
 from ..config import ZeroConfig
 from ..device.threads import ThreadBudget
 from ..errors import CheckpointError, ConfigError, IncompleteStepError
-from ..grads.disk import DiskGrads
 from ..memory.ledger import MemoryReport
 from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
 from ..optim import step as optim_step
@@ -44,7 +43,11 @@ from ..swap.swapper import Swapper
 from .api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
 from .host_state import SECTION_OF
 from .io_clock import IoClock
-from .nvme_sizing import optimizer_split
+from .nvme_sizing import OptimizerSplit, optimizer_split
+from .updater import Updater
+
+if TYPE_CHECKING:
+    from .early import EarlyUpdate
 
 __all__ = ["NvmeState", "group_bounds"]
 
@@ -60,10 +63,13 @@ def group_bounds(layout: StateLayout, group: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class NvmeState:
+class NvmeState(Updater):
     """Any non-default policy's state in files, one per sub-group, stepped as a pipeline."""
 
-    disk_grads: DiskGrads | None = None  # the gradients stay in the engine's host shard
+    runs_under_forward = True
+    swapper: Swapper
+    split: OptimizerSplit
+    optimizer: CPUOptimizer
 
     def __init__(
         self,
@@ -208,10 +214,12 @@ class NvmeState:
         sink: Sink,
         ranges: list[StepRange] | None = None,
         targets: Targets | None = None,
+        early: EarlyUpdate | None = None,
     ) -> Iterator[int]:
         """:meth:`update` one sub-group per iteration, yielding the end of the elements
         handed to ``sink`` so far (``overlap_step`` runs the next forward between them).
         The hyperparameters are taken now."""
+        assert early is None, "no pass during backward: start_early gave none"
         self.ensure_sound("step")
         assert grads is not None
         step = self.steps + 1

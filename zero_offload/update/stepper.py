@@ -40,7 +40,7 @@ from .early import EarlyUpdate
 from .loss_scale import LossScaler
 from .overlap import DeferredUpdate
 from .sink import ParamSink
-from .updaters import Updater
+from .updater import Updater
 
 __all__ = ["ShardStepper"]
 
@@ -127,7 +127,7 @@ class ShardStepper:
         self._can_defer = (
             cfg.overlap_step
             and params is not None
-            and hasattr(updater, "update_in_steps")
+            and updater.runs_under_forward
             and all(u.sharded_params for u in self._stepped)
         )
         # the final backward's pass over sub-groups whose gradients are complete, until the
@@ -138,7 +138,6 @@ class ShardStepper:
             cfg.step_during_backward
             and self.stage >= 2
             and grads is not None
-            and hasattr(updater, "start_early")
             and cfg.optimizer.max_grad_norm is None
             and self.scaler is None
         )
@@ -185,7 +184,7 @@ class ShardStepper:
         starts a new pass where it can run."""
         self.drop_early()
         if final and self._can_step_early:
-            self.early = self.updater.start_early(  # type: ignore[attr-defined]
+            self.early = self.updater.start_early(
                 # every parameter with a gradient, each at its own step count: what the
                 # step computes when that is so (it compares)
                 self.grads,
@@ -335,7 +334,7 @@ class ShardStepper:
             assert early is not None
             early.handed_over = True
         if defer is not None and self._can_defer:
-            steps = self.updater.update_in_steps(  # type: ignore[attr-defined]
+            steps = self.updater.update_in_steps(
                 self.grads, factor, self.sink.sink, ranges, self.sink.targets, **extra
             )
             self.pending = DeferredUpdate(

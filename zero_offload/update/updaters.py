@@ -27,7 +27,6 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from ..config import ZeroConfig
 from ..device.threads import ThreadBudget
-from ..grads.disk import DiskGrads
 from ..memory.ledger import MemoryReport
 from ..optim import CPUAdam, StateLayout
 from ..optim.policy import MasterPrecision
@@ -39,7 +38,6 @@ from .api import (
     StepRange,
     StepTimings,
     Targets,
-    Updater,
     adam_hyperparameters,
     adam_kwargs,
     whole_range,
@@ -48,6 +46,7 @@ from .host_state import HostState, check_device
 from .nvme import NvmeAdam
 from .nvme_state import NvmeState
 from .range_step import adam_over_ranges
+from .updater import Updater
 
 __all__ = [
     "Updater",
@@ -70,12 +69,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
 _CHUNK = 1 << 24  # elements per piece when state is streamed off an accelerator
 
 
-class _ResidentAdam:
+class _ResidentAdam(Updater):
     """Master and moments as whole tensors in memory (device or host), with torch's
     optimizer-state layout: ``optimizer.state[param]`` holds step, exp_avg, exp_avg_sq."""
 
     tier = "device"
-    disk_grads: DiskGrads | None = None  # the gradients stay in the engine's shard
 
     def __init__(
         self, master: torch.Tensor, optimizer: torch.optim.Optimizer, param: nn.Parameter
