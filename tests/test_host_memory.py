@@ -78,6 +78,10 @@ def _train_pools(tmp_path, monkeypatch, ranks: int) -> SimpleNamespace:
         nvme_path=tmp_path / str(ranks),
         dtype=torch.bfloat16,
         sub_group_size=4096,
+        # LOCAL_WORLD_SIZE also gives a rank a quarter of the cores; torch's kernels (bf16
+        # layer norm's backward) round differently with other thread counts, so both runs
+        # compute with the same count
+        threads={"compute": torch.get_num_threads()},
     )
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -94,19 +98,10 @@ def _train_pools(tmp_path, monkeypatch, ranks: int) -> SimpleNamespace:
     return out
 
 
-# Known failures since the zero-copy stage-3 gather and the thread budget (the commits before
-# 2026-12-02's session; they fail there too): kept visible, not skipped, until fixed.
-_KNOWN = pytest.mark.xfail(
-    strict=False,
-    reason="fails since the zero-copy gather / thread-budget commits (before 2026-12-02): "
-    "open in issue 31's closing note",
-)
-
-
-@_KNOWN
 def test_four_ranks_on_a_node_each_keep_every_pool_within_a_quarter(tmp_path, monkeypatch):
     """LOCAL_WORLD_SIZE=4: the default budget is a quarter of one rank's, and the parameter
-    pool, the optimizer's buffers and the gradients together stay within it (the ledger)."""
+    pool, the optimizer's buffers and the gradients together stay within it (the ledger),
+    and gradients in files give the same result as in memory."""
     alone = _train_pools(tmp_path, monkeypatch, 1)
     shared = _train_pools(tmp_path, monkeypatch, 4)
     assert shared.budget == alone.budget // 4
@@ -116,7 +111,6 @@ def test_four_ranks_on_a_node_each_keep_every_pool_within_a_quarter(tmp_path, mo
         assert torch.equal(value, shared.state[name]), name
 
 
-@_KNOWN
 def test_pages_freed_with_released_units_go_back_during_the_pass(tmp_path, monkeypatch):
     """Stage 3 returns the heap pages freed with released units while forward and backward
     run (once per RETURN_EVERY_BYTES released), not only at the step: a pass over many
@@ -135,20 +129,27 @@ def test_pages_freed_with_released_units_go_back_during_the_pass(tmp_path, monke
     engine.backward(loss)
     in_backward = len(calls) - in_forward
     units = sum(u.sharded_params for u in engine.units)
-    assert units >= 2 and in_forward >= units and in_backward >= units, (units, calls)
+    # the backward gathers every unit but the position embedding's (an embedding's backward
+    # reads only its indices)
+    assert units >= 2 and in_forward >= units and in_backward >= units - 1, (units, calls)
     engine.close()
 
 
-@_KNOWN
 @pytest.mark.parametrize("stage", [2, 3])
 def test_backward_reduces_every_unit_through_a_few_reused_buffers(stage):
     """The flat gradient buffers of finished reductions serve the next units (fresh memory
     is paid per page faulted in): no more than ``reductions_alive()`` exist at a time, as the
     memory model counts, and stage 3's units (one size per layer) take no more than that
-    in a whole backward. At world size 1 the reduced shard is the flat buffer itself."""
+    in a whole backward. At world size 1 a window's first backward flattens the gradients
+    straight into the zeroed gradient shard (no flat buffer); the next one sums into it
+    through flat buffers, each its own reduced shard."""
     torch.manual_seed(0)
     engine = zo.initialize(
-        TinyGPT(layers=6, width=64), stage=stage, lr=1e-2, reduce_bucket_size=20_000
+        TinyGPT(layers=6, width=64),
+        stage=stage,
+        lr=1e-2,
+        reduce_bucket_size=20_000,
+        gradient_accumulation_steps=2,
     )
     flats: list[torch.Tensor] = []
     alive: list[int] = []
@@ -164,13 +165,17 @@ def test_backward_reduces_every_unit_through_a_few_reused_buffers(stage):
         return reduce_scatter(output, full, *args, **kwargs)
 
     engine.comm.reduce_scatter = spying  # this engine's own communicator, not torch
-    for i in range(2):
+    for i in range(4):  # two windows of two backwards
         x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
         flats.clear()
+        alive.clear()
         engine.backward(loss_fn("gpt", engine(x), y))
-        fresh = len({storage(f) for f in flats})
-        assert len(flats) >= 6 and max(alive) <= reductions_alive(), (len(flats), alive)
-        assert fresh <= (reductions_alive() if stage == 3 else len(flats) // 2), fresh
+        if i % 2 == 0:
+            assert flats == []  # written in place
+        else:
+            fresh = len({storage(f) for f in flats})
+            assert len(flats) >= 6 and max(alive) <= reductions_alive(), (len(flats), alive)
+            assert fresh <= (reductions_alive() if stage == 3 else len(flats) // 2), fresh
         engine.step()
         assert engine.reductions_in_flight() == []  # nothing kept past the backward
     engine.close()

@@ -201,9 +201,12 @@ class ParamGatherer:
         """Gather ahead the first ``prefetch_depth`` of ``candidates`` within the byte cap.
         With parameters on NVMe only the reads start for the last of them (or for all, with
         ``reads_only``): a gather waits for its read, so it is issued one module later than
-        the read, which then has a module's computation to finish in."""
+        the read, which then has a module's computation to finish in. One rank of a CPU
+        device only reads ahead: its gather takes the shard's memory at once, so one ahead
+        would wait for the read sooner and hold a buffer that the next read ahead needs."""
         budget = self.prefetch_bytes
-        gathers = 0 if reads_only else self.prefetch_depth - self.store.reads_from_disk
+        at_once = self.states.comm.world_size == 1 and not self.streams.cuda
+        gathers = 0 if reads_only or at_once else self.prefetch_depth - self.store.reads_from_disk
         for taken, index in enumerate(candidates[: self.prefetch_depth]):
             unit = self.units[index]
             if self.states.gather_state(unit) is not GatherState.FREE or (

@@ -112,6 +112,7 @@ class ParamStore:
         self.tier = cfg.offload.param
         self.streams = streams
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
+        self.unread_ahead = 0  # gathers whose NVMe read was not started ahead
         self._writes: list[Future] = []
         self._prefetched: dict[int, FlatUnit] = {}  # reads started ahead, not yet gathered
         self.resident: torch.Tensor | None = None
@@ -279,8 +280,10 @@ class ParamStore:
             return Lent(shard, event, None, keep and shard is view)
         swapper = self.swapper
         assert swapper is not None
-        if unit.index not in self._prefetched and swapper.pool.available == 0:
-            self.drop_prefetched()  # the read that is needed now comes first
+        if unit.index not in self._prefetched:
+            self.unread_ahead += 1
+            if swapper.pool.available == 0:
+                self.drop_prefetched()  # the read that is needed now comes first
         start = time.perf_counter()
         key = self._key(unit)
         host = swapper.prefetch(key).result()
