@@ -18,9 +18,9 @@ from zero_offload.memory.sizes import pool_bytes
 from zero_offload.params.gather import gathered_units
 from zero_offload.params.units import unit_build_bytes
 from zero_offload.partition import build_layout, padded_numel
-from zero_offload.planning import estimate as memory_model
-from zero_offload.planning import shape as memory_shape
-from zero_offload.planning import terms as memory_terms
+from zero_offload.planning.estimate import memory as memory_model
+from zero_offload.planning.estimate import shape as memory_shape
+from zero_offload.planning.estimate import terms as memory_terms
 from zero_offload.swap.buffers import BufferPool, pool_count, pool_footprint
 from zero_offload.update.nvme import NvmeAdam
 

@@ -14,11 +14,11 @@ import torch
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig
 from zero_offload.cli import main
-from zero_offload.planning.activations import DecoderShape
-from zero_offload.planning.estimate import estimate_memory
-from zero_offload.planning.hardware import PROBE_EFFICIENCY, Rates, target_rates
-from zero_offload.planning.step_advice import predict_step
-from zero_offload.planning.step_time import attention_flops, predict, workload
+from zero_offload.planning.estimate.activations import DecoderShape
+from zero_offload.planning.estimate.memory import estimate_memory
+from zero_offload.planning.step_time.advice import predict_step
+from zero_offload.planning.step_time.hardware import PROBE_EFFICIENCY, Rates, target_rates
+from zero_offload.planning.step_time.predict import attention_flops, predict, workload
 from zero_offload.quantities import parse_rate
 from zero_offload.rehearsal.step_time import predicted_step
 

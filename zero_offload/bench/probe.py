@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..optim import kernel as K
-from ..planning.hardware import PROBE_EFFICIENCY, Rates
+from ..planning.step_time.hardware import PROBE_EFFICIENCY, Rates
 from .step import disk_baseline
 
 __all__ = ["ProbeResult", "probe_gemm", "probe_adam", "probe_disk", "probe"]

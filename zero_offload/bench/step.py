@@ -44,7 +44,7 @@ import torch
 
 import zero_offload as zo
 
-from ..planning.state import FP32_STATE, state_bytes
+from ..planning.estimate.state import FP32_STATE, state_bytes
 from ..quantities import parse_size
 from ..swap.buffers import HostBuffer
 from .gpt import GPT, GPTConfig, synthetic_batch

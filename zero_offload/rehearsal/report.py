@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..planning.activations import ActivationEstimate
-from ..planning.estimate import (
+from ..planning.estimate.activations import ActivationEstimate
+from ..planning.estimate.memory import (
     FORWARD_BACKWARD,
     INITIALIZE,
     LOSS,
@@ -220,7 +220,7 @@ class Rehearsal:
                 "only each layer's input through the forward"
             )
         host = self.host_memory if self.host_memory is not None else 2**62
-        from ..planning.planner import plan
+        from ..planning.search.planner import plan
 
         advice = plan(
             self.shape,

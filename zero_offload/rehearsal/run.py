@@ -27,8 +27,8 @@ from ..activations.tiled_loss import tiled_causal_lm_loss
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
 from ..engine.runtime import Runtime
-from ..planning.activations import ActivationEstimate, DecoderShape, estimate_activations
-from ..planning.estimate import ModelShape, estimate_memory
+from ..planning.estimate.activations import ActivationEstimate, DecoderShape, estimate_activations
+from ..planning.estimate.memory import ModelShape, estimate_memory
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
 from ..update.api import adam_kwargs

@@ -4,8 +4,8 @@ between host memory and NVMe."""
 
 from __future__ import annotations
 
+from ..estimate.memory import MemoryEstimate
 from .candidate import Candidate
-from .estimate import MemoryEstimate
 
 __all__ = ["gb", "split_text", "why_over"]
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..optim.layout import StateLayout
-from ..optim.policy import MasterPrecision, MomentPrecision, StatePolicy
-from ..params.units import UnitPlan
-from ..swap.buffers import pool_footprint
-from ..update.nvme_sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
+from ...errors import ConfigError
+from ...optim.layout import StateLayout
+from ...optim.policy import MasterPrecision, MomentPrecision, StatePolicy
+from ...params.units import UnitPlan
+from ...swap.buffers import pool_footprint
+from ...update.nvme_sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
 
 __all__ = [
     "FP32_STATE",

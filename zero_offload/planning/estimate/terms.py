@@ -1,8 +1,8 @@
 """The terms of one estimate and the builder that adds them, group by group.
 
-``memory_model.estimate_memory`` lays out the units and splits the host budget; ``TermBuilder``
+``memory.estimate_memory`` lays out the units and splits the host budget; ``TermBuilder``
 turns those into ``Term``s. Apart so that the public estimate reads on its own; this module
-does not import ``memory_model``, which re-exports ``Term`` and the phase and kind names. The
+does not import ``memory``, which re-exports ``Term`` and the phase and kind names. The
 same rule holds here: every size is its owning component's sizing function or constant.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..grads.host import STAGING_BUFFERS
-from ..grads.reducer import reductions_alive
-from ..memory.sizes import pool_bytes as _pool
-from ..optim.policy import MasterPrecision, StatePolicy
-from ..params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
-from ..params.units import UnitPlan, unit_build_bytes
-from ..update.updaters import GRAD_SLICE
+from ...grads.host import STAGING_BUFFERS
+from ...grads.reducer import reductions_alive
+from ...memory.sizes import pool_bytes as _pool
+from ...optim.policy import MasterPrecision, StatePolicy
+from ...params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
+from ...params.units import UnitPlan, unit_build_bytes
+from ...update.updaters import GRAD_SLICE
 from .state import StateSplit, moment_bytes, per_param_text, state_names
 
 __all__ = [

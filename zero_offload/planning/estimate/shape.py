@@ -10,11 +10,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..grads.reducer import reductions_alive
-from ..params.gather import gathered_units
-from ..params.units import owning_modules, plan_units, trainable_numel
-from ..partition import padded_numel
-from ..swap.buffers import ALIGNMENT, round_up
+from ...grads.reducer import reductions_alive
+from ...params.gather import gathered_units
+from ...params.units import owning_modules, plan_units, trainable_numel
+from ...partition import padded_numel
+from ...swap.buffers import ALIGNMENT, round_up
 from .terms import Layout
 
 __all__ = ["ModelShape", "model_layout", "count_layout"]

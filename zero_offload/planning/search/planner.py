@@ -1,9 +1,10 @@
 """Which ZeRO stage and offload choice fit a model on given GPUs, host memory and NVMe.
 
-``estimate_memory`` (in :mod:`zero_offload.planning.estimate`) computes what each rank holds per
-tier; :func:`plan` tries every stage × offload choice from the least offloaded (fastest) to the
-most, and returns the first that fits as keyword arguments for ``initialize`` — or, when none
-does, says why and what would (more GPU memory, host memory, NVMe space or GPUs).
+``estimate_memory`` (in :mod:`zero_offload.planning.estimate.memory`) computes what each rank
+holds per tier; :func:`plan` tries every stage × offload choice from the least offloaded
+(fastest) to the most, and returns the first that fits as keyword arguments for
+``initialize`` — or, when none does, says why and what would (more GPU memory, host memory,
+NVMe space or GPUs).
 
 With the optimizer on NVMe, the host memory a choice leaves free is not wasted: the plan gives
 it to the optimizer (``offload_optimizer_fraction="auto"`` with a ``host_memory_limit`` that
@@ -23,9 +24,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..update.nvme_sizing import FULL_SPEED_GROUP
-from .candidate import Candidate, Plan
-from .estimate import (
+from ...update.nvme_sizing import FULL_SPEED_GROUP
+from ..estimate.memory import (
     MemoryEstimate,
     ModelShape,
     Term,
@@ -34,11 +34,12 @@ from .estimate import (
     describe_params,
     estimate_memory,
 )
+from ..estimate.state import state_bytes
+from .candidate import Candidate, Plan
 from .measures import Measures, MicroBatch, cheapest, explain, micro_batch_for
 from .precisions import StateRow, policy_keys, state_rows, states_text
 from .reasons import gb as _gb
 from .reasons import split_text, why_over
-from .state import state_bytes
 
 __all__ = [
     "estimate_memory",
@@ -303,9 +304,9 @@ def plan(
     keyword arguments, or an explanation of why none fits and what would.
 
     ``micro_batch``: (sequences, tokens) per GPU: the activations are then computed for the
-    model (a Hugging Face Llama-kind model or the benchmark GPT: ``planning.activations``)
+    model (a Hugging Face Llama-kind model or the benchmark GPT: ``planning.estimate.activations``)
     and, for each choice, the cheapest activation measures that fit are picked
-    (``planning.measures.ladder``: the tiled loss, checkpointing, both, both with activation
+    (``planning.search.measures.ladder``: the tiled loss, checkpointing, both, both with activation
     offload); ``checkpointing``, ``offload_activations`` and ``tiled_loss`` (tokens a tile,
     0: off) fix one instead of leaving it to the planner. Checkpointing is the model's own
     switch (``plan.checkpointing``: call ``model.gradient_checkpointing_enable()``); the
@@ -326,7 +327,7 @@ def plan(
     moments; 8-bit moments; 8-bit moments with a bf16_kahan or a bf16_sr master) with its
     least-offloaded choice that fits. The plan takes fp32 state unless
     ``allow_low_precision_states``: then the highest precision whose choice needs the least
-    offload (none, host memory, NVMe) of any row (``planning.precisions``); ``kwargs`` then
+    offload (none, host memory, NVMe) of any row (``planning.search.precisions``); ``kwargs`` then
     carries its ``moment_precision`` and ``master_precision``.
     """
     if not 0 <= headroom < 1:

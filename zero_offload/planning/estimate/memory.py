@@ -7,7 +7,7 @@ element of the rank's shard ``S``, offloaded gradients are fp32 on the host, and
 count and rule the engine has (buffers per pool, reductions in flight, padding, the host budget
 split, how a pool fits its budget) comes from the component that owns it: its sizing function
 or constant, which its constructor calls too; this module only adds them up (the terms are
-built in ``memory_terms``). Each term says which tier it lives in, when it is alive (held
+built in ``terms``). Each term says which tier it lives in, when it is alive (held
 between steps, or only during forward/backward or the step) and whether it is one of ZeRO's
 *model states* (params, grads, optimizer state: the paper's arithmetic) or an engine buffer /
 activations on top.
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError
-from ..grads.host import staging_bytes
-from ..memory.sizes import activation_memory, describe_params
-from ..memory.sizes import dtype_bytes as _dtype_bytes
-from ..memory.sizes import dtype_name as _dtype_name
-from ..memory.sizes import pool_bytes as _pool
-from ..optim.policy import StatePolicy
-from ..params.store import param_pool_buffers
-from ..swap.budget import activation_host_share, host_memory_budget, split_host_budget
+from ...config import ConfigError
+from ...grads.host import staging_bytes
+from ...memory.sizes import activation_memory, describe_params
+from ...memory.sizes import dtype_bytes as _dtype_bytes
+from ...memory.sizes import dtype_name as _dtype_name
+from ...memory.sizes import pool_bytes as _pool
+from ...optim.policy import StatePolicy
+from ...params.store import param_pool_buffers
+from ...swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from .activations import ActivationEstimate
 from .shape import ModelShape, count_layout, model_layout
 from .state import FP32_STATE, state_policy, state_rate, state_split
@@ -250,10 +250,10 @@ def estimate_memory(
     stage 3's largest module, gathered ``prefetch_depth + 1`` at a time (default: read from
     the model, else Ψ/50). ``gpus_per_node``: default min(num_gpus, 8). ``activation_bytes``:
     per GPU, alive with everything else of forward/backward; None leaves activations out.
-    ``activations``: instead, ``planning.activations.estimate_activations``'s figures: those
-    of the layers and the head beside the gathered window and the reductions in flight,
-    those of the loss without them, and activation offload's host buffers (which then come
-    out of the host budget first, as the engine takes them). ``device="cpu"`` models the
+    ``activations``: instead, ``planning.estimate.activations.estimate_activations``'s
+    figures: those of the layers and the head beside the gathered window and the reductions
+    in flight, those of the loss without them, and activation offload's host buffers (which
+    then come out of the host budget first, as the engine takes them). ``device="cpu"`` models the
     engine on a CPU-only machine, where the CPU is the "device" tier (as ``memory_report``
     names it).
     ``trainable_params``: with a parameter count, how many train (default: all; a LoRA run

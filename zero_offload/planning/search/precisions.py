@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..optim.policy import StatePolicy
+from ...optim.policy import StatePolicy
+from ..estimate.state import per_param_text, state_bytes, state_policy
 from .candidate import Candidate
-from .state import per_param_text, state_bytes, state_policy
 
 __all__ = [
     "STATE_ROWS",

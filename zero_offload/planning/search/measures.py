@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..activations.config import DEFAULT_TILE_TOKENS, ActivationConfig
-from .activations import ActivationEstimate, DecoderShape, estimate_activations
+from ...activations.config import DEFAULT_TILE_TOKENS, ActivationConfig
+from ..estimate.activations import ActivationEstimate, DecoderShape, estimate_activations
 
 __all__ = ["Measures", "MicroBatch", "ladder", "cheapest", "micro_batch_for", "explain"]
 

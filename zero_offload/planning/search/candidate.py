@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..optim.policy import StatePolicy
-from .estimate import MemoryEstimate
+from ...optim.policy import StatePolicy
+from ..estimate.memory import MemoryEstimate
+from ..estimate.state import FP32_STATE
 from .measures import Measures
-from .state import FP32_STATE
 
 if TYPE_CHECKING:
     from .precisions import StateRow

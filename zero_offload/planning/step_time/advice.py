@@ -1,14 +1,14 @@
 """What would move a predicted step: each suggestion is the same workload changed the way
-the suggestion says, predicted again (``step_time.predict``), so its figure is the model's,
+the suggestion says, predicted again (``step_time.predict.predict``), so its figure is the model's,
 not a rule of thumb."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..optim.policy import MasterPrecision, MomentPrecision, StatePolicy
+from ...optim.policy import MasterPrecision, MomentPrecision, StatePolicy
 from .hardware import Rates
-from .step_time import PhaseWork, StepPrediction, Workload, predict
+from .predict import PhaseWork, StepPrediction, Workload, predict
 
 __all__ = ["predict_step", "advice", "with_state_bytes", "LOW_PRECISION"]
 
@@ -20,7 +20,7 @@ _MORE_HOST = 100e9  # the host memory suggestion: this much more per node
 
 
 def predict_step(work: Workload, rates: Rates) -> StepPrediction:
-    """:func:`~.step_time.predict` with what would move the step."""
+    """:func:`~.predict.predict` with what would move the step."""
     pred = predict(work, rates)
     return replace(pred, advice=tuple(advice(pred)))
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..memory.sizes import dtype_bytes
-from .activations import DecoderShape
-from .estimate import MemoryEstimate
+from ...memory.sizes import dtype_bytes
+from ..estimate.activations import DecoderShape
+from ..estimate.memory import MemoryEstimate
 from .hardware import Rates
 
 __all__ = [

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from ..activations.config import ActivationConfig
-from ..activations.host_slots import slot_bytes
+from ...activations.config import ActivationConfig
+from ...activations.host_slots import slot_bytes
 from .terms import ACTIVATIONS, FORWARD_BACKWARD, LOSS, RESIDENT, Term
 
 __all__ = ["DecoderShape", "ActivationEstimate", "estimate_activations", "FAMILIES"]
@@ -75,7 +75,7 @@ class DecoderShape:
         """The shape of a Hugging Face Llama-kind model (or its config) or a benchmark
         ``GPT`` (or its ``GPTConfig``); None for any other model, whose activations the
         planner cannot compute (give ``activation_bytes``, or rehearse it)."""
-        from ..bench.gpt import GPT, GPTConfig
+        from ...bench.gpt import GPT, GPTConfig
 
         cfg = model.cfg if isinstance(model, GPT) else getattr(model, "config", model)
         if isinstance(cfg, GPTConfig):
@@ -172,7 +172,7 @@ class ActivationEstimate:
 
 
 def _dtype_bytes(dtype: torch.dtype | str) -> int:
-    from ..config import compute_dtype
+    from ...config import compute_dtype
 
     return torch.empty(0, dtype=compute_dtype(dtype)).element_size()
 
