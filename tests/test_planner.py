@@ -14,8 +14,8 @@ import torch
 from distributed import run_ranks
 
 import zero_offload as zo
-from zero_offload.bench import io as bench_io
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
+from zero_offload.bench.micro import io as bench_io
 from zero_offload.cli import main as cli_main
 from zero_offload.cli import plan as plan_cli
 from zero_offload.planning.estimate.memory import MODEL_STATE, RESIDENT, TIERS, ModelShape

@@ -228,7 +228,7 @@ def test_plan_asks_for_the_tokens_of_a_step(capsys):
 
 def test_probe_measures_this_machine(tmp_path):
     """``--probe``'s rates are positive, from a GEMM, the CPU Adam and the disk here."""
-    from zero_offload.bench.probe import probe
+    from zero_offload.bench.micro.probe import probe
 
     p = probe(tmp_path, seconds=0.1)
     r = p.rates()

@@ -78,7 +78,7 @@ def rates(args: argparse.Namespace, shape: tuple[int, int, int] | None = None) -
     (ValueError: what is missing or wrong). ``shape``: the model's MLP matmul, for the
     GEMM probe."""
     if args.probe:
-        from ..bench.probe import probe
+        from ..bench.micro.probe import probe
 
         disk = args.probe_disk or (Path(args.nvme) if getattr(args, "nvme", None) else None)
         dtype = getattr(torch, getattr(args, "dtype", "bfloat16"))

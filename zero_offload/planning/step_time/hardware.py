@@ -2,7 +2,7 @@
 
 A :class:`Rates` is what one rank's step runs at: the device's FLOP/s, the PCIe link, the
 collectives' bandwidth, and the node's disk and CPU optimizer (shared by the node's ranks).
-Rates come from short probes on this machine (``zero_offload.bench.probe``) or from the
+Rates come from short probes on this machine (``zero_offload.bench.micro.probe``) or from the
 tables below for target hardware. Every figure in the tables is a vendor's datasheet number
 (the source is named beside it); what a training step reaches of a peak is a separate factor
 (``efficiency``), so that the table stays the datasheet's.

@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 
-from ..optim import ShardState, StateLayout, StatePolicy, StepHyper, step
-from ..optim.policy import CODE_BYTES
+from ...optim import ShardState, StateLayout, StatePolicy, StepHyper, step
+from ...optim.policy import CODE_BYTES
 
 logger = logging.getLogger(__name__)
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
-OURS_FP32 = "zero_offload CPUAdam"  # the fp32 kernel's variant in bench.adam
+OURS_FP32 = "zero_offload CPUAdam"  # the fp32 kernel's variant in `bench adam`
 TORCHAO = "torchao AdamW8bit"
 BNB = "bitsandbytes AdamW8bit"
 

@@ -1,6 +1,6 @@
 """``zero-offload bench step``'s summaries and tables: the prefetch-depth sweep, the host/NVMe
 split sweep and the overlap ratios derived from the runs' medians, and the Markdown tables
-printed from the report (``zero_offload.bench.step`` runs the steps)."""
+printed from the report (``zero_offload.bench.training.step`` runs the steps)."""
 
 from __future__ import annotations
 

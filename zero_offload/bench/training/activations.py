@@ -41,9 +41,9 @@ import torch.utils.checkpoint
 
 import zero_offload as zo
 
-from ..activations.tiled_loss import tiled_lm_loss
-from .gpt import GPT, GPTConfig, synthetic_batch
-from .io import show_progress
+from ...activations.tiled_loss import tiled_lm_loss
+from ..gpt import GPT, GPTConfig, synthetic_batch
+from ..micro.io import show_progress
 from .rss import PeakSampler
 
 __all__ = ["add_arguments", "run", "CASES"]
@@ -160,7 +160,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _child(case: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """``measure(case)`` in a fresh interpreter: its peak RSS is its own."""
-    cmd = [sys.executable, "-m", "zero_offload.bench.activations", *argv, "--child", case]
+    cmd = [sys.executable, "-m", "zero_offload.bench.training.activations", *argv, "--child", case]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,4 @@
-"""``python -m zero_offload.bench.rss``: where a rank's resident memory goes, term by term.
+"""``python -m zero_offload.bench.training.rss``: where a rank's resident memory goes, term by term.
 
 Builds a GPT on the meta device, initializes it (stage 3 by default, params and optimizer on
 NVMe, default budget) and prints, after ``initialize`` and after each step: RSS, the memory
@@ -7,7 +7,8 @@ free but kept for reuse), and the engine's own mapped buffers. The peak during `
 and during training is sampled by a thread. RSS does not depend on the machine's load, so the
 numbers hold on a shared host where timings would not.
 
-Run: ``python -m zero_offload.bench.rss --params 2e8 --nvme-path DIR [--steps 6] [--json]``.
+Run: ``python -m zero_offload.bench.training.rss --params 2e8 --nvme-path DIR [--steps 6]
+[--json]``.
 
 ``--ranks N`` runs N gloo ranks on this node (``LOCAL_WORLD_SIZE=N``, as ``torchrun`` sets it)
 with their default budgets, and adds up their peak RSS against the node's budget
@@ -34,9 +35,9 @@ import torch.multiprocessing as mp
 
 import zero_offload as zo
 
-from ..quantities import parse_size
-from ..swap.budget import DEFAULT_HOST_FRACTION
-from .gpt import GPT, synthetic_batch
+from ...quantities import parse_size
+from ...swap.budget import DEFAULT_HOST_FRACTION
+from ..gpt import GPT, synthetic_batch
 from .step import DEFAULT_VOCAB, HEAD_DIM, model_config
 
 __all__ = ["PeakSampler", "malloc_stats", "main"]

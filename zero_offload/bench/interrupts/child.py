@@ -1,6 +1,6 @@
 """One process of ``zero-offload bench interrupts``: a stage-3 run with optimizer and
 parameters on NVMe and the update in its overlapped and early windows, as the campaign's
-trials start it (``python -m zero_offload.bench.interrupt_child SPEC``, SPEC a JSON object):
+trials start it (``python -m zero_offload.bench.interrupts.child SPEC``, SPEC a JSON object):
 it trains, resumes, records its training state after every step, and handles Ctrl-C the way a
 user's loop does or saves through ``save_on_preemption``, printing one line per event for the
 campaign to read."""

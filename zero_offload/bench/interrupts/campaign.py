@@ -84,7 +84,7 @@ class _Run:
             child = json.dumps(dict(spec, rank=rank, world=world))
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "zero_offload.bench.interrupt_child", child],
+                    [sys.executable, "-m", "zero_offload.bench.interrupts.child", child],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
@@ -337,7 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_offload.bench.interrupts", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -6,7 +6,7 @@ Python over one huge-page buffer. Both sides use huge-page buffers, rounds are i
 (alternating who goes first), the file is filled untimed first so no side pays for block
 allocation, and the page cache is never measured: a path without O_DIRECT is refused.
 
-Run: ``python -m zero_offload.bench.io --path DIR [--size 4GiB] [--rounds 3] [--json]``.
+Run: ``python -m zero_offload.bench.micro.io --path DIR [--size 4GiB] [--rounds 3] [--json]``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..quantities import parse_size
-from ..swap.buffers import HostBuffer
-from ..swap.io import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, FileIOEngine
+from ...quantities import parse_size
+from ...swap.buffers import HostBuffer
+from ...swap.io import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, FileIOEngine
 
 RAW_CHUNK = 64 * 1024 * 1024
 """Request size of the Python baseline loop (measured best of 8/64/512 MiB)."""
@@ -297,9 +297,27 @@ def _print_table(report: dict) -> None:
         print(f"| {op} | {mmm(res['baseline'])} | {mmm(res['ours'])} | {res['ratio']:.2f} |")
 
 
+def disk_baseline(directory: Path, size: int) -> dict[str, float]:
+    """Raw O_DIRECT GB/s on ``directory``: one thread, 64 MiB requests, huge-page buffer
+    (``bench io``'s baseline loop); the file is written once untimed first."""
+    size = max(4096, size // 4096 * 4096)
+    path = directory / f"zo_bench_step_{os.getpid()}.dat"
+    buf = HostBuffer(min(size, 512 * 2**20))
+    try:
+        raw_direct_io(path, "write", size, buf)
+        return {
+            "size": size,
+            "write_gbps": raw_direct_io(path, "write", size, buf),
+            "read_gbps": raw_direct_io(path, "read", size, buf),
+        }
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zero_offload.bench.io", description=__doc__.splitlines()[0]
+        prog="python -m zero_offload.bench.micro.io", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -23,7 +23,8 @@ warm-up steps first (the first step pays for first-touch page faults and the rec
 order), medians over the timed steps. The page cache is never measured: the swap engine uses
 O_DIRECT and a ``--nvme-path`` on a memory filesystem is refused (``bench io``'s check).
 
-Run: ``python -m zero_offload.bench.step --offload-optimizer nvme --nvme-path DIR [--json]``.
+Run: ``python -m zero_offload.bench.training.step --offload-optimizer nvme --nvme-path DIR
+[--json]``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,10 @@ import torch
 
 import zero_offload as zo
 
-from ..planning.estimate.state import FP32_STATE, state_bytes
-from ..quantities import parse_size
-from ..swap.buffers import HostBuffer
-from .gpt import GPT, GPTConfig, synthetic_batch
-from .io import MEMORY_FILESYSTEMS, check_path, fs_type, raw_direct_io, show_progress
+from ...planning.estimate.state import FP32_STATE, state_bytes
+from ...quantities import parse_size
+from ..gpt import GPT, GPTConfig, synthetic_batch
+from ..micro.io import MEMORY_FILESYSTEMS, check_path, disk_baseline, fs_type, show_progress
 from .step_report import (
     REFERENCE_DEPTH,
     depth_sweep,
@@ -348,24 +348,6 @@ def _sample(fwd_bwd_s: float, step_s: float, t: Any) -> Sample:
     )
 
 
-def disk_baseline(directory: Path, size: int) -> dict[str, float]:
-    """Raw O_DIRECT GB/s on ``directory``: one thread, 64 MiB requests, huge-page buffer
-    (``bench io``'s baseline loop); the file is written once untimed first."""
-    size = max(4096, size // 4096 * 4096)
-    path = directory / f"zo_bench_step_{os.getpid()}.dat"
-    buf = HostBuffer(min(size, 512 * 2**20))
-    try:
-        raw_direct_io(path, "write", size, buf)
-        return {
-            "size": size,
-            "write_gbps": raw_direct_io(path, "write", size, buf),
-            "read_gbps": raw_direct_io(path, "read", size, buf),
-        }
-    finally:
-        buf.close()
-        path.unlink(missing_ok=True)
-
-
 def _runs_wanted(
     args: argparse.Namespace,
 ) -> list[tuple[str, str, int, float | str | None, bool]]:
@@ -492,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zero_offload.bench.step", description=__doc__.splitlines()[0]
+        prog="python -m zero_offload.bench.training.step", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zero_offload.bench.adam", description=__doc__.splitlines()[0]
+        prog="python -m zero_offload.bench.micro.adam", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

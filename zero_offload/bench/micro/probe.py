@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..optim import kernel as K
-from ..planning.step_time.hardware import PROBE_EFFICIENCY, Rates
-from .step import disk_baseline
+from ...optim import kernel as K
+from ...planning.step_time.hardware import PROBE_EFFICIENCY, Rates
+from .io import disk_baseline
 
 __all__ = ["ProbeResult", "probe_gemm", "probe_adam", "probe_disk", "probe"]
 

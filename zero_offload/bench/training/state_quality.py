@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optim import Piece, ShardState, StateLayout, StatePolicy, StepHyper, step
-from .gpt import GPT, GPTConfig
+from ...optim import Piece, ShardState, StateLayout, StatePolicy, StepHyper, step
+from ..gpt import GPT, GPTConfig
 
 VARIANTS = {
     "fp32": StatePolicy(),
@@ -323,7 +323,8 @@ def plot(path: str, runs: dict, model: GPTConfig | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zero_offload.bench.state_quality", description=__doc__.splitlines()[0]
+        prog="python -m zero_offload.bench.training.state_quality",
+        description=__doc__.splitlines()[0],
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))
