@@ -1,6 +1,6 @@
 """``zero-offload bench step``'s summaries and tables: the prefetch-depth sweep, the host/NVMe
 split sweep and the overlap ratios derived from the runs' medians, and the Markdown tables
-printed from the report (``zero_offload.bench.training.step`` runs the steps)."""
+printed from the report (``step_run`` runs the steps)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .step import RunResult
+    from .step_run import RunResult
 
 __all__ = ["REFERENCE_DEPTH", "depth_sweep", "fraction_sweep", "overlap_ratios", "print_tables"]
 
