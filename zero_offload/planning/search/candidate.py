@@ -1,20 +1,18 @@
 """What :func:`~.planner.plan` returns: each stage × offload choice it tried
-(:class:`Candidate`) and its outcome (:class:`Plan`)."""
+(:class:`Candidate`), each optimizer-state precision's row (:class:`StateRow`) and its
+outcome (:class:`Plan`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...optim.policy import StatePolicy
 from ..estimate.memory import MemoryEstimate
-from ..estimate.state import FP32_STATE
+from ..estimate.state import FP32_STATE, per_param_text, state_bytes
 from .measures import Measures
 
-if TYPE_CHECKING:
-    from .precisions import StateRow
-
-__all__ = ["Candidate", "Plan"]
+__all__ = ["Candidate", "Plan", "StateRow"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,37 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class StateRow:
+    """One state precision: its least-offloaded choice that fits (None: nothing fits)."""
+
+    label: str
+    policy: StatePolicy
+    choice: Candidate | None
+    trainable_params: int
+
+    @property
+    def total_state_bytes(self) -> int:
+        """The whole optimizer state of the trainable params, all ranks, wherever it lives."""
+        return state_bytes(self.policy, self.trainable_params)
+
+    def describe(self) -> str:
+        return f"{self.label} ({per_param_text(self.policy.bytes_per_param)} B/param)"
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.choice
+        return {
+            "label": self.label,
+            "optimizer_type": self.policy.kind.value,
+            "moment_precision": self.policy.moments.value,
+            "master_precision": self.policy.master.value,
+            "bytes_per_param": self.policy.bytes_per_param,
+            "state_bytes": self.total_state_bytes,
+            "fits": c is not None,
+            "choice": None if c is None else c.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
 class Plan:
     """The outcome of :func:`plan`. ``kwargs``: pass to ``zo.initialize(model, **kwargs)``
     (empty when nothing fits). ``explanation``: why this choice, or why none and what would."""
@@ -85,7 +114,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     # a row per optimizer-state precision, the one the plan took, and whether lower
     # precision than fp32 was allowed (``allow_low_precision_states``)
-    states: tuple["StateRow", ...] = ()
+    states: tuple[StateRow, ...] = ()
     policy: StatePolicy = FP32_STATE
     allow_low_precision_states: bool = False
 

@@ -11,12 +11,11 @@ state off the disk or out of host memory, or where fp32 fits nowhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ...optim.policy import StatePolicy
-from ..estimate.state import per_param_text, state_bytes, state_policy
-from .candidate import Candidate
+from ..estimate.state import state_policy
+from .candidate import Candidate, StateRow
 
 __all__ = [
     "STATE_ROWS",
@@ -51,37 +50,6 @@ def row_policies(optimizer_type: str) -> list[tuple[str, StatePolicy]]:
         except ValueError:  # ConfigError: a precision this kind does not offer
             continue
     return out
-
-
-@dataclass(frozen=True)
-class StateRow:
-    """One state precision: its least-offloaded choice that fits (None: nothing fits)."""
-
-    label: str
-    policy: StatePolicy
-    choice: Candidate | None
-    trainable_params: int
-
-    @property
-    def total_state_bytes(self) -> int:
-        """The whole optimizer state of the trainable params, all ranks, wherever it lives."""
-        return state_bytes(self.policy, self.trainable_params)
-
-    def describe(self) -> str:
-        return f"{self.label} ({per_param_text(self.policy.bytes_per_param)} B/param)"
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.choice
-        return {
-            "label": self.label,
-            "optimizer_type": self.policy.kind.value,
-            "moment_precision": self.policy.moments.value,
-            "master_precision": self.policy.master.value,
-            "bytes_per_param": self.policy.bytes_per_param,
-            "state_bytes": self.total_state_bytes,
-            "fits": c is not None,
-            "choice": None if c is None else c.to_dict(),
-        }
 
 
 def offload_rank(c: Candidate) -> int:
