@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..planning.estimate.memory import describe_params
+from ..memory.sizes import describe_params
 from ..planning.search.planner import Plan, plan
 from ..quantities import parse_count, parse_size
 from . import step_time

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..memory.sizes import describe_params
 from ..planning.estimate.activations import ActivationEstimate
 from ..planning.estimate.memory import (
     FORWARD_BACKWARD,
@@ -18,7 +19,6 @@ from ..planning.estimate.memory import (
     STEP,
     MemoryEstimate,
     ModelShape,
-    describe_params,
 )
 from .tracker import KINDS, PhaseMemory
 

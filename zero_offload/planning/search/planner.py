@@ -23,13 +23,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ...memory.sizes import describe_params, dtype_name
 from ..estimate.memory import (
     MemoryEstimate,
     ModelShape,
     Term,
-    _dtype_name,
     activation_memory,
-    describe_params,
     estimate_memory,
 )
 from .candidate import Candidate, Plan
@@ -150,7 +149,7 @@ def plan(
         trains = (
             f" {describe_params(shape.num_params, shape.trainable_params, always=True)}"
             f": only the trainable ones ({source}) have optimizer state and gradients; "
-            f"the frozen ones hold just their {_dtype_name(dtype)} copy."
+            f"the frozen ones hold just their {dtype_name(dtype)} copy."
         )
     outcome = functools.partial(
         Plan,
@@ -197,7 +196,7 @@ def plan(
         "stage": choice.stage,
         "offload_optimizer": choice.offload_optimizer,
         "offload_param": choice.offload_param,
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name(dtype),
     }
     if not chosen.policy.is_default:
         kwargs.update(policy_keys(chosen.policy))
