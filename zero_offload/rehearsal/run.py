@@ -36,7 +36,8 @@ from .attention import KERNELS, GpuAttention, describe_kernels, kernel_scratch
 from .disk import SimulatedDisk
 from .flops import CountFlops
 from .models import build_model, causal_lm_batch, prepare_meta_model
-from .report import Rehearsal, device_problems
+from .placement import device_problems
+from .report import Rehearsal
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
 from .tracker import ACTIVATIONS, COMM, GATHERED, GRADS, OPTIMIZER, PARAMS, MemoryTracker
 
