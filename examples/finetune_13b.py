@@ -32,7 +32,7 @@ from train_gpt import finish, text_batch, train  # the sibling example: same dat
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
 from zero_offload.cli.plan import format_plan, parse_size
-from zero_offload.planning.planner import activation_memory
+from zero_offload.planning.search.planner import activation_memory
 
 FULL = GPTConfig.preset("13b", checkpoint=True)
 

@@ -15,8 +15,8 @@ import zero_offload as zo
 from zero_offload.activations.config import ActivationConfig
 from zero_offload.bench.gpt import GPT, GPTConfig
 from zero_offload.cli import main
-from zero_offload.planning.activations import DecoderShape, estimate_activations
-from zero_offload.planning.measures import Measures, ladder
+from zero_offload.planning.estimate.activations import DecoderShape, estimate_activations
+from zero_offload.planning.search.measures import Measures, ladder
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

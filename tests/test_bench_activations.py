@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from zero_offload.bench import activations as bench
+from zero_offload.bench.training import activations as bench
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from zero_offload.bench import adam
+from zero_offload.bench.micro import adam
 
 
 def test_state_variants_report_bytes_and_ratios(capsys: pytest.CaptureFixture) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload.bench import step
+from zero_offload.bench.training import step
 
 TINY = [
     "--preset",
@@ -159,7 +159,7 @@ def test_cli_wiring() -> None:
     from zero_offload import cli
 
     args = cli.build_parser().parse_args(["bench", "step", "--preset", "tiny", "--json"])
-    assert args._module == "zero_offload.bench.step" and args.json
+    assert args._module == "zero_offload.bench.training.step" and args.json
 
 
 def test_optimizer_fraction_sweep_reports_disk_bytes_per_point(

@@ -326,7 +326,7 @@ RUN = textwrap.dedent("""
     import json, sys, torch
     import zero_offload as zo
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
-    from zero_offload.bench.rss import PeakSampler, rss
+    from zero_offload.bench.training.rss import PeakSampler, rss
     torch.set_num_threads(1)
     cfg = GPTConfig(layers=4, width=384, heads=6, vocab=8192, seq=32)
     torch.manual_seed(0)

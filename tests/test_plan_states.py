@@ -14,8 +14,8 @@ import torch.nn as nn
 import zero_offload as zo
 from zero_offload.cli import main as cli_main
 from zero_offload.optim.policy import ABSMAX_BYTES, BLOCK, MIN_QUANTIZED_NUMEL, StatePolicy
-from zero_offload.planning.precisions import row_policies
-from zero_offload.planning.state import FP32_STATE, state_split
+from zero_offload.planning.estimate.state import FP32_STATE, state_split
+from zero_offload.planning.search.precisions import row_policies
 from zero_offload.update.nvme_sizing import optimizer_split
 
 GB = 10**9

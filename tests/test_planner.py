@@ -14,12 +14,12 @@ import torch
 from distributed import run_ranks
 
 import zero_offload as zo
-from zero_offload.bench import io as bench_io
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
+from zero_offload.bench.micro import io as bench_io
 from zero_offload.cli import main as cli_main
 from zero_offload.cli import plan as plan_cli
-from zero_offload.planning import planner
-from zero_offload.planning.estimate import MODEL_STATE, RESIDENT, TIERS, ModelShape
+from zero_offload.planning.estimate.memory import MODEL_STATE, RESIDENT, TIERS, ModelShape
+from zero_offload.planning.search import planner
 from zero_offload.quantities import parse_count, parse_size
 
 # ~0.47M params: padding (to world × 64 elements per unit) is well under 1%.

@@ -18,9 +18,11 @@ from zero_offload.memory.sizes import pool_bytes
 from zero_offload.params.gather import gathered_units
 from zero_offload.params.units import unit_build_bytes
 from zero_offload.partition import build_layout, padded_numel
-from zero_offload.planning import estimate as memory_model
-from zero_offload.planning import shape as memory_shape
-from zero_offload.planning import terms as memory_terms
+from zero_offload.planning.estimate import builder as memory_builder
+from zero_offload.planning.estimate import memory as memory_model
+from zero_offload.planning.estimate import result as memory_result
+from zero_offload.planning.estimate import shape as memory_shape
+from zero_offload.planning.estimate import terms as memory_terms
 from zero_offload.swap.buffers import BufferPool, pool_count, pool_footprint
 from zero_offload.update.nvme import NvmeAdam
 
@@ -33,10 +35,11 @@ def test_memory_model_defines_no_count_of_its_own() -> None:
     """Its module-level numbers are planning assumptions only (what to assume without a
     model), and it does no arithmetic on an engine setting: a count derived from
     ``prefetch_depth`` (buffers, units gathered) belongs to the component that allocates it.
-    ``memory_terms`` (the terms the estimate adds up) is held to the same rules."""
+    The modules of the terms the estimate adds up, their builder and the estimate it returns
+    are held to the same rules."""
     numbers: set[str] = set()
     derived: list[str] = []
-    for module in (memory_model, memory_terms, memory_shape):
+    for module in (memory_model, memory_terms, memory_builder, memory_result, memory_shape):
         tree = ast.parse(Path(module.__file__).read_text())
         numbers |= {
             t.id

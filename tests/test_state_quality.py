@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from zero_offload.bench import state_quality
+from zero_offload.bench.training import state_quality
 
 
 def test_smoke_run_learns_and_8bit_tracks_fp32(tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ import torch
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig
 from zero_offload.cli import main
-from zero_offload.planning.activations import DecoderShape
-from zero_offload.planning.estimate import estimate_memory
-from zero_offload.planning.hardware import PROBE_EFFICIENCY, Rates, target_rates
-from zero_offload.planning.step_advice import predict_step
-from zero_offload.planning.step_time import attention_flops, predict, workload
+from zero_offload.planning.estimate.activations import DecoderShape
+from zero_offload.planning.estimate.memory import estimate_memory
+from zero_offload.planning.step_time.advice import predict_step
+from zero_offload.planning.step_time.hardware import PROBE_EFFICIENCY, Rates, target_rates
+from zero_offload.planning.step_time.predict import attention_flops, predict, workload
 from zero_offload.quantities import parse_rate
 from zero_offload.rehearsal.step_time import predicted_step
 
@@ -228,7 +228,7 @@ def test_plan_asks_for_the_tokens_of_a_step(capsys):
 
 def test_probe_measures_this_machine(tmp_path):
     """``--probe``'s rates are positive, from a GEMM, the CPU Adam and the disk here."""
-    from zero_offload.bench.probe import probe
+    from zero_offload.bench.micro.probe import probe
 
     p = probe(tmp_path, seconds=0.1)
     r = p.rates()

@@ -24,7 +24,7 @@ from .errors import (
 from .memory.ledger import MemoryReport
 from .optim import CPUAdam, CPUAdamW
 from .params.external import register_external_parameter
-from .planning.planner import estimate_memory, plan
+from .planning.search.planner import estimate_memory, plan
 from .rehearsal import Rehearsal, rehearse
 
 __all__ = [

@@ -34,7 +34,7 @@ bench() {  # name, timeout, arguments...
     local name="$1" limit="$2"; shift 2
     echo "== bench step: $name"
     local start=$SECONDS rc=0
-    timeout "$limit" python -m zero_offload.bench.step "$@" || rc=$?
+    timeout "$limit" python -m zero_offload.bench.training.step "$@" || rc=$?
     benches+=("$name|$([ $rc = 0 ] && echo passed || echo "failed (exit $rc)")|$((SECONDS - start))")
     [ $rc = 0 ] || status=1
 }

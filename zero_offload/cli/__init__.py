@@ -14,18 +14,18 @@ import logging
 _COMMANDS = [
     (
         ("bench", "adam"),
-        "zero_offload.bench.adam",
+        "zero_offload.bench.micro.adam",
         "CPU optimizer kernels (every kind and state precision) vs torch, torchao, bitsandbytes",
     ),
-    (("bench", "io"), "zero_offload.bench.io", "swap file I/O vs raw direct I/O on one disk"),
+    (("bench", "io"), "zero_offload.bench.micro.io", "swap file I/O vs raw direct I/O on one disk"),
     (
         ("bench", "step"),
-        "zero_offload.bench.step",
+        "zero_offload.bench.training.step",
         "one training step: I/O, Adam, overlap; prefetch-depth sweep",
     ),
     (
         ("bench", "activations"),
-        "zero_offload.bench.activations",
+        "zero_offload.bench.training.activations",
         "step time and peak RSS with activation offload and the tiled loss, beside without",
     ),
     (
@@ -35,7 +35,7 @@ _COMMANDS = [
     ),
     (
         ("bench", "state-quality"),
-        "zero_offload.bench.state_quality",
+        "zero_offload.bench.training.state_quality",
         "GPT training runs per optimizer-state precision: loss against fp32 AdamW",
     ),
     (("plan",), "zero_offload.cli.plan", "which stage and offload fit your model and GPUs"),

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..planning.estimate import describe_params
-from ..planning.planner import Plan, plan
+from ..memory.sizes import describe_params
+from ..planning.search.planner import Plan, plan
 from ..quantities import parse_count, parse_size
 from . import step_time
 from .states import add_state_arguments

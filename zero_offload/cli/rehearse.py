@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from ..planning.estimate import activation_memory
+from ..planning.estimate.memory import activation_memory
 from ..quantities import parse_size
 from ..rehearsal.attention import KERNELS
 from . import step_time
@@ -137,8 +137,8 @@ _ENOUGH_HOST = 1 << 50  # no --host-memory: host memory is not what decides the 
 def _recommended(args: argparse.Namespace, model: Any) -> Any:
     """The planner's plan for this model, these GPUs and this micro-batch (its activation
     measures where it can size the model's activations), or why there is none."""
-    from ..planning.activations import DecoderShape
-    from ..planning.planner import plan
+    from ..planning.estimate.activations import DecoderShape
+    from ..planning.search.planner import plan
 
     sized = DecoderShape.of(model) is not None
     measures: dict[str, Any] = {}

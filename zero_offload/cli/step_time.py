@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from ..planning.activations import DecoderShape
-from ..planning.hardware import (
+from ..planning.estimate.activations import DecoderShape
+from ..planning.search.planner import Plan
+from ..planning.step_time.advice import predict_step
+from ..planning.step_time.hardware import (
     GPU_EFFICIENCY,
     GPUS,
     HOST_ADAM,
@@ -22,9 +24,7 @@ from ..planning.hardware import (
     Rates,
     target_rates,
 )
-from ..planning.planner import Plan
-from ..planning.step_advice import predict_step
-from ..planning.step_time import StepPrediction, attention_flops, workload
+from ..planning.step_time.predict import StepPrediction, attention_flops, workload
 from ..quantities import parse_count, parse_rate
 
 __all__ = ["add_arguments", "rates", "wanted", "for_plan"]
@@ -78,7 +78,7 @@ def rates(args: argparse.Namespace, shape: tuple[int, int, int] | None = None) -
     (ValueError: what is missing or wrong). ``shape``: the model's MLP matmul, for the
     GEMM probe."""
     if args.probe:
-        from ..bench.probe import probe
+        from ..bench.micro.probe import probe
 
         disk = args.probe_disk or (Path(args.nvme) if getattr(args, "nvme", None) else None)
         dtype = getattr(torch, getattr(args, "dtype", "bfloat16"))

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from ..planning.activations import ActivationEstimate
-from ..planning.estimate import (
+from ..memory.sizes import describe_params
+from ..planning.estimate.activations import ActivationEstimate
+from ..planning.estimate.memory import (
     FORWARD_BACKWARD,
     INITIALIZE,
     LOSS,
@@ -18,11 +19,10 @@ from ..planning.estimate import (
     STEP,
     MemoryEstimate,
     ModelShape,
-    describe_params,
 )
 from .tracker import KINDS, PhaseMemory
 
-__all__ = ["Rehearsal", "device_problems", "PHASES", "HONESTY", "tiers_note"]
+__all__ = ["Rehearsal", "PHASES", "HONESTY", "tiers_note"]
 
 PHASES = ("initialize", "forward", "backward", "step")
 HONESTY = (
@@ -47,45 +47,6 @@ def tiers_note(nvme: bool) -> dict[str, str]:
             else "not used"
         ),
     }
-
-
-def _tier_of(offload: str) -> str:
-    return "cpu" if offload != "none" else "device"
-
-
-def device_problems(engine: Any, when: str) -> list[str]:
-    """Tensors on the wrong side of the PCIe link: the engine's state must be where its
-    configuration puts it (the device unless offloaded), and the model's parameters and
-    buffers on the device."""
-    sim = engine.device.type
-    out = []
-
-    def check(what: str, t: torch.Tensor | None, want: str) -> None:
-        if t is None:
-            return
-        want_type = sim if want == "device" else "cpu"
-        if t.device.type != want_type:
-            out.append(
-                f"{when}: {what} is on {t.device.type}, expected "
-                f"{'the GPU' if want == 'device' else 'the host'}"
-            )
-
-    cfg = engine.config
-    for name, p in engine.module.named_parameters():
-        check(f"parameter {name}", p, "device")
-    for name, b in engine.module.named_buffers():
-        check(f"buffer {name}", b, "device")
-    held = engine.held_tensors()
-    for i, full in enumerate(held["units"] + held["gathered"]):
-        check(f"flat parameter buffer {i}", full, "device")
-    for t in held["grad_shard"]:
-        check("the gradient shard", t, _tier_of(cfg.offload.optimizer))
-    for t in held["param_shards"]:
-        check("the parameter shards", t, _tier_of(cfg.offload.param))
-    check(
-        "the fp32 master", engine.optimizer_tensors().get("master"), _tier_of(cfg.offload.optimizer)
-    )
-    return out
 
 
 def _gb(n: float) -> str:
@@ -220,7 +181,7 @@ class Rehearsal:
                 "only each layer's input through the forward"
             )
         host = self.host_memory if self.host_memory is not None else 2**62
-        from ..planning.planner import plan
+        from ..planning.search.planner import plan
 
         advice = plan(
             self.shape,

@@ -27,8 +27,8 @@ from ..activations.tiled_loss import tiled_causal_lm_loss
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
 from ..engine.runtime import Runtime
-from ..planning.activations import ActivationEstimate, DecoderShape, estimate_activations
-from ..planning.estimate import ModelShape, estimate_memory
+from ..planning.estimate.activations import ActivationEstimate, DecoderShape, estimate_activations
+from ..planning.estimate.memory import ModelShape, estimate_memory
 from ..swap.budget import host_memory_budget
 from ..swap.disk import use_disk
 from ..update.api import adam_kwargs
@@ -36,7 +36,8 @@ from .attention import KERNELS, GpuAttention, describe_kernels, kernel_scratch
 from .disk import SimulatedDisk
 from .flops import CountFlops
 from .models import build_model, causal_lm_batch, prepare_meta_model
-from .report import Rehearsal, device_problems
+from .placement import device_problems
+from .report import Rehearsal
 from .simulate import DEVICE, SimulatedFusedAdamW, SimulatedStreams, fake_world
 from .tracker import ACTIVATIONS, COMM, GATHERED, GRADS, OPTIMIZER, PARAMS, MemoryTracker
 

@@ -1,4 +1,4 @@
-"""A rehearsal's predicted step: the step-time model (``planning.step_time``) fed with what
+"""A rehearsal's predicted step: the step-time model (``planning.step_time.predict``) fed with what
 the rehearsed step itself computed and moved: the FLOPs of its forward and backward (torch's
 ``FlopCounterMode``), its host-device copies and its disk reads and writes per phase.
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..planning.hardware import Rates
-from ..planning.step_advice import predict_step
-from ..planning.step_time import PhaseWork, StepPrediction, workload
+from ..planning.step_time.advice import predict_step
+from ..planning.step_time.hardware import Rates
+from ..planning.step_time.predict import PhaseWork, StepPrediction, workload
 from .report import Rehearsal
 
 __all__ = ["predicted_step"]
