@@ -11,9 +11,10 @@
  * the scratch is quantized back to codes. Grads are widened and params narrowed in the same
  * pass.
  *
- * Exactness: the vector path (AVX2 + FMA, 8 lanes; AVX-512 machines run it too) and the
- * scalar reference perform the same IEEE operations in the same order (explicit fmaf where
- * the vector path fuses; build with -ffp-contract=off), quantization uses the exact
+ * Exactness: the vector paths (AVX2 + FMA, 8 lanes; AVX-512 F/BW/DQ/VL, 16 lanes, where
+ * -march=native has it) and the scalar reference perform the same IEEE operations in the same
+ * order (explicit fmaf where the vector paths fuse; build with -ffp-contract=off), the block
+ * absmax is an exact max (any order gives it), quantization uses the exact
  * decision points computed by the binding, and stochastic rounding draws its bits from a
  * hash of (stream key, element index): every path, thread split and row cut gives the same
  * bits (NaN inputs aside).
@@ -536,8 +537,303 @@ static inline __attribute__((always_inline)) void quantize_range(const float* s,
     quantize_scalar(s + n8, n - n8, inv, q, out + n8);
 }
 
-#if defined(__AVX512F__)
+/* ---------------------------------------------------------------- the AVX-512 path (16 lanes)
+ * The AVX2 path's operations, 16 lanes at a time. An 8-bit block's old codes become map
+ * values by permutes over the map held in registers (16-lane gathers cost more on Zen 5); the
+ * lookup entries of the new codes are still scalar loads (the table is 12-23 KiB; a gather
+ * was slower there too). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define ZO_VEC_PATH "avx512"
+
+static inline __attribute__((always_inline)) __m512i iota16(void) {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+static inline __attribute__((always_inline)) __m512i fmix32_z(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x85ebca6bu));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0xc2b2ae35u));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* 16 x u32 rounding results (each <= 0xffff) -> 16 bf16, NaN lanes of x as 0x7fc0 */
+static inline __attribute__((always_inline)) __m256i nan_to_bf16_z(__m512 x, __m512i r) {
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0)));
+}
+
+static inline __attribute__((always_inline)) __m256i bf16_rne_z(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return nan_to_bf16_z(x, r);
+}
+
+static inline __attribute__((always_inline)) __m256i bf16_sr_z(__m512 x, __m512i h) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))), 16);
+    return nan_to_bf16_z(x, r);
+}
+
+static inline __attribute__((always_inline)) __m512 widen_bf16_z(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) __m256i load16_z(const void* a, int64_t i) {
+    return _mm256_loadu_si256((const __m256i*)((const uint16_t*)a + i));
+}
+
+static inline __attribute__((always_inline)) void store16_z(void* a, int64_t i, __m256i x) {
+    _mm256_storeu_si256((__m256i*)((uint16_t*)a + i), x);
+}
+
+static inline __attribute__((always_inline)) __m512 load_grad_z(const void* g, int dt, int64_t i) {
+    if (dt == ZO_F32) return _mm512_loadu_ps((const float*)g + i);
+    __m256i h = load16_z(g, i);
+    return dt == ZO_BF16 ? widen_bf16_z(h) : _mm512_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) __m512 load_master_z(const zo_cfg* c, void* const* P, int64_t i) {
+    if (c->master == MA_F32) return _mm512_loadu_ps((const float*)P[P_MASTER] + i);
+    __m512 p = widen_bf16_z(load16_z(P[P_MASTER], i));
+    if (c->master == MA_KAHAN) p = _mm512_add_ps(p, widen_bf16_z(load16_z(P[P_COMP], i)));
+    return p;
+}
+
+static inline __attribute__((always_inline)) __m512i hash_z(int64_t index, uint32_t key) {
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota16());
+    return fmix32_z(_mm512_xor_si512(idx, _mm512_set1_epi32((int)key)));
+}
+
+static inline __attribute__((always_inline)) void store_master_z(const zo_cfg* c, void* const* P, int64_t i, __m512 p) {
+    __m512 val = p;
+    __m256i hi = _mm256_setzero_si256();
+    if (c->master == MA_F32) {
+        _mm512_storeu_ps((float*)P[P_MASTER] + i, p);
+    } else {
+        if (c->master == MA_KAHAN) {
+            hi = bf16_rne_z(p);
+            __m512 hf = widen_bf16_z(hi);
+            __m256i lo = bf16_rne_z(_mm512_sub_ps(p, hf));
+            store16_z(P[P_COMP], i, lo);
+            val = _mm512_add_ps(hf, widen_bf16_z(lo));
+        } else {
+            hi = bf16_sr_z(p, hash_z(c->index_base + i, c->key_master));
+            val = widen_bf16_z(hi);
+        }
+        store16_z(P[P_MASTER], i, hi);
+    }
+    if (c->out_dtype == ZO_BF16)
+        store16_z(P[P_OUT], i, c->master == MA_F32 ? bf16_rne_z(val) : hi);
+    else if (c->out_dtype == ZO_F16)
+        store16_z(P[P_OUT], i, _mm512_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
+    else if (c->out_dtype == ZO_F32)
+        _mm512_storeu_ps((float*)P[P_OUT] + i, val);
+}
+
+/* update1 for 16 lanes: the same operations in the same order */
+static inline __attribute__((always_inline)) __m512 update_z(const zo_cfg* c, __m512 p, __m512 g, __m512* m, __m512* v) {
+    g = _mm512_mul_ps(g, _mm512_set1_ps(c->gs));
+    if (c->kind == K_LION) {
+        p = _mm512_mul_ps(p, _mm512_set1_ps(c->decay));
+        __m512 u = _mm512_fmadd_ps(_mm512_set1_ps(c->omb1), g, _mm512_mul_ps(*m, _mm512_set1_ps(c->b1)));
+        __m512 z = _mm512_setzero_ps();
+        __m512 s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, z, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+        s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(u, z, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+        p = _mm512_fmadd_ps(_mm512_set1_ps(c->nss), s, p);
+        *m = _mm512_fmadd_ps(_mm512_set1_ps(c->omb2), g, _mm512_mul_ps(*m, _mm512_set1_ps(c->b2)));
+        return p;
+    }
+    if (c->kind == K_ADAGRAD) {
+        g = _mm512_fmadd_ps(_mm512_set1_ps(c->l2), p, g);
+        __m512 s = _mm512_fmadd_ps(g, g, *m);
+        *m = s;
+        __m512 den = _mm512_add_ps(_mm512_sqrt_ps(s), _mm512_set1_ps(c->eps));
+        return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->nss), g), den));
+    }
+    if (c->decoupled) p = _mm512_mul_ps(p, _mm512_set1_ps(c->decay));
+    else g = _mm512_fmadd_ps(_mm512_set1_ps(c->l2), p, g);
+    __m512 mi = *m, d = _mm512_sub_ps(g, mi);
+    mi = c->lerp_small ? _mm512_fmadd_ps(_mm512_set1_ps(c->w1), d, mi)
+                       : _mm512_fnmadd_ps(_mm512_set1_ps(c->omw1), d, g);
+    __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c->omb2), g), g,
+                                _mm512_mul_ps(*v, _mm512_set1_ps(c->b2)));
+    *m = mi;
+    *v = vi;
+    __m512 root = _mm512_sqrt_ps(vi), r = _mm512_set1_ps(c->rbc2s);
+    __m512 q = _mm512_mul_ps(root, r);
+    __m512 e = _mm512_fnmadd_ps(q, _mm512_set1_ps(c->bc2s), root);
+    q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(e, e, _CMP_ORD_Q), q, _mm512_fmadd_ps(e, r, q));
+    __m512 den = _mm512_add_ps(q, _mm512_set1_ps(c->eps));
+    return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->nss), mi), den));
+}
+
+static inline __attribute__((always_inline)) __m512 load_moment_z(int prec, const void* a, int64_t i) {
+    if (prec == MOM_F32) return _mm512_loadu_ps((const float*)a + i);
+    return widen_bf16_z(load16_z(a, i));
+}
+
+static inline __attribute__((always_inline)) void store_moment_z(int prec, void* a, int64_t i, __m512 x, __m512i r) {
+    if (prec == MOM_F32) _mm512_storeu_ps((float*)a + i, x);
+    else store16_z(a, i, bf16_sr_z(x, r));
+}
+
+static inline __attribute__((always_inline)) void dense_range_z(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int64_t side) {
+    const int two = two_moments(c);
+    const int prec = side >= 0 ? MOM_F32 : c->moments;
+    void* ma = side >= 0 ? (void*)((float*)P[P_M_SIDE] + side - a) : P[P_M];
+    void* va = !two ? NULL : side >= 0 ? (void*)((float*)P[P_V_SIDE] + side - a) : P[P_V];
+    int64_t i = a;
+    for (; i + 16 <= b; i += 16) {
+        __m512 m = load_moment_z(prec, ma, i);
+        __m512 v = two ? load_moment_z(prec, va, i) : _mm512_setzero_ps();
+        __m512 p = update_z(c, load_master_z(c, P, i), load_grad_z(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master_z(c, P, i, p);
+        __m512i r = prec == MOM_BF16 ? hash_z(c->index_base + i, c->key_m) : _mm512_setzero_si512();
+        store_moment_z(prec, ma, i, m, r);
+        if (two) store_moment_z(prec, va, i, v, _mm512_srli_epi32(r, 16));
+    }
+    dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
+}
+
+/* max as the scalar path computes it: x > acc ? x : acc */
+static inline __attribute__((always_inline)) __m512 max_z(__m512 acc, __m512 x) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, acc, _CMP_GT_OQ), acc, x);
+}
+
+static inline __attribute__((always_inline)) void fold_max_z(__m512 x, float* mx) {
+    float l[16];
+    _mm512_storeu_ps(l, x);
+    for (int k = 0; k < 16; k++) *mx = l[k] > *mx ? l[k] : *mx;
+}
+
+/* A 256-entry float table held in 16 registers (T[k]: entries 16k .. 16k + 15). */
+typedef struct {
+    __m512 t[16];
+} zo_tab_z;
+
+static inline __attribute__((always_inline)) void load_tab_z(zo_tab_z* T, const float* a) {
+    for (int k = 0; k < 16; k++) T->t[k] = _mm512_loadu_ps(a + 16 * k);
+}
+
+/* T[k] for 16 indices in [0, 256): a two-table permute per 32 entries, then a select by
+ * index bits 5, 6, 7 */
+static inline __attribute__((always_inline)) __m512 lookup_z(const zo_tab_z* T, __m512i k) {
+    __m512 r[8];
+    for (int h = 0; h < 8; h++) r[h] = _mm512_permutex2var_ps(T->t[2 * h], k, T->t[2 * h + 1]);
+    __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    __mmask16 b7 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(128));
+    for (int h = 0; h < 4; h++) r[h] = _mm512_mask_blend_ps(b5, r[2 * h], r[2 * h + 1]);
+    r[0] = _mm512_mask_blend_ps(b6, r[0], r[1]);
+    r[2] = _mm512_mask_blend_ps(b6, r[2], r[3]);
+    return _mm512_mask_blend_ps(b7, r[0], r[2]);
+}
+
+/* The map values of n codes into the scratch (the rest of the block by scalar loads). */
+static inline __attribute__((always_inline)) void dequant_z(const zo_qmap* q, const uint8_t* codes, int n, float* s) {
+    zo_tab_z T;
+    load_tab_z(&T, q->values);
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_store_ps(s + j, lookup_z(&T, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + j)))));
+    for (; j < n; j++) s[j] = q->values[codes[j]];
+}
+
+/* Pass 1 of an 8-bit block, elements [a, a + len): the scratch holds the map values of the
+ * old codes and receives the new moments; the absmax. */
+static inline __attribute__((always_inline)) void block_z(const zo_cfg* c, void* const* P, int64_t a, int len,
+                                                          float am_m, float am_v, float* sm, float* sv,
+                                                          float* mx_m, float* mx_v) {
+    const int two = two_moments(c);
+    __m512 amm = _mm512_set1_ps(am_m), amv = _mm512_set1_ps(am_v);
+    __m512 xm = _mm512_setzero_ps(), xv = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= len; j += 16) {
+        int64_t i = a + j;
+        __m512 m = _mm512_mul_ps(_mm512_load_ps(sm + j), amm);
+        __m512 v = two ? _mm512_mul_ps(_mm512_load_ps(sv + j), amv) : _mm512_setzero_ps();
+        __m512 p = update_z(c, load_master_z(c, P, i), load_grad_z(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master_z(c, P, i, p);
+        _mm512_store_ps(sm + j, m);
+        xm = max_z(xm, _mm512_abs_ps(m));
+        if (two) {
+            _mm512_store_ps(sv + j, v);
+            xv = max_z(xv, _mm512_abs_ps(v));
+        }
+    }
+    fold_max_z(xm, mx_m);
+    if (two) fold_max_z(xv, mx_v);
+    block_scalar(c, P, a + j, a + len, j, am_m, am_v, sm, sv, mx_m, mx_v);
+}
+
+/* The lookup's bucket index (returned) and x's mirrored bits within the bucket (*low). */
+static inline __attribute__((always_inline)) __m512i bucket_z(__m512 x, const zo_qmap* q, __m512i* low_out) {
+    const __m512i low_mask = _mm512_set1_epi32((int)((1u << q->shift) - 1u));
+    const __m512i top = _mm512_set1_epi32((int)(ZO_MAG1 - ZO_MAG0 + (1u << q->shift)));
+    __m512i b = _mm512_castps_si512(x);
+    __m512i sign = _mm512_srai_epi32(b, 31); /* all ones for negatives */
+    __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 big = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32((int)ZO_MAG0));
+    mag = _mm512_maskz_add_epi32(big, mag, _mm512_set1_epi32((int)((1u << q->shift) - ZO_MAG0)));
+    mag = _mm512_min_epu32(mag, top);
+    __m512i low = _mm512_and_si512(mag, low_mask);
+    *low_out = _mm512_xor_si512(low, _mm512_and_si512(sign, low_mask)); /* low_mask - low */
+    __m512i t = _mm512_srli_epi32(mag, q->shift);
+    return _mm512_add_epi32(t, _mm512_and_si512(sign, _mm512_set1_epi32(q->buckets)));
+}
+
+static inline __attribute__((always_inline)) void quantize_z(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
+    uint32_t t[ZO_BLOCK] __attribute__((aligned(64)));
+    uint32_t lows[ZO_BLOCK] __attribute__((aligned(64)));
+    __m512 iv = _mm512_set1_ps(inv);
+    int n16 = n & ~15, j;
+    for (j = 0; j < n16; j += 16) {
+        __m512i low;
+        _mm512_store_si512(t + j, bucket_z(_mm512_mul_ps(_mm512_load_ps(s + j), iv), q, &low));
+        _mm512_store_si512(lows + j, low);
+    }
+    const uint32_t* lut = q->lut;
+    for (j = 0; j < n16; j++) t[j] = lut[t[j]];
+    for (j = 0; j < n16; j += 16) {
+        __m512i e = _mm512_load_si512(t + j);
+        __m512i base = _mm512_srli_epi32(e, 20);
+        __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_load_si512(lows + j), _mm512_and_si512(e, _mm512_set1_epi32(0xfffff)));
+        _mm_storeu_si128((__m128i*)(out + j), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1))));
+    }
+    quantize_scalar(s + n16, n - n16, inv, q, out + n16);
+}
+
+static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* c, void* const* P, int64_t off, int64_t n,
+                                                                  int phase, int64_t blk) {
+    float sm[ZO_BLOCK] __attribute__((aligned(64)));
+    float sv[ZO_BLOCK] __attribute__((aligned(64)));
+    const int two = two_moments(c);
+    float* am_m = (float*)P[P_M_ABSMAX];
+    float* am_v = (float*)P[P_V_ABSMAX];
+    int64_t i = off, end = off + n;
+    int len = ZO_BLOCK - phase;
+    while (i < end) {
+        if (len > end - i) len = (int)(end - i);
+        float mx_m = 0.0f, mx_v = 0.0f;
+        dequant_z(c->qm, (const uint8_t*)P[P_M] + i, len, sm);
+        if (two) dequant_z(c->qv, (const uint8_t*)P[P_V] + i, len, sv);
+        block_z(c, P, i, len, am_m[blk], two ? am_v[blk] : 0.0f, sm, sv, &mx_m, &mx_v);
+        quantize_z(sm, len, mx_m > 0.0f ? 1.0f / mx_m : 0.0f, c->qm, (uint8_t*)P[P_M] + i);
+        am_m[blk] = mx_m;
+        if (two) {
+            quantize_z(sv, len, mx_v > 0.0f ? 1.0f / mx_v : 0.0f, c->qv, (uint8_t*)P[P_V] + i);
+            am_v[blk] = mx_v;
+        }
+        i += len;
+        blk++;
+        len = ZO_BLOCK;
+    }
+}
+
+#define ZO_DENSE dense_range_z
+#define ZO_QUANTIZED quantized_row_z
 #else
 #define ZO_VEC_PATH "avx2"
 #endif
@@ -590,6 +886,11 @@ static inline __attribute__((always_inline)) void quantized_row(const zo_cfg* c,
     }
 }
 
+#ifndef ZO_DENSE
+#define ZO_DENSE dense_range
+#define ZO_QUANTIZED quantized_row
+#endif
+
 /* One row with the kind fixed: the local copies (whose address never escapes) let the
  * compiler keep every scalar in a register and fold those branches away
  * (the precisions' and dtypes' branches stay: loop-invariant, and fewer copies build faster). */
@@ -601,8 +902,8 @@ static inline __attribute__((always_inline)) void row_as(const zo_cfg* cp, void*
     c.kind = kind;
     const int moments = c.moments;
     int64_t off = row[0], n = row[1], phase = row[2], side = row[3], blk = row[4];
-    if (moments == MOM_INT8 && phase >= 0) quantized_row(&c, L, off, n, (int)phase, blk);
-    else dense_range(&c, L, off, off + n, moments == MOM_INT8 ? side : -1);
+    if (moments == MOM_INT8 && phase >= 0) ZO_QUANTIZED(&c, L, off, n, (int)phase, blk);
+    else ZO_DENSE(&c, L, off, off + n, moments == MOM_INT8 ? side : -1);
 }
 
 static void run_row(const zo_cfg* c, void* const* P, const int64_t* row) {
