@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ def run_child(spec: dict[str, Any]) -> None:
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
     from zero_offload.errors import ZeroOffloadError
 
+    # A shell that starts a job in the background hands it SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: a campaign started that way would deliver its
+    # SIGINTs to a process that drops them. The loop below is a user's Ctrl-C loop at a
+    # terminal, so it gets Python's own handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     world, rank = spec["world"], spec["rank"]
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
