@@ -20,7 +20,7 @@ from swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap.folder import FILES
-from zero_offload.update.early import EarlyUpdate
+from zero_offload.update.nvme.early import EarlyUpdate
 
 STEPS = 3
 
