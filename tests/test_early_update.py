@@ -19,8 +19,8 @@ from models import TinyGPT, batch, loss_fn
 from swap_faults import FaultBackend
 
 import zero_offload as zo
-from zero_offload.swap.swapper import _FILES
-from zero_offload.update.early import EarlyUpdate
+from zero_offload.swap.folder import FILES
+from zero_offload.update.nvme.early import EarlyUpdate
 
 STEPS = 3
 
@@ -183,7 +183,7 @@ class _RoomForValuesOnly:
     their file, its new state (12 KiB) does not."""
 
     def __getattr__(self, name):
-        return getattr(_FILES, name)
+        return getattr(FILES, name)
 
     def free_bytes(self, path) -> int:
         return 8192
@@ -204,7 +204,7 @@ def test_a_disk_too_full_for_the_new_state_costs_nothing_but_time(tmp_path, wait
         if step == 1:
             (swapper,) = [s for s in engine.swappers if any(s.rank_dir.glob("*adam*"))]
             swapper.acquire_timeout = 5.0  # a lost buffer fails the test rather than waits
-            swapper._disk = _RoomForValuesOnly()
+            swapper._folder.disk = _RoomForValuesOnly()
         engine.backward(loss)
         engine.step()
         adopted.append(engine.last_step_timings.early_groups)

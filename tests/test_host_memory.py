@@ -22,7 +22,7 @@ from zero_offload.grads.reducer import reductions_alive
 from zero_offload.grads.slices import SLICE, add_into, sum_of_squares
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
-from zero_offload.update.nvme_sizing import FULL_SPEED_GROUP, nvme_sizing
+from zero_offload.update.nvme.sizing import FULL_SPEED_GROUP, nvme_sizing
 
 
 def test_default_budget_is_the_nodes_available_memory_shared_by_its_ranks(monkeypatch):

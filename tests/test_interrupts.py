@@ -19,7 +19,7 @@ from equivalence import assert_bit_equal, training_state
 from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
-from zero_offload.update.group_step import GroupStep
+from zero_offload.update.nvme.group_step import GroupStep
 
 STEPS = 4
 AT = 2  # the step index the interrupt is armed in

@@ -253,7 +253,7 @@ def test_ctrl_c_during_a_step_reaches_the_caller_as_itself(tmp_path, monkeypatch
     """Ctrl-C after a sub-group was updated: the loop's ``except KeyboardInterrupt`` sees it
     (not a RuntimeError that ``except Exception`` would swallow), and the partly updated
     state is refused until loaded again."""
-    from zero_offload.update.group_step import GroupStep
+    from zero_offload.update.nvme.group_step import GroupStep
 
     step_group, calls = GroupStep.step, [0]
 

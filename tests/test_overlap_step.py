@@ -18,7 +18,7 @@ from swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap.buffers import pool_footprint
-from zero_offload.update.nvme import IncompleteStepError
+from zero_offload.update.nvme.adam import IncompleteStepError
 
 STEPS = 4
 

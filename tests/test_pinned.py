@@ -16,7 +16,7 @@ from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap import pinned
-from zero_offload.update.nvme_sizing import nvme_sizing
+from zero_offload.update.nvme.sizing import nvme_sizing
 
 PAGE = 4096
 

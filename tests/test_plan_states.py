@@ -16,7 +16,7 @@ from zero_offload.cli import main as cli_main
 from zero_offload.optim.policy import ABSMAX_BYTES, BLOCK, MIN_QUANTIZED_NUMEL, StatePolicy
 from zero_offload.planning.estimate.state import FP32_STATE, state_split
 from zero_offload.planning.search.precisions import row_policies
-from zero_offload.update.nvme_sizing import optimizer_split
+from zero_offload.update.nvme.sizing import optimizer_split
 
 GB = 10**9
 # 8-bit moments: a code per element and an fp32 absmax per 256-element block

@@ -24,7 +24,7 @@ from zero_offload.planning.estimate import result as memory_result
 from zero_offload.planning.estimate import shape as memory_shape
 from zero_offload.planning.estimate import terms as memory_terms
 from zero_offload.swap.buffers import BufferPool, pool_count, pool_footprint
-from zero_offload.update.nvme import NvmeAdam
+from zero_offload.update.nvme.adam import NvmeAdam
 
 
 def _term(e: memory_model.MemoryEstimate, name: str) -> int:

@@ -16,8 +16,9 @@ from swap_faults import FaultBackend, mounted_tmpfs
 
 from zero_offload.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.buffers import BufferPool, HostBuffer
+from zero_offload.swap.folder import FILES
 from zero_offload.swap.io import FileIOEngine
-from zero_offload.swap.swapper import _FILES, Swapper, Tier
+from zero_offload.swap.swapper import Swapper, Tier
 
 T = 10
 BUF = 64 * 1024
@@ -97,14 +98,14 @@ def test_an_owned_buffer_goes_back_when_its_write_cannot_start(tmp_path: Path) -
 
     class _Full:  # the real disk, with no room left for a new file
         def __getattr__(self, name):
-            return getattr(_FILES, name)
+            return getattr(FILES, name)
 
         def free_bytes(self, path: Path) -> int:
             return 0
 
     with _swapper(tmp_path) as sw:
         buf = sw.acquire(4096, "p")
-        sw._disk = _Full()
+        sw._folder.disk = _Full()
         with pytest.raises(SwapSpaceError):
             sw.swap_out("p", buf.view(torch.float32, (1024,)), owned=buf)
         assert sw.pool.available == sw.pool.count

@@ -78,7 +78,7 @@ def test_yield_to_compute_lowers_only_the_calling_thread():
 def test_engine_runs_its_kernels_on_the_budget(tmp_path, monkeypatch):
     """The step's kernel gets the optimizer threads, the pass during backward the background
     ones, from a thread that yielded first; torch's threads are set from the keyword."""
-    import zero_offload.update.early as early
+    import zero_offload.update.nvme.early as early
 
     yielded = []
     monkeypatch.setattr(early, "yield_to_compute", lambda b: yielded.append(b))

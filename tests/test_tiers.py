@@ -13,7 +13,7 @@ from models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap.io import OsBackend
-from zero_offload.update.nvme_sizing import host_groups, optimizer_split
+from zero_offload.update.nvme.sizing import host_groups, optimizer_split
 
 GROUP = 4096  # small sub-groups: TinyGPT's shard is cut into several
 # (offload_optimizer, offload_optimizer_fraction); ("cpu", None) and ("nvme", None) are

@@ -20,70 +20,35 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from ..activations.wiring import build_offload, forward_context
+from ..activations.wiring import forward_context
 from ..comm import Comm
 from ..config import ZeroConfig, build_config
 from ..deepspeed_config import schedule
 from ..device import placement
 from ..device.threads import ThreadBudget
-from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
-from ..grads.reducer import GradReducer
-from ..grads.target import GradTarget, ResidentGrads
 from ..interrupts import signals_held
 from ..memory.ledger import MemoryReport
-from ..params.gather import ParamGatherer
-from ..params.store import ParamStore, param_host_numel, param_pool_bytes
-from ..params.unit_state import UnitStates
-from ..params.units import FlatUnit, UnitPlan, persistent_buffers, plan_units, trainable_numel
+from ..params.units import FlatUnit, persistent_buffers
 from ..swap.budget import (
-    activation_host_share,
-    host_memory_budget,
     return_freed_memory,
-    split_host_budget,
 )
-from ..update.host_state import run_layout
-from ..update.stepper import ShardStepper
-from ..update.updaters import make_updater, params_are_master
 from ..weak import weak_hook
 from . import export
 from .buffer_sync import broadcast_buffers
-from .build import build_units
 from .forward import ForwardWindow
 from .handback import Leftovers, check_parameters
 from .inputs import move_inputs
 from .lifecycle import EngineLifecycle
 from .optimizer_state import attach_state_dict
-from .preemption import Preemption, exit_status
+from .parts import build_parts
+from .preemption import Preemption
 from .runtime import Runtime
 from .state import EngineState
 from .step_stats import StepClock, optimizer_stats, summarize
-from .weights import load_buffers, open_pretrained
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
 log = logging.getLogger(__name__)
-
-
-def _split_host_budget(
-    config: ZeroConfig, plans: list[UnitPlan], device: torch.device, dtype: torch.dtype
-) -> tuple[int, int, int]:
-    """This rank's one host budget (``swap.budget``): the gradient staging buffers first
-    (CUDA), then offloaded activations (``offload_activations``), then the NVMe parameter
-    pool (at most half of the rest when it shares with the NVMe optimizer), the rest for the
-    optimizer with its gradients: (param pool, optimizer, activations)."""
-    off = config.offload
-    staging = 0
-    if off.optimizer != "none" and device.type == "cuda":
-        largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
-        staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
-    pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
-    budget = host_memory_budget(off.host_memory_limit)
-    acts = (
-        activation_host_share(budget, off.param, off.optimizer, staging)
-        if config.activations.offload
-        else 0
-    )
-    return (*split_host_budget(budget - acts, pool, off.param, off.optimizer, staging), acts)
 
 
 class Engine(EngineLifecycle, EngineState):
@@ -120,158 +85,23 @@ class Engine(EngineLifecycle, EngineState):
             raise
 
     def _build(self, model: nn.Module, config: ZeroConfig) -> None:
-        placement.move_model(model, self.device, self.stage)
-        if config.broadcast_buffers:
-            broadcast_buffers(model, self.comm)
-        plans = plan_units(
+        parts = build_parts(
             model,
-            stage=self.stage,
-            world_size=self.comm.world_size,
-            bucket_size=config.reduce_bucket_size,
-        )
-        self._weights = (
-            open_pretrained(config.init_weights, model, plans) if config.init_weights else None
-        )
-        shard_numel = sum(p.shard_numel for p in plans)
-        param_budget, optimizer_budget, activation_budget = _split_host_budget(
-            config, plans, self.device, self.dtype
-        )
-        self.param_store = (
-            ParamStore(
-                config,
-                shard_numel,
-                max((p.shard_numel for p in plans), default=0),
-                self.dtype,
-                self.device,
-                self.comm.rank,
-                param_budget,
-                self.streams,
-                param_host_numel(
-                    [(p.shard_offset, p.shard_numel) for p in plans], config.offload.param_fraction
-                ),
-                self.threads.io,
-            )
-            if self.stage == 3
-            else None
-        )
-        if self.param_store is not None:
-            self._leftovers.closers.append(self.param_store.close)
-        # optimizer state and gradients cover the trainable prefix of the rank-flat shard
-        self.trainable_numel = trainable = trainable_numel(plans)
-        # stage 0 with fp32 compute: the params live in one rank-flat buffer that is the master
-        flat_params = (
-            torch.empty(trainable, dtype=torch.float32, device=self.device)
-            if params_are_master(config, self.dtype)
-            else None
-        )
-        updater = make_updater(
-            trainable,
             config,
+            self.comm,
             self.device,
-            self.dtype,
-            self.comm.rank,
-            self.param_store.resident if self.param_store else flat_params,
-            optimizer_budget,
             self.threads,
-            self._runtime.device_optimizer,
-            run_layout(config.optimizer.policy, plans, self.comm.rank),
-        )
-        self._leftovers.closers.append(updater.close)
-        self.units = build_units(
-            model,
-            plans,
-            config,
-            self.comm,
-            self.device,
-            updater,
-            self.param_store,
-            self._weights,
-            self._leftovers,
-            flat_params,
-        )
-        if self._weights is not None:
-            load_buffers(model, *self._weights)
-            if config.broadcast_buffers:
-                broadcast_buffers(model, self.comm)
-            self._weights[0].close()
-            self._weights = None
-        self.grad_queue: HostGradQueue | None = None
-        self.grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
-        target: GradTarget
-        if config.offload.optimizer == "none":
-            self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
-            target = ResidentGrads(self.grads)
-        else:  # copied and summed in the background while backward runs on
-            host_target: GradTarget
-            if updater.disk_grads is not None:  # in files beside the optimizer's state
-                host_target = updater.disk_grads
-            else:  # the optimizer steps on the host: reduced gradient shards go there
-                self.grads = torch.zeros(
-                    trainable,
-                    dtype=host_grad_dtype(  # never crosses PCIe
-                        self.stage, config.gradient_accumulation_steps, self.dtype
-                    ),
-                )
-                host_target = ResidentGrads(  # weak: the target must not keep the engine alive
-                    self.grads, on_widen=weak_hook(self._host_grads_widened)
-                )
-            worker = self._runtime.host_worker
-            self.grad_queue = HostGradQueue(
-                host_target,
-                self.streams,
-                max((p.shard_numel for p in plans if not p.frozen), default=0),
-                self.dtype,
-                threads=self.threads,
-                worker=worker() if worker is not None else None,
-            )
-            self._leftovers.closers.insert(0, self.grad_queue.close)  # before the updater
-            target = self.grad_queue
-        self.shard_numel = shard_numel
-        self.unit_states = UnitStates(self.units, self.comm, self.streams)
-        self.gatherer = (
-            ParamGatherer(
-                model,
-                self.units,
-                self.unit_states,
-                self.param_store,
-                prefetch_depth=config.prefetch_depth,
-                prefetch_bytes=config.prefetch_bytes,
-            )
-            if self.param_store
-            else None
-        )
-        self.reducer = GradReducer(
-            self.units,
-            self.unit_states,
-            self.comm,
-            self.stage,
-            target,
-            on_reduced=self.gatherer.release if self.gatherer else None,
-        )
-        self._leftovers.closers[:0] = [self.reducer.remove_hooks] + (
-            [self.gatherer.remove_hooks] if self.gatherer else []
-        )
-        self.activations = build_offload(
-            config, model, self.units, self.streams, self.gatherer, activation_budget
-        )
-        self.stepper = ShardStepper(
-            self.units,
-            config,
-            self.comm,
-            self.grads,
-            self.device,
-            self.dtype,
-            updater,
-            self.param_store,
             self.streams,
+            self._runtime,
+            self._leftovers,
+            weak_hook(self._host_grads_widened),  # weak: parts must not keep the engine alive
         )
-        # an update still running under a forward stops first, while its files are open;
-        # the pinned staging buffers go last, once nothing copies from them any more
-        self._leftovers.closers.insert(0, self.stepper.abandon)
-        self._leftovers.closers += [self.stepper.sink.release_staging]
-        if self.activations is not None:
-            self._leftovers.closers.append(self.activations.close)
-        self._leftovers.closers.append(self.streams.close)
+        self.param_store, self.units = parts.param_store, parts.units
+        self.trainable_numel, self.shard_numel = parts.trainable_numel, parts.shard_numel
+        self.grads, self.grad_queue = parts.grads, parts.grad_queue
+        self.unit_states, self.gatherer = parts.unit_states, parts.gatherer
+        self.reducer, self.activations = parts.reducer, parts.activations
+        self.stepper = parts.stepper
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
         self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
@@ -288,7 +118,10 @@ class Engine(EngineLifecycle, EngineState):
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
         self._lending = False  # gathered_parameters(): forwards inside it open no window
         self._window = ForwardWindow(weak_hook(self._forward_context))
-        self._hook_root(model)
+        # model(x) is engine(x): the window opens before the root's other pre-forward hooks
+        self._leftovers.closers[:0] = self._window.hook_root(
+            model, weak_hook(self._root_pre_forward)
+        )
         log.info(
             "zero_offload: stage %d, %d units, rank %d/%d, %s on %s",
             self.stage,
@@ -298,20 +131,6 @@ class Engine(EngineLifecycle, EngineState):
             self.dtype,
             self.device,
         )
-
-    def _hook_root(self, model: nn.Module) -> None:
-        """``model(x)`` becomes ``engine(x)``: the window opens before every other pre-forward
-        hook of the root and closes after its other post-forward hooks (stage 3's release)."""
-        handles = [
-            model.register_forward_pre_hook(
-                weak_hook(self._root_pre_forward), prepend=True, with_kwargs=True
-            ),
-            model.register_forward_hook(weak_hook(self._window.after_root)),
-            model.register_forward_hook(
-                weak_hook(self._window.after_root_raised), always_call=True
-            ),
-        ]
-        self._leftovers.closers[:0] = [h.remove for h in handles]
 
     def _root_pre_forward(
         self, _module: nn.Module, args: tuple, kwargs: dict
@@ -449,7 +268,10 @@ class Engine(EngineLifecycle, EngineState):
         with signals_held():
             applied = self._step()
         if boundary and self.preemption is not None:
-            self._stop_if_preempted()
+            # collective, after a step that ended a window
+            self.preemption.stop_if_agreed(
+                self.config.save_on_preemption, self.save_checkpoint, self.close
+            )
         return applied
 
     @property
@@ -457,18 +279,6 @@ class Engine(EngineLifecycle, EngineState):
         """The signal the ranks agreed to stop for at the last ``step()`` (0: none), with
         ``save_on_preemption``."""
         return 0 if self.preemption is None else self.preemption.agreed
-
-    def _stop_if_preempted(self) -> None:
-        """With ``save_on_preemption``: collective, after a step that ended a window."""
-        assert self.preemption is not None
-        signum = self.preemption.agree()
-        folder = self.config.save_on_preemption
-        if not signum or not isinstance(folder, str):
-            return
-        path = self.save_checkpoint(folder)
-        log.warning("preempted: checkpoint saved at %s; exiting", path)
-        self.close(hand_back=False)  # its files go now; the values are in the checkpoint
-        raise SystemExit(exit_status(signum))
 
     def _step(self) -> bool:
         self._check_open()

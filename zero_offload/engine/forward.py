@@ -21,6 +21,10 @@ import sys
 from types import TracebackType
 from typing import Any, Callable, ContextManager, Iterator
 
+import torch.nn as nn
+
+from ..weak import weak_hook
+
 __all__ = ["ForwardWindow", "Opener"]
 
 ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
@@ -79,6 +83,19 @@ class ForwardWindow:
         self.close()
 
     # -- the root module's hooks -----------------------------------------------------------
+    def hook_root(
+        self, model: nn.Module, pre_forward: Callable[..., tuple[tuple, dict] | None]
+    ) -> list[Callable[[], None]]:
+        """Hook ``model``, the root: ``pre_forward(module, args, kwargs)`` (which opens the
+        window) before its other pre-forward hooks, the window closed after its other
+        post-forward hooks (stage 3's release); returns what removes the hooks."""
+        handles = [
+            model.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
+            model.register_forward_hook(weak_hook(self.after_root)),
+            model.register_forward_hook(weak_hook(self.after_root_raised), always_call=True),
+        ]
+        return [h.remove for h in handles]
+
     def before_root(self) -> None:
         """The root module's forward begins: open the window unless one is open already."""
         self.end_interrupted()

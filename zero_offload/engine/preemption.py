@@ -21,7 +21,7 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,6 +68,23 @@ class Preemption:
             "exits (send it again to stop at once)",
             signal.Signals(signum).name,
         )
+
+    def stop_if_agreed(
+        self,
+        folder: object,
+        save: Callable[[str], object],
+        close: Callable[..., None],
+    ) -> None:
+        """Collective, after a step that ended a window: with the ranks agreed on a signal
+        and ``folder`` (the keyword's value) a path, ``save`` a checkpoint there, ``close``
+        the engine and exit with the signal's status."""
+        signum = self.agree()
+        if not signum or not isinstance(folder, str):
+            return
+        path = save(folder)
+        log.warning("preempted: checkpoint saved at %s; exiting", path)
+        close(hand_back=False)  # its files go now; the values are in the checkpoint
+        raise SystemExit(exit_status(signum))
 
     def agree(self) -> int:
         """Collective, at the end of an accumulation window: the signal some rank got (the

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..params.units import FlatUnit
     from ..swap.swapper import Swapper
     from ..update.api import StepTimings
-    from ..update.nvme_sizing import OptimizerSplit
+    from ..update.nvme.sizing import OptimizerSplit
     from ..update.stepper import ShardStepper
 
 __all__ = ["EngineState"]

@@ -66,7 +66,7 @@ _MODULE_KINDS = {
     "zero_offload.update.api": OPTIMIZER,
     "zero_offload.params.order": COMM,
     "zero_offload.update.updaters": OPTIMIZER,
-    "zero_offload.update.nvme": OPTIMIZER,
+    "zero_offload.update.nvme.adam": OPTIMIZER,
     "zero_offload.optim.kernel": OPTIMIZER,
     "zero_offload.optim.cpu_adam": OPTIMIZER,
     "zero_offload.rehearsal.simulate": COMM,  # host-device copies through the streams

@@ -1,7 +1,7 @@
 """Where the swap tier's bytes live: files on a real disk, or a disk that a rehearsal simulates.
 
 A :class:`~.swapper.Swapper` asks the disk in effect for its I/O engine, its free space and its
-host buffers. Outside :func:`use_disk` that is the real disk (``swapper.FileDisk``: files through
+host buffers. Outside :func:`use_disk` that is the real disk (``folder.FileDisk``: files through
 :class:`~.io.FileIOEngine`, ``statvfs``, page-aligned :class:`~.buffers.HostBuffer` s). Inside,
 the disk given there answers instead: a rehearsal runs the engine's own swap code with file
 sizes tracked and no data written (``zero_offload.rehearsal``).
@@ -42,7 +42,7 @@ _CURRENT: contextvars.ContextVar[Disk | None] = contextvars.ContextVar(
 
 def current_disk() -> Disk | None:
     """The disk swappers made now use: None for the real one (files, ``statvfs``, page-aligned
-    host memory: ``swapper.FileDisk``), unless :func:`use_disk` says otherwise."""
+    host memory: ``folder.FileDisk``), unless :func:`use_disk` says otherwise."""
     return _CURRENT.get()
 
 

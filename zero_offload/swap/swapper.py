@@ -24,29 +24,19 @@ on close, garbage collection, normal exit and SIGTERM, or else at the next run (
 from __future__ import annotations
 
 import enum
-import itertools
-import logging
 import os
-import re
-import threading
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from pathlib import Path
+from concurrent.futures import Future
 
 import torch
 from torch.profiler import record_function
 
-from ..errors import SwapIOError, SwapSpaceError
-from . import signals
+from ..errors import SwapIOError
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
-from .disk import current_disk
+from .folder import SwapFolder
 from .io import DEFAULT_QUEUE_DEPTH, FileIOEngine
-from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
+from .keys import KeyEntry, Keys, direct_ok
 
 __all__ = ["Tier", "Swapper"]
-
-logger = logging.getLogger(__name__)
 
 
 class Tier(enum.Enum):
@@ -55,72 +45,6 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     NVME = "nvme"
-
-
-@dataclass
-class _Entry:
-    """Bookkeeping of one key; changed by the driving thread and by I/O completions."""
-
-    file: Path
-    nbytes: int = 0
-    dtype: torch.dtype = torch.uint8
-    shape: tuple[int, ...] = ()
-    on_disk: bool = False  # the file holds the latest swap_out completely
-    failed: BaseException | None = None  # why the latest swap_out failed
-    host: HostBuffer | None = None  # pool buffer holding a valid copy (once `pending` is done)
-    on_device: bool = False  # last swap_in went into a device tensor
-    pending: Future | None = None  # latest operation on this key
-    # a write of ``host`` (swap_out keep=True) is in flight: its bytes are valid already
-    writing_host: bool = False
-    release_when_written: bool = False  # release() came while it was: give ``host`` back then
-
-    @property
-    def padded(self) -> int:
-        return round_up(self.nbytes, ALIGNMENT)
-
-
-def _direct_ok(t: torch.Tensor) -> bool:
-    """Can the engine use this tensor's memory as is (CPU, contiguous, aligned, padded size)?"""
-    return (
-        t.device.type == "cpu"
-        and t.is_contiguous()
-        and t.data_ptr() % ALIGNMENT == 0
-        and (t.numel() * t.element_size()) % ALIGNMENT == 0
-    )
-
-
-def _cleanup(
-    engine: FileIOEngine | None, pool: BufferPool | None, rank_dir: Path, pid: int, token: int
-) -> None:
-    """Finalizer: stop owned I/O, free owned buffers, remove this rank's files."""
-    if os.getpid() != pid:
-        return  # a forked child: the folder, threads and buffers are its parent's
-    if engine is not None:
-        engine.close()
-    if pool is not None:
-        pool.close()
-    remove_rank_dir(rank_dir)  # the run folder too once no other rank uses it
-    signals.forget(token)
-
-
-class FileDisk:
-    """The real disk (:class:`~.disk.Disk`): files, direct I/O, page-aligned host memory."""
-
-    def io_engine(self, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> FileIOEngine:
-        return FileIOEngine(queue_depth=queue_depth)
-
-    def free_bytes(self, path: Path) -> int:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize
-
-    def remove(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-
-    def host_buffer(self, nbytes: int, *, huge_pages: bool, pin: bool | None) -> HostBuffer:
-        return HostBuffer(nbytes, huge_pages=huge_pages, pin=pin)
-
-
-_FILES = FileDisk()
 
 
 class Swapper:
@@ -154,67 +78,26 @@ class Swapper:
         pin: bool | None = None,
         io_threads: int = DEFAULT_QUEUE_DEPTH,
     ) -> None:
-        self.nvme_path = Path(nvme_path)
-        self._disk = current_disk() or _FILES  # files, or a rehearsal's simulated disk
-        self.run_id = run_id or new_run_id()
-        self.rank_dir = self.nvme_path / self.run_id / f"rank{rank}"
-        remove_dead_runs(self.nvme_path)  # folders of runs that were killed before cleaning up
-        try:
-            make_rank_dir(self.rank_dir)
-        except FileExistsError as exc:
-            raise SwapIOError(
-                self.rank_dir,
-                "swap directory already exists; a run never reuses another run's files (use a new "
-                "run_id)",
-            ) from exc
-        except OSError as exc:
-            raise SwapIOError.from_oserror(
-                exc, self.nvme_path, None, None, "nvme_path: cannot create swap directory"
-            ) from exc
-        owned_engine = engine is None
-        owned_pool = pool is None
-        try:
-            self._check_space(expected_bytes)
-            self.engine = engine if engine is not None else self._disk.io_engine(io_threads)
-            self.pool = (
-                pool
-                if pool is not None
-                else BufferPool(
-                    buffer_bytes,
-                    buffer_count,
-                    minimum=min_buffers,
-                    host_memory_limit=host_memory_limit,
-                    pin=pin,
-                )
-            )
-            self._finalizer = weakref.finalize(
-                self,
-                _cleanup,
-                self.engine if owned_engine else None,
-                self.pool if owned_pool else None,
-                self.rank_dir,
-                os.getpid(),
-                signals.watch(self.rank_dir),
-            )
-            self._probe_writable()
-        except BaseException:
-            if hasattr(self, "_finalizer"):
-                self._finalizer()
-            else:
-                if owned_engine and hasattr(self, "engine"):
-                    self.engine.close()
-                if owned_pool and hasattr(self, "pool"):
-                    self.pool.close()
-                remove_rank_dir(self.rank_dir)
-            raise
+        self._folder = SwapFolder(
+            nvme_path,
+            buffer_bytes,
+            buffer_count=buffer_count,
+            min_buffers=min_buffers,
+            host_memory_limit=host_memory_limit,
+            expected_bytes=expected_bytes,
+            rank=rank,
+            run_id=run_id,
+            engine=engine,
+            pool=pool,
+            pin=pin,
+            io_threads=io_threads,
+        )
+        self.nvme_path, self.run_id = self._folder.nvme_path, self._folder.run_id
+        self.rank_dir = self._folder.rank_dir
+        self.engine, self.pool = self._folder.engine, self._folder.pool
         self.acquire_timeout = acquire_timeout
-        self._entries: dict[str, _Entry] = {}
-        # numbers the files: keys are cut to a safe prefix, so the number keeps names apart
-        # (a count of the keys would come round again after a discard)
-        self._file_numbers = itertools.count()
-        self._lock = threading.Lock()
+        self._keys = Keys(self.rank_dir, self.pool)
         self._closed = False
-        self._remover: ThreadPoolExecutor | None = None  # deletes files of replaced copies
 
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
@@ -245,21 +128,21 @@ class Swapper:
             raise ValueError(f"swap_out({key!r}): the tensor does not start its owned buffer")
         try:
             self._check_open()
-            entry = self._entries.get(key)
+            entry = self._keys.get(key)
             if entry is None:
                 entry = self._new_entry(key, nbytes)
-            self._settle(entry)
+            self._keys.settle(entry)
         except BaseException:
             if owned is not None:
                 self.pool.release(owned)
             raise
         release_after: HostBuffer | None = None
         if owned is not None:
-            self._drop_host(entry)
+            self._keys.drop_host(entry)
             owned.tensor[nbytes:padded].zero_()
             src = owned.tensor[:padded]
             if keep:
-                with self._lock:
+                with self._keys.lock:
                     entry.host, entry.writing_host = owned, True
             else:
                 release_after = owned
@@ -272,8 +155,8 @@ class Swapper:
         ):
             src = entry.host.tensor[:padded]  # writing back the buffer we lent out
         else:
-            self._drop_host(entry)  # any host copy is stale now
-            if _direct_ok(tensor) and not copy:
+            self._keys.drop_host(entry)  # any host copy is stale now
+            if direct_ok(tensor) and not copy:
                 src = tensor
             else:
                 release_after = self._acquire(padded, key)
@@ -288,7 +171,7 @@ class Swapper:
             if release_after is not None:
                 self.pool.release(release_after)
             kept: HostBuffer | None = None
-            with self._lock:
+            with self._keys.lock:
                 entry.failed, entry.on_disk = exc, exc is None
                 if entry.writing_host and entry.release_when_written and exc is None:
                     kept, entry.host = entry.host, None  # released while it was written
@@ -309,7 +192,7 @@ class Swapper:
         ``out``, into a pool buffer whose typed view is the result (held until :meth:`release`).
         Raises :class:`SwapIOError` now if the key has no valid copy."""
         self._check_open()
-        entry = self._valid_entry(key)
+        entry = self._keys.valid(key)
         if out is not None and (
             out.dtype != entry.dtype or out.numel() * out.element_size() != entry.nbytes
         ):
@@ -324,9 +207,9 @@ class Swapper:
             out.copy_(view)
             entry.on_device = out.device.type != "cpu"
             if entry.on_disk:
-                self._drop_host(entry)
+                self._keys.drop_host(entry)
             return self._done(out)
-        if out is not None and _direct_ok(out):
+        if out is not None and direct_ok(out):
             target, buf = out, None
         else:
             buf = self._acquire(entry.padded, key)
@@ -337,7 +220,7 @@ class Swapper:
         def settle(io: Future, fut: Future) -> None:
             exc = io.exception()
             if exc is not None:
-                with self._lock:
+                with self._keys.lock:
                     if entry.host is buf:
                         entry.host = None
                 if buf is not None:
@@ -371,9 +254,9 @@ class Swapper:
     def prefetch(self, key: str) -> "Future[torch.Tensor]":
         """Start reading ``key`` into a pool buffer (no new read if one holds it); the result
         is the same typed view :meth:`swap_in` with no ``out`` gives."""
-        entry = self._entries.get(key)
+        entry = self._keys.get(key)
         if entry is not None:
-            with self._lock:
+            with self._keys.lock:
                 host = entry.host if entry.writing_host else None
                 entry.release_when_written &= host is None  # held again, until release()
             if host is not None:  # being written from host memory: valid there already
@@ -398,51 +281,28 @@ class Swapper:
     def release(self, key: str) -> None:
         """Return ``key``'s pool buffer (waiting for its I/O) and forget any device copy.
         The disk copy stays. Views of the buffer must not be used afterwards."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        entry.on_device = False
-        with self._lock:
-            if entry.writing_host:  # its write still reads the buffer: given back once done
-                entry.release_when_written = True
-                return
-        self._settle(entry)
-        if entry.on_disk:
-            self._drop_host(entry)
-        elif entry.host is not None:
-            logger.warning(
-                "release(%r): the disk copy is not valid (last write failed); keeping its host "
-                "buffer",
-                key,
-            )
+        self._keys.release(key)
 
     def discard(self, key: str, *, at_once: bool = True) -> None:
         """Forget ``key`` entirely: buffer back to the pool, file deleted — now, or with
-        ``at_once=False`` on a thread of its own (:meth:`_remove_soon`), where the caller
+        ``at_once=False`` on a thread of its own (:meth:`.SwapFolder.remove_soon`), where the caller
         needs no room on the disk from it."""
-        entry = self._entries.pop(key, None)
+        entry = self._keys.pop(key)
         if entry is None:
             return
-        self._settle(entry)
-        self._drop_host(entry)
+        self._keys.settle(entry)
+        self._keys.drop_host(entry)
         if at_once:
-            self._disk.remove(entry.file)
+            self._folder.disk.remove(entry.file)
         else:
-            self._remove_soon(entry.file)
+            self._folder.remove_soon(entry.file)
 
     def take_buffer(self, key: str) -> HostBuffer:
         """``key``'s host copy (what :meth:`prefetch` gave), as the caller's own buffer: the
         key keeps its disk copy only. Hand the buffer to :meth:`swap_out` as ``owned`` (or
         back with ``pool.release``): the caller may change it in place without the key's
         next read seeing the change."""
-        entry = self._valid_entry(key)
-        with self._lock:
-            buf = None if entry.writing_host or not entry.on_disk else entry.host
-            if buf is not None:
-                entry.host = None
-        if buf is None:
-            raise SwapIOError(entry.file, f"take_buffer({key!r}): no host copy beside the file")
-        return buf
+        return self._keys.take_buffer(key)
 
     def take_over(self, key: str, source: str) -> None:
         """Make ``source``'s stored copy ``key``'s, in constant time: ``key``'s own copy goes
@@ -450,30 +310,13 @@ class Swapper:
         ``source``'s write; raises :class:`SwapIOError` if it has no valid copy (``key`` is
         then unchanged)."""
         self._check_open()
-        entry = self._valid_entry(source)
+        self._keys.valid(source)  # waits for its write; raises if it has no valid copy
         self.discard(key, at_once=False)
-        del self._entries[source]
-        self._entries[key] = entry
-
-    def _remove_soon(self, path: Path) -> None:
-        """Delete a file no key names any more on a thread of its own: unlinking a large
-        file takes the file system ~10 ms, which the caller need not wait for. Files are
-        numbered by a running counter, so no new key can meet the file before it goes."""
-        if self._disk is not _FILES:  # a rehearsal's simulated disk: nothing to wait for
-            self._disk.remove(path)
-            return
-        if self._remover is None:
-            self._remover = ThreadPoolExecutor(1, thread_name_prefix="zo-swap-remove")
-
-        def removed(done: Future) -> None:
-            if done.exception() is not None:  # the run's folder goes at close anyway
-                logger.warning("could not delete swap file %s: %s", path, done.exception())
-
-        self._remover.submit(self._disk.remove, path).add_done_callback(removed)
+        self._keys.rename(source, key)
 
     def where(self, key: str) -> Tier | None:
         """Fastest tier holding a valid copy of ``key`` (None if none)."""
-        entry = self._entries.get(key)
+        entry = self._keys.get(key)
         if entry is None:
             return None
         if entry.on_device:
@@ -486,7 +329,7 @@ class Swapper:
         """Shard bytes held per tier (a key may count in several); pool size is
         ``host_buffer_nbytes``."""
         out = {t: 0 for t in Tier}
-        for e in self._entries.values():
+        for e in self._keys.values():
             if e.on_device:
                 out[Tier.DEVICE] += e.nbytes
             if e.host is not None:
@@ -505,13 +348,9 @@ class Swapper:
         if self._closed:
             return
         self._closed = True
-        if self._remover is not None:
-            self._remover.shutdown(wait=True)
-        wait([e.pending for e in self._entries.values() if e.pending is not None])
-        for e in self._entries.values():
-            self._drop_host(e)
-        self._entries.clear()
-        self._finalizer()
+        self._folder.finish_removals()
+        self._keys.close()
+        self._folder.close()
 
     def __enter__(self) -> "Swapper":
         return self
@@ -524,38 +363,9 @@ class Swapper:
         if self._closed:
             raise RuntimeError("Swapper is closed")
 
-    def _check_space(self, needed: int) -> None:
-        available = self._disk.free_bytes(self.rank_dir)
-        if needed > available:
-            raise SwapSpaceError(self.nvme_path, needed, available)
-
-    def _probe_writable(self) -> None:
-        """Write and delete one aligned block now, so a read-only path fails at construction."""
-        probe = self.rank_dir / ".probe"
-        with self.pool.borrow(timeout=30) as buf:
-            try:
-                self.engine.write(probe, buf.tensor[:ALIGNMENT]).result()
-            except OSError as exc:
-                raise SwapIOError(self.nvme_path, f"nvme_path is not writable: {exc}") from exc
-            finally:
-                self._disk.remove(probe)
-
-    def _new_entry(self, key: str, nbytes: int) -> _Entry:
-        self._check_space(round_up(nbytes, ALIGNMENT))
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:48]
-        entry = _Entry(self.rank_dir / f"{next(self._file_numbers):06d}-{safe}.swp")
-        self._entries[key] = entry
-        return entry
-
-    def _valid_entry(self, key: str) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None:
-            raise SwapIOError(None, f"swap_in of key {key!r}: never written")
-        self._settle(entry)
-        if entry.host is None and not entry.on_disk:
-            cause = f"last swap_out failed ({entry.failed})" if entry.failed else "never written"
-            raise SwapIOError(entry.file, f"swap_in of key {key!r}: {cause}; no valid copy")
-        return entry
+    def _new_entry(self, key: str, nbytes: int) -> KeyEntry:
+        self._folder.check_space(round_up(nbytes, ALIGNMENT))
+        return self._keys.new(key)
 
     def _acquire(self, padded: int, key: str) -> HostBuffer:
         if padded > self.pool.buffer_bytes:
@@ -566,30 +376,19 @@ class Swapper:
             )
         return self.pool.acquire(self.acquire_timeout)
 
-    def _drop_host(self, entry: _Entry) -> None:
-        with self._lock:
-            buf, entry.host = entry.host, None
-        if buf is not None:
-            self.pool.release(buf)
-
-    @staticmethod
-    def _settle(entry: _Entry) -> None:
-        if entry.pending is not None:
-            wait([entry.pending])
-
     @staticmethod
     def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
         fut: Future[torch.Tensor] = Future()
         fut.set_result(value)
         return fut
 
-    def _track(self, entry: _Entry, start, settle, buf: HostBuffer | None) -> Future:
+    def _track(self, entry: KeyEntry, start, settle, buf: HostBuffer | None) -> Future:
         """Start an engine request; ``settle(io_future, our_future)`` runs on completion."""
         fut: Future = Future()
         try:
             io = start()
         except BaseException:
-            with self._lock:
+            with self._keys.lock:
                 if entry.host is buf and buf is not None:
                     entry.host = None
             if buf is not None:

@@ -36,8 +36,8 @@ from ..params.store import ParamStore
 from ..params.units import FlatUnit
 from ..weak import weak_hook
 from .api import StepRange
-from .early import EarlyUpdate
 from .loss_scale import LossScaler
+from .nvme.early import EarlyUpdate
 from .overlap import DeferredUpdate
 from .sink import ParamSink
 from .updater import Updater

@@ -21,8 +21,8 @@ from .api import Sink, StateChunk, StepRange, StepTimings, Targets
 if TYPE_CHECKING:
     from ..grads.disk import DiskGrads
     from ..swap.swapper import Swapper
-    from .early import EarlyUpdate
-    from .nvme_sizing import OptimizerSplit
+    from .nvme.early import EarlyUpdate
+    from .nvme.sizing import OptimizerSplit
 
 __all__ = ["Updater"]
 

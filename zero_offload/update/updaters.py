@@ -10,10 +10,10 @@ gradients) and hand the new parameter values to ``sink`` — plus a torch ``opti
   device is the CPU): the state in host memory, updated by the vectorized CPU Adam, which also
   writes the compute-dtype params in the same pass, so only 2 bytes per parameter travel back
   to the device. Every CPU tier runs this same kernel, so offloading changes no bit.
-- :class:`~.nvme_adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
+- :class:`~.nvme.adam.NvmeAdam` (``offload_optimizer="nvme"``): the state in files, stepped as
   a pipeline over sub-groups (see its module).
 - :class:`~.host_state.HostState`: any other optimizer kind or state precision, in host memory;
-  :class:`~.nvme_state.NvmeState`: the same in files.
+  :class:`~.nvme.state.NvmeState`: the same in files.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from .api import (
     whole_range,
 )
 from .host_state import HostState, check_device
-from .nvme import NvmeAdam
-from .nvme_state import NvmeState
+from .nvme.adam import NvmeAdam
+from .nvme.state import NvmeState
 from .range_step import adam_over_ranges
 from .updater import Updater
 

@@ -303,7 +303,7 @@ class TermBuilder:
     @property
     def steps_in_backward(self) -> bool:
         """The engine steps sub-groups in files during the final backward
-        (``update.early``): stages 2-3, the gradients in host memory."""
+        (``update.nvme.early``): stages 2-3, the gradients in host memory."""
         return (
             self.step_during_backward
             and self.stage >= 2

@@ -2,7 +2,7 @@
 :class:`~zero_offload.optim.policy.StatePolicy` (kind, moment and master precision), never
 from a literal 12.
 
-The NVMe placement is the engine's rule (``update.nvme_sizing``: the sub-group, whether the
+The NVMe placement is the engine's rule (``update.nvme.sizing``: the sub-group, whether the
 gradients go to files, how many leading sub-groups stay in host memory) counted in the
 policy's bytes: the pipeline buffers hold a sub-group of the policy's state, and the host part
 under ``offload_optimizer_fraction="auto"`` is as many sub-groups as the spare budget holds at
@@ -20,7 +20,7 @@ from ...optim.layout import StateLayout
 from ...optim.policy import MasterPrecision, MomentPrecision, StatePolicy
 from ...params.units import UnitPlan
 from ...swap.buffers import pool_footprint
-from ...update.nvme_sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
+from ...update.nvme.sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
 
 __all__ = [
     "FP32_STATE",

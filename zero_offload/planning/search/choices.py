@@ -8,7 +8,7 @@ import functools
 from dataclasses import replace
 from typing import Any
 
-from ...update.nvme_sizing import FULL_SPEED_GROUP
+from ...update.nvme.sizing import FULL_SPEED_GROUP
 from ..estimate.memory import MemoryEstimate, ModelShape, estimate_memory
 from ..estimate.state import state_bytes
 from .candidate import Candidate, StateRow

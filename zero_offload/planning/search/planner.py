@@ -10,7 +10,7 @@ With the optimizer on NVMe, the host memory a choice leaves free is not wasted: 
 it to the optimizer (``offload_optimizer_fraction="auto"`` with a ``host_memory_limit`` that
 fills the node's usable host memory), so the leading sub-groups stay in host memory and the
 disk moves only the rest each step. The engine places them by the same rule
-(``update.nvme_sizing.optimizer_split``).
+(``update.nvme.sizing.optimizer_split``).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grads.disk import DiskGrads
-from ..swap.buffers import pool_footprint as _footprint
+from ...grads.disk import DiskGrads
+from ...swap.buffers import pool_footprint as _footprint
 
 __all__ = [
     "FULL_SPEED_GROUP",

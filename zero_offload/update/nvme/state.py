@@ -1,19 +1,20 @@
 """``offload_optimizer="nvme"`` for every optimizer-state policy other than fp32 AdamW.
 
-:class:`NvmeState` is :class:`~.host_state.HostState` with the run's state in files: the run
-is cut into sub-groups on the layout's block boundaries (:meth:`StateLayout.floor_boundary`,
-so every sub-group owns whole 8-bit blocks), and sub-group k's state (master, compensation,
-moments as values / absmax / side arrays, see :mod:`zero_offload.optim.layout`) is one file
-of :func:`~zero_offload.optim.state.buffer_bytes` of its span: the disk moves what the policy
-keeps, not 12 bytes a parameter. A step reads sub-group k+1 while the kernel steps sub-group
-k where it was read (:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as
-HostState steps its ranges) and sub-group k-1 is written back. The leading sub-groups stay in
-host memory (``offload_optimizer_fraction``, the one rule of :mod:`.nvme_sizing`). Every
-sub-group runs the same kernel on the same elements as HostState, so the tier changes no bit.
+:class:`NvmeState` is :class:`~zero_offload.update.host_state.HostState` with the run's state
+in files: the run is cut into sub-groups on the layout's block boundaries
+(:meth:`StateLayout.floor_boundary`, so every sub-group owns whole 8-bit blocks), and sub-group
+k's state (master, compensation, moments as values / absmax / side arrays, see
+:mod:`zero_offload.optim.layout`) is one file of :func:`~zero_offload.optim.state.buffer_bytes`
+of its span: the disk moves what the policy keeps, not 12 bytes a parameter. A step reads
+sub-group k+1 while the kernel steps sub-group k where it was read
+(:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as HostState steps its
+ranges) and sub-group k-1 is written back. The leading sub-groups stay in host memory
+(``offload_optimizer_fraction``, the one rule of :mod:`.sizing`). Every sub-group runs the same
+kernel on the same elements as HostState, so the tier changes no bit.
 
 The concatenated sub-group arrays are the run's arrays, so :meth:`native_tensors` is what
 HostState keeps and checkpoints move between the two. fp32 AdamW stays with
-:class:`~.nvme.NvmeAdam`. Not here yet: gradients in files (a budget that cannot hold the
+:class:`~.adam.NvmeAdam`. Not here yet: gradients in files (a budget that cannot hold the
 fp32 gradient shard is refused) and stepping during backward (``step_during_backward``
 steps at ``step()`` instead, the same bits).
 """
@@ -28,23 +29,23 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from ..config import ZeroConfig
-from ..device.threads import ThreadBudget
-from ..errors import CheckpointError, ConfigError, IncompleteStepError
-from ..memory.ledger import MemoryReport
-from ..optim import CPUOptimizer, ShardState, StateLayout, StepHyper
-from ..optim import step as optim_step
-from ..optim.policy import MasterPrecision
-from ..optim.state import buffer_bytes
-from ..swap.budget import host_memory_budget
-from ..swap.buffers import HostBuffer
-from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
-from ..swap.swapper import Swapper
-from .api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
-from .host_state import SECTION_OF
+from ...config import ZeroConfig
+from ...device.threads import ThreadBudget
+from ...errors import CheckpointError, ConfigError, IncompleteStepError
+from ...memory.ledger import MemoryReport
+from ...optim import CPUOptimizer, ShardState, StateLayout, StepHyper
+from ...optim import step as optim_step
+from ...optim.policy import MasterPrecision
+from ...optim.state import buffer_bytes
+from ...swap.budget import host_memory_budget
+from ...swap.buffers import HostBuffer
+from ...swap.pinned import host_empty, pinned_nbytes, pins, unpin
+from ...swap.swapper import Swapper
+from ..api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
+from ..host_state import SECTION_OF
+from ..updater import Updater
 from .io_clock import IoClock
-from .nvme_sizing import OptimizerSplit, optimizer_split
-from .updater import Updater
+from .sizing import OptimizerSplit, optimizer_split
 
 if TYPE_CHECKING:
     from .early import EarlyUpdate

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import torch
 
-from .api import Sink, StepRange, StepTimings, Targets
-from .range_step import adam_over_ranges
+from ..api import Sink, StepRange, StepTimings, Targets
+from ..range_step import adam_over_ranges
 
 __all__ = ["GroupStep"]
 

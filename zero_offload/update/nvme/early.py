@@ -24,16 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..device.threads import yield_to_compute
-from ..swap.buffers import HostBuffer
-from .api import StepRange, StepTimings
-
-if TYPE_CHECKING:
-    from .nvme import NvmeAdam
+from ...device.threads import yield_to_compute
+from ...swap.buffers import HostBuffer
+from ..api import StepRange, StepTimings
+from .groups import SubGroupFiles
 
 __all__ = ["EarlyUpdate"]
 
@@ -55,7 +52,7 @@ class EarlyUpdate:
 
     def __init__(
         self,
-        adam: NvmeAdam,
+        adam: SubGroupFiles,
         grads: torch.Tensor,
         factor: float,
         hyper: dict,
@@ -193,8 +190,7 @@ class EarlyUpdate:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
-        if self.adam.early is self:
-            self.adam.early = None
+        self.adam.early_ended(self)
 
     # -- the step's side --------------------------------------------------------------------
     def check(

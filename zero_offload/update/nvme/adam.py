@@ -1,12 +1,12 @@
 """``offload_optimizer="nvme"``: the optimizer state in files, stepped as a pipeline.
 
 The rank-flat state is cut into sub-groups (sized to the shard and the host budget by
-:mod:`.nvme_sizing`, at most ``sub_group_size`` parameters); sub-group k's [master | m | v]
+:mod:`.sizing`, at most ``sub_group_size`` parameters); sub-group k's [master | m | v]
 is one file. A step reads group k+1 while the CPU Adam updates group k in its host buffer
 and group k−1 is written back, so the disk and the CPU work at the same time.
 
 ``offload_optimizer_fraction`` keeps the leading sub-groups' state in host memory instead
-(:func:`.nvme_sizing.optimizer_split`). A step starts reading the first sub-group in files,
+(:func:`.sizing.optimizer_split`). A step starts reading the first sub-group in files,
 then steps the host ones while that read is in flight: the host part hides the disk's latency
 rather than adding a phase. Every sub-group runs the same kernel on the same elements, so
 where a sub-group lives changes no bit.
@@ -19,8 +19,9 @@ sub-groups and not others: their files are dropped, and every later step or stat
 ``optimizer.load_state_dict``).
 
 The fp32 gradient shard stays in host memory when it fits the host budget beside the
-pipeline buffers. When it does not, gradients go to files too (:class:`~.disk_grads.DiskGrads`,
-the same sub-groups), and the step reads each sub-group's back beside its state.
+pipeline buffers. When it does not, gradients go to files too
+(:class:`~zero_offload.grads.disk.DiskGrads`, the same sub-groups), and the step reads each
+sub-group's back beside its state.
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-from ..config import ZeroConfig
-from ..device.threads import ThreadBudget
-from ..errors import BufferBudgetError, IncompleteStepError
-from ..grads.disk import DiskGrads
-from ..memory.ledger import MemoryReport
-from ..optim import CPUAdam
-from ..partition import chunks, split_range
-from ..swap.budget import host_memory_budget
-from ..swap.buffers import HostBuffer
-from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
-from ..swap.swapper import Swapper
-from .api import (
+from ...config import ZeroConfig
+from ...device.threads import ThreadBudget
+from ...errors import BufferBudgetError, IncompleteStepError
+from ...grads.disk import DiskGrads
+from ...memory.ledger import MemoryReport
+from ...optim import CPUAdam
+from ...partition import chunks, split_range
+from ...swap.budget import host_memory_budget
+from ...swap.buffers import HostBuffer
+from ...swap.pinned import host_empty, pinned_nbytes, pins, unpin
+from ...swap.swapper import Swapper
+from ..api import (
     Sink,
     StateChunk,
     StepRange,
@@ -55,11 +56,11 @@ from .api import (
     adam_kwargs,
     whole_range,
 )
+from ..updater import Updater
 from .early import EarlyUpdate, next_key, out_key
 from .group_step import GroupStep
 from .io_clock import IoClock
-from .nvme_sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
-from .updater import Updater
+from .sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
@@ -85,7 +86,7 @@ class NvmeAdam(Updater):
     ) -> None:
         off = cfg.offload
         self.numel = numel
-        # the kernel's threads: in the step, and in the pass during backward (update.early)
+        # the kernel's threads: in the step, and in the pass during backward (update.nvme.early)
         self.threads = threads or ThreadBudget.decide("cpu", cfg.threads)
         budget = host_memory_budget(host_memory_limit)
         dtype_bytes = torch.empty(0, dtype=dtype).element_size()
@@ -153,7 +154,7 @@ class NvmeAdam(Updater):
         self._stale: set[int] = set()
         self._stale_cause = ""
         self._loading: tuple[int, HostBuffer] | None = None
-        # sub-groups of the running update stepped during backward (:mod:`.early_update`),
+        # sub-groups of the running update stepped during backward (:mod:`.early`),
         # and the pass of this window's backward while it runs
         self._replay: set[int] = set()
         self.early: EarlyUpdate | None = None
@@ -297,7 +298,7 @@ class NvmeAdam(Updater):
         unit_starts: list[int],
     ) -> EarlyUpdate | None:
         """Start stepping the sub-groups in files during the final backward, as their
-        gradients land in ``grads`` (:mod:`.early_update`); None where it cannot run: the
+        gradients land in ``grads`` (:mod:`.early`); None where it cannot run: the
         gradients are in files, or no sub-group is, or the state is unsound."""
         if grads is None or self.disk_grads is not None or self._stale or is_fake(grads):
             return None  # (a rehearsal's fake gradients have no values to step)
@@ -313,6 +314,11 @@ class NvmeAdam(Updater):
             unit_starts,
         )
         return self.early
+
+    def early_ended(self, early: object) -> None:
+        """The pass ``early`` stopped (:class:`~.groups.SubGroupFiles`)."""
+        if self.early is early:
+            self.early = None
 
     def _drop_early(self) -> None:
         """Reading or loading the state while a pass of :meth:`start_early` runs: the pass

@@ -6,7 +6,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from .api import StepTimings
+from ..api import StepTimings
 
 __all__ = ["IoClock"]
 

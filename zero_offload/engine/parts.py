@@ -1,0 +1,251 @@
+"""Building an engine's parts around the model, each from the ones it depends on: kept apart
+from the engine's training loop, which only drives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..activations.offload import ActivationOffload
+from ..activations.wiring import build_offload
+from ..comm import Comm
+from ..config import ZeroConfig
+from ..device import placement
+from ..device.streams import Streams
+from ..device.threads import ThreadBudget
+from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
+from ..grads.reducer import GradReducer
+from ..grads.target import GradTarget, ResidentGrads
+from ..params.gather import ParamGatherer
+from ..params.store import ParamStore, param_host_numel, param_pool_bytes
+from ..params.unit_state import UnitStates
+from ..params.units import FlatUnit, UnitPlan, plan_units, trainable_numel
+from ..swap.budget import activation_host_share, host_memory_budget
+from ..swap.budget import split_host_budget as split_budget
+from ..update.host_state import run_layout
+from ..update.stepper import ShardStepper
+from ..update.updaters import make_updater, params_are_master
+from .buffer_sync import broadcast_buffers
+from .build import build_units
+from .handback import Leftovers
+from .runtime import Runtime
+from .weights import load_buffers, open_pretrained
+
+__all__ = ["Parts", "build_parts", "split_host_budget"]
+
+
+@dataclass
+class Parts:
+    """What an engine trains with; the engine takes each as an attribute of its own."""
+
+    param_store: ParamStore | None
+    trainable_numel: int
+    shard_numel: int
+    units: list[FlatUnit]
+    grads: torch.Tensor | None  # None: the optimizer keeps them in files
+    grad_queue: HostGradQueue | None
+    unit_states: UnitStates
+    gatherer: ParamGatherer | None
+    reducer: GradReducer
+    activations: ActivationOffload | None
+    stepper: ShardStepper
+
+
+def split_host_budget(
+    config: ZeroConfig, plans: list[UnitPlan], device: torch.device, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """This rank's one host budget (``swap.budget``): the gradient staging buffers first
+    (CUDA), then offloaded activations (``offload_activations``), then the NVMe parameter
+    pool (at most half of the rest when it shares with the NVMe optimizer), the rest for the
+    optimizer with its gradients: (param pool, optimizer, activations)."""
+    off = config.offload
+    staging = 0
+    if off.optimizer != "none" and device.type == "cuda":
+        largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
+        staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
+    pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
+    budget = host_memory_budget(off.host_memory_limit)
+    acts = (
+        activation_host_share(budget, off.param, off.optimizer, staging)
+        if config.activations.offload
+        else 0
+    )
+    return (*split_budget(budget - acts, pool, off.param, off.optimizer, staging), acts)
+
+
+def build_parts(
+    model: nn.Module,
+    config: ZeroConfig,
+    comm: Comm,
+    device: torch.device,
+    threads: ThreadBudget,
+    streams: Streams,
+    runtime: Runtime,
+    leftovers: Leftovers,
+    on_widen: Callable[[torch.Tensor], None],
+) -> Parts:
+    """The parts around ``model`` (moved to ``device``, pretrained weights loaded); what must
+    be released however the engine ends goes to ``leftovers``. ``on_widen``: the host
+    gradient shard became fp32 (a second backward before a step)."""
+    stage = config.stage
+    dtype = config.precision.dtype
+    placement.move_model(model, device, stage)
+    if config.broadcast_buffers:
+        broadcast_buffers(model, comm)
+    plans = plan_units(
+        model,
+        stage=stage,
+        world_size=comm.world_size,
+        bucket_size=config.reduce_bucket_size,
+    )
+    weights = open_pretrained(config.init_weights, model, plans) if config.init_weights else None
+    shard_numel = sum(p.shard_numel for p in plans)
+    param_budget, optimizer_budget, activation_budget = split_host_budget(
+        config, plans, device, dtype
+    )
+    param_store = (
+        ParamStore(
+            config,
+            shard_numel,
+            max((p.shard_numel for p in plans), default=0),
+            dtype,
+            device,
+            comm.rank,
+            param_budget,
+            streams,
+            param_host_numel(
+                [(p.shard_offset, p.shard_numel) for p in plans], config.offload.param_fraction
+            ),
+            threads.io,
+        )
+        if stage == 3
+        else None
+    )
+    if param_store is not None:
+        leftovers.closers.append(param_store.close)
+    # optimizer state and gradients cover the trainable prefix of the rank-flat shard
+    trainable = trainable_numel(plans)
+    # stage 0 with fp32 compute: the params live in one rank-flat buffer that is the master
+    flat_params = (
+        torch.empty(trainable, dtype=torch.float32, device=device)
+        if params_are_master(config, dtype)
+        else None
+    )
+    updater = make_updater(
+        trainable,
+        config,
+        device,
+        dtype,
+        comm.rank,
+        param_store.resident if param_store else flat_params,
+        optimizer_budget,
+        threads,
+        runtime.device_optimizer,
+        run_layout(config.optimizer.policy, plans, comm.rank),
+    )
+    leftovers.closers.append(updater.close)
+    units = build_units(
+        model,
+        plans,
+        config,
+        comm,
+        device,
+        updater,
+        param_store,
+        weights,
+        leftovers,
+        flat_params,
+    )
+    if weights is not None:
+        load_buffers(model, *weights)
+        if config.broadcast_buffers:
+            broadcast_buffers(model, comm)
+        weights[0].close()
+    grad_queue: HostGradQueue | None = None
+    grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
+    target: GradTarget
+    if config.offload.optimizer == "none":
+        grads = torch.zeros(trainable, dtype=dtype, device=device)
+        target = ResidentGrads(grads)
+    else:  # copied and summed in the background while backward runs on
+        host_target: GradTarget
+        if updater.disk_grads is not None:  # in files beside the optimizer's state
+            host_target = updater.disk_grads
+        else:  # the optimizer steps on the host: reduced gradient shards go there
+            grads = torch.zeros(
+                trainable,
+                dtype=host_grad_dtype(  # never crosses PCIe
+                    stage, config.gradient_accumulation_steps, dtype
+                ),
+            )
+            host_target = ResidentGrads(  # weak: the target must not keep the engine alive
+                grads, on_widen=on_widen
+            )
+        worker = runtime.host_worker
+        grad_queue = HostGradQueue(
+            host_target,
+            streams,
+            max((p.shard_numel for p in plans if not p.frozen), default=0),
+            dtype,
+            threads=threads,
+            worker=worker() if worker is not None else None,
+        )
+        leftovers.closers.insert(0, grad_queue.close)  # before the updater
+        target = grad_queue
+    unit_states = UnitStates(units, comm, streams)
+    gatherer = (
+        ParamGatherer(
+            model,
+            units,
+            unit_states,
+            param_store,
+            prefetch_depth=config.prefetch_depth,
+            prefetch_bytes=config.prefetch_bytes,
+        )
+        if param_store
+        else None
+    )
+    reducer = GradReducer(
+        units,
+        unit_states,
+        comm,
+        stage,
+        target,
+        on_reduced=gatherer.release if gatherer else None,
+    )
+    leftovers.closers[:0] = [reducer.remove_hooks] + ([gatherer.remove_hooks] if gatherer else [])
+    activations = build_offload(config, model, units, streams, gatherer, activation_budget)
+    stepper = ShardStepper(
+        units,
+        config,
+        comm,
+        grads,
+        device,
+        dtype,
+        updater,
+        param_store,
+        streams,
+    )
+    # an update still running under a forward stops first, while its files are open;
+    # the pinned staging buffers go last, once nothing copies from them any more
+    leftovers.closers.insert(0, stepper.abandon)
+    leftovers.closers += [stepper.sink.release_staging]
+    if activations is not None:
+        leftovers.closers.append(activations.close)
+    leftovers.closers.append(streams.close)
+    return Parts(
+        param_store,
+        trainable,
+        shard_numel,
+        units,
+        grads,
+        grad_queue,
+        unit_states,
+        gatherer,
+        reducer,
+        activations,
+        stepper,
+    )
