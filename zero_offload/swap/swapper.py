@@ -23,7 +23,6 @@ on close, garbage collection, normal exit and SIGTERM, or else at the next run (
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -38,6 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from ..errors import SwapIOError, SwapSpaceError
+from ..policies import Tier
 from . import signals
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .disk import current_disk
@@ -47,14 +47,6 @@ from .runs import make_rank_dir, new_run_id, remove_dead_runs, remove_rank_dir
 __all__ = ["Tier", "Swapper"]
 
 logger = logging.getLogger(__name__)
-
-
-class Tier(enum.Enum):
-    """Storage tiers, fastest first."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...memory.sizes import describe_params
 from ...optim.policy import StatePolicy
+from ...policies import Tier
 from .state import FP32_STATE
 from .terms import (
     ACTIVATIONS,
@@ -17,7 +18,7 @@ from .terms import (
     Term,
 )
 
-TIERS = ("device", "host", "nvme")
+TIERS = tuple(Tier)
 
 
 @dataclass(frozen=True)
