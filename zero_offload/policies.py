@@ -67,8 +67,14 @@ class Stage(enum.Enum):
         return int(self.value)
 
     @property
-    def shards_optimizer(self) -> bool:
+    def sharded(self) -> bool:
+        """Some state is sharded across the ranks (stages 1-3), so each rank holds part of
+        the gradients' reduction and of the update."""
         return self is not Stage.REPLICATED
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.sharded
 
     @property
     def shards_grads(self) -> bool:

@@ -73,17 +73,20 @@ def _split_host_budget(
     optimizer with its gradients: (param pool, optimizer, activations)."""
     off = config.offload
     staging = 0
-    if off.optimizer != "none" and device.type == "cuda":
+    if off.optimizer_tier.offloaded and device.type == "cuda":
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
         staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
     pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
     budget = host_memory_budget(off.host_memory_limit)
     acts = (
-        activation_host_share(budget, off.param, off.optimizer, staging)
+        activation_host_share(budget, off.param_tier, off.optimizer_tier, staging)
         if config.activations.offload
         else 0
     )
-    return (*split_host_budget(budget - acts, pool, off.param, off.optimizer, staging), acts)
+    return (
+        *split_host_budget(budget - acts, pool, off.param_tier, off.optimizer_tier, staging),
+        acts,
+    )
 
 
 class Engine(EngineLifecycle, EngineState):
@@ -105,6 +108,7 @@ class Engine(EngineLifecycle, EngineState):
         self.threads.apply_compute()
         self.dtype = config.precision.dtype
         self.stage = config.stage
+        self.sharding = config.sharding  # what the stage shards, for the parts
         self._module = model
         self.streams = runtime.streams(self.device)
         # What must be released however this engine ends (close(), collection, exit, or an
@@ -120,12 +124,12 @@ class Engine(EngineLifecycle, EngineState):
             raise
 
     def _build(self, model: nn.Module, config: ZeroConfig) -> None:
-        placement.move_model(model, self.device, self.stage)
+        placement.move_model(model, self.device, self.sharding)
         if config.broadcast_buffers:
             broadcast_buffers(model, self.comm)
         plans = plan_units(
             model,
-            stage=self.stage,
+            stage=self.sharding,
             world_size=self.comm.world_size,
             bucket_size=config.reduce_bucket_size,
         )
@@ -151,7 +155,7 @@ class Engine(EngineLifecycle, EngineState):
                 ),
                 self.threads.io,
             )
-            if self.stage == 3
+            if self.sharding.shards_params
             else None
         )
         if self.param_store is not None:
@@ -198,7 +202,7 @@ class Engine(EngineLifecycle, EngineState):
         self.grad_queue: HostGradQueue | None = None
         self.grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
         target: GradTarget
-        if config.offload.optimizer == "none":
+        if not config.offload.optimizer_tier.offloaded:
             self.grads = torch.zeros(trainable, dtype=self.dtype, device=self.device)
             target = ResidentGrads(self.grads)
         else:  # copied and summed in the background while backward runs on
@@ -209,7 +213,7 @@ class Engine(EngineLifecycle, EngineState):
                 self.grads = torch.zeros(
                     trainable,
                     dtype=host_grad_dtype(  # never crosses PCIe
-                        self.stage, config.gradient_accumulation_steps, self.dtype
+                        self.sharding, config.gradient_accumulation_steps, self.dtype
                     ),
                 )
                 host_target = ResidentGrads(  # weak: the target must not keep the engine alive
@@ -244,7 +248,7 @@ class Engine(EngineLifecycle, EngineState):
             self.units,
             self.unit_states,
             self.comm,
-            self.stage,
+            self.sharding,
             target,
             on_reduced=self.gatherer.release if self.gatherer else None,
         )

@@ -13,6 +13,7 @@ from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import MasterPrecision, StatePolicy
 from ...params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from ...params.units import unit_build_bytes
+from ...policies import Tier
 from ...update.updaters import GRAD_SLICE
 from .state import moment_bytes, per_param_text, state_names
 from .terms import (
@@ -386,7 +387,10 @@ class TermBuilder:
         elif b != 4 and (self.offload_optimizer == "cpu" or self.on_cpu):
             # The CPU Adam writes compute-dtype params into a buffer of its own unless stage
             # 3's shards are themselves in host memory.
-            if not (self.stage == 3 and shards_in_host_memory(self.offload_param, self.device)):
+            if not (
+                self.stage == 3
+                and shards_in_host_memory(Tier.from_keyword(self.offload_param), self.device)
+            ):
                 tier = "host" if self.offload_optimizer == "cpu" else "device"
                 self.add(
                     "param staging",

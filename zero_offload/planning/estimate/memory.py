@@ -34,6 +34,7 @@ from ...memory.sizes import dtype_name as _dtype_name
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
 from ...params.store import param_pool_buffers
+from ...policies import Tier
 from ...swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from .activations import ActivationEstimate
 from .builder import TermBuilder
@@ -270,6 +271,10 @@ def _split_host(
     """One host budget per rank, split between the pools as the engine splits it (offloaded
     activations' share first: ``swap.budget.activation_host_share``)."""
     budget = host_memory_budget(host_memory_limit, available=host_available, ranks=ranks)
+    param_tier, optimizer_tier = (
+        Tier.from_keyword(offload_param),
+        Tier.from_keyword(offload_optimizer),
+    )
     staging = (
         staging_bytes(math.ceil(layout.largest_t / shards), b)
         if offload_optimizer != "none" and not on_cpu
@@ -279,12 +284,12 @@ def _split_host(
         b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
     )
     acts = (
-        activation_host_share(budget, offload_param, offload_optimizer, staging)
+        activation_host_share(budget, param_tier, optimizer_tier, staging)
         if offload_activations
         else 0
     )
     param_budget, opt_budget = split_host_budget(
-        budget - acts, param_pool, offload_param, offload_optimizer, staging
+        budget - acts, param_pool, param_tier, optimizer_tier, staging
     )
     split = state_split(
         policy,

@@ -14,6 +14,7 @@ from ...grads.reducer import reductions_alive
 from ...params.gather import gathered_units
 from ...params.units import owning_modules, plan_units, trainable_numel
 from ...partition import padded_numel
+from ...policies import Stage
 from ...swap.buffers import ALIGNMENT, round_up
 from .terms import Layout
 
@@ -108,7 +109,9 @@ def model_layout(
     reduce_bucket_size: int,
 ) -> Layout:
     """The engine's own layout (``plan_units``): units, each padded."""
-    plans = plan_units(model, stage=stage, world_size=num_gpus, bucket_size=reduce_bucket_size)
+    plans = plan_units(
+        model, stage=Stage(stage), world_size=num_gpus, bucket_size=reduce_bucket_size
+    )
     padded = [p.layout.padded_numel for p in plans]
     full, largest = sum(padded), max(padded)
     # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
