@@ -20,6 +20,7 @@ from models import TinyGPT, batch, loss_fn
 import zero_offload as zo
 from zero_offload.grads.reducer import reductions_alive
 from zero_offload.grads.slices import SLICE, add_into, sum_of_squares
+from zero_offload.policies import Tier
 from zero_offload.swap import budget as budget_mod
 from zero_offload.swap.budget import DEFAULT_HOST_FRACTION, host_memory_budget, split_host_budget
 from zero_offload.update.nvme.sizing import FULL_SPEED_GROUP, nvme_sizing
@@ -37,11 +38,11 @@ def test_default_budget_is_the_nodes_available_memory_shared_by_its_ranks(monkey
 
 
 def test_split_gives_the_param_pool_its_need_up_to_half():
-    assert split_host_budget(100, 30, "nvme", "nvme") == (30, 70)
-    assert split_host_budget(100, 80, "nvme", "nvme") == (50, 50)
-    assert split_host_budget(100, 30, "nvme", "nvme", staging_bytes=40) == (30, 30)
-    assert split_host_budget(100, 30, "nvme", "cpu") == (100, 0)
-    assert split_host_budget(100, 0, "none", "nvme") == (0, 100)
+    assert split_host_budget(100, 30, Tier.NVME, Tier.NVME) == (30, 70)
+    assert split_host_budget(100, 80, Tier.NVME, Tier.NVME) == (50, 50)
+    assert split_host_budget(100, 30, Tier.NVME, Tier.NVME, staging_bytes=40) == (30, 30)
+    assert split_host_budget(100, 30, Tier.NVME, Tier.HOST) == (100, 0)
+    assert split_host_budget(100, 0, Tier.DEVICE, Tier.NVME) == (0, 100)
 
 
 def test_nvme_buffers_are_sized_to_the_shard_not_to_sub_group_size():

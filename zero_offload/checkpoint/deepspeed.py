@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from ..partition import split_range
+from ..policies import Stage
 from .format import CheckpointError, refusal_reason
 
 __all__ = ["find_deepspeed", "DeepSpeedSource", "load_deepspeed_file"]
@@ -119,16 +120,16 @@ def _numel(shape: Any) -> int:
 class _Rank:
     """One saved rank's optimizer state: fp32 master, exp_avg, exp_avg_sq per flat group."""
 
-    def __init__(self, path: Path, stage: int) -> None:
+    def __init__(self, path: Path, stage: Stage) -> None:
         sd = load_deepspeed_file(path)
         osd = sd.get("optimizer_state_dict")
         if not isinstance(osd, dict):
             raise CheckpointError(f"{path}: no optimizer_state_dict (not a ZeRO optimizer file)")
         self.osd = osd
         self.master = list(
-            osd["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"]
+            osd["fp32_flat_groups" if stage.shards_params else "single_partition_of_fp32_groups"]
         )
-        base = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+        base = osd.get("optimizer_state_dict" if stage.shards_params else "base_optimizer_state")
         if isinstance(base, list):  # stages 1-2 "elastic" layout: one lean state per group
             states, self.param_groups = dict(enumerate(base)), None
         elif isinstance(base, dict) and "state" in base:
@@ -186,9 +187,13 @@ class DeepSpeedSource:
         first = load_deepspeed_file(self._files[0] or folder / "zero_pp_rank_0")
         osd = first["optimizer_state_dict"]
         self.stage = int(osd.get("zero_stage", 0))
+        try:
+            self.sharding = Stage(self.stage)
+        except ValueError:
+            self.sharding = Stage.REPLICATED  # refused below, naming the number read
         counts = osd.get("partition_count")
         counts = set(counts) if isinstance(counts, list) else {counts}
-        if len(counts) != 1 or self.stage not in (1, 2, 3):
+        if len(counts) != 1 or not self.sharding.sharded:
             raise CheckpointError(f"{folder}: ZeRO stage {self.stage}, partition counts {counts}")
         self.world = int(counts.pop())
         missing = [r for r in range(self.world) if r >= len(self._files) or not self._files[r]]
@@ -200,7 +205,7 @@ class DeepSpeedSource:
             )
         name = (
             "zero_pp_rank_0_mp_rank_00_model_states.pt"
-            if self.stage == 3
+            if self.sharding.shards_params
             else "mp_rank_00_model_states.pt"
         )
         self.model = load_deepspeed_file(folder / name)
@@ -220,7 +225,7 @@ class DeepSpeedSource:
 
     def rank(self, r: int) -> _Rank:
         if r not in self._ranks:
-            self._ranks[r] = _Rank(self._files[r], self.stage)  # type: ignore[arg-type]
+            self._ranks[r] = _Rank(self._files[r], self.sharding)  # type: ignore[arg-type]
         return self._ranks[r]
 
     # -- where each parameter is --------------------------------------------------------------
@@ -232,7 +237,7 @@ class DeepSpeedSource:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, tuple] = {}
         self._group_of: dict[str, int] = {}
-        if self.stage == 3:
+        if self.sharding.shards_params:
             sizes = [t.numel() for t in r0.master]
             self._starts = [0, *[sum(sizes[: k + 1]) for k in range(len(sizes))]]
             offset = 0
@@ -270,7 +275,7 @@ class DeepSpeedSource:
         shapes = self.model.get("frozen_param_shapes")
         if shapes is not None:  # stages 2-3 list them; stage 3 stores each rank's piece
             for name, shape in shapes.items():
-                if self.stage == 3:
+                if self.sharding.shards_params:
                     self._add(name, shape, ("frozen3", math.ceil(_numel(shape) / self.world)))
                 else:
                     self._add(name, shape, ("whole", self.model["frozen_param_fragments"][name]))

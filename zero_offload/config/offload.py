@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..fields import keyword
+from ..policies import OFFLOAD_KEYWORDS, Tier
 from .checks import bad, number, whole_numbers
 
 __all__ = ["OFFLOAD_TARGETS", "OffloadConfig"]
 
-OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+OFFLOAD_TARGETS = OFFLOAD_KEYWORDS
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,17 @@ class OffloadConfig:
                 f"{self.optimizer!r}); set offload_optimizer='nvme' and nvme_path, or drop "
                 "offload_optimizer_fraction"
             )
+
+    @property
+    def optimizer_tier(self) -> Tier:
+        """Where the fp32 master and the optimizer's moments live, parsed from
+        ``offload_optimizer``."""
+        return Tier.from_keyword(self.optimizer)
+
+    @property
+    def param_tier(self) -> Tier:
+        """Where stage 3's parameter shards live between uses, parsed from ``offload_param``."""
+        return Tier.from_keyword(self.param)
 
     @property
     def enabled(self) -> bool:

@@ -13,6 +13,7 @@ from ..deepspeed_config import check_schedule
 from ..device.threads import check_threads
 from ..errors import ConfigError
 from ..fields import keyword
+from ..policies import Stage
 from .checks import bad, number, whole_numbers
 from .offload import OffloadConfig
 from .optimizer import OptimizerConfig
@@ -169,6 +170,11 @@ class ZeroConfig:
             raise ConfigError(
                 f"offload_optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage=0)"
             )
+
+    @property
+    def sharding(self) -> Stage:
+        """What ``stage`` shards, and what that asks of each part."""
+        return Stage(self.stage)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -14,6 +14,8 @@ import os
 import torch
 import torch.nn as nn
 
+from ..policies import Stage
+
 __all__ = ["move_model", "select_device", "to_device"]
 
 
@@ -39,12 +41,12 @@ def select_device(requested: torch.device | None) -> torch.device:
     return requested
 
 
-def move_model(model: nn.Module, device: torch.device, stage: int) -> None:
+def move_model(model: nn.Module, device: torch.device, stage: Stage) -> None:
     """Put the model's buffers, and (stages 0–2) its parameters, on the device. Stage 3
     leaves parameters where they are: each unit goes to the device when it is built. So do
     parameters on the meta device, which their unit materializes."""
     for module in model.modules():
-        if stage < 3:
+        if not stage.shards_params:
             for p in module._parameters.values():
                 if p is not None and not p.is_meta and p.device != device:
                     p.data = to_device(p.data, device)

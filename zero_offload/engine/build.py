@@ -64,7 +64,7 @@ def build_units(
             values = [opened.load(stored[name]) for name in plan.names]
         unit, master = make_unit(
             plan,
-            stage=config.stage,
+            stage=config.sharding,
             rank=comm.rank,
             dtype=config.dtype,
             device=device,
@@ -78,7 +78,8 @@ def build_units(
         )
         if not unit.frozen:  # a frozen unit's values live in its compute-dtype params
             updater.load_state(
-                unit.shard_offset, master if config.offload.optimizer == "none" else master.cpu()
+                unit.shard_offset,
+                master.cpu() if config.offload.optimizer_tier.offloaded else master,
             )
         if unit.sharded_params:  # released, not handed back, if the engine just ends
             leftovers.sharded.extend(

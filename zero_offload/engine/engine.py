@@ -70,6 +70,7 @@ class Engine(EngineLifecycle, EngineState):
         self.threads.apply_compute()
         self.dtype = config.precision.dtype
         self.stage = config.stage
+        self.sharding = config.sharding  # what the stage shards, for the parts
         self._module = model
         self.streams = runtime.streams(self.device)
         # What must be released however this engine ends (close(), collection, exit, or an

@@ -16,6 +16,7 @@ from ..device import placement
 from ..memory.ledger import MemoryReport
 from ..params.unit_state import GatherState
 from ..params.units import FlatUnit, persistent_buffers
+from ..policies import Tier
 from ..progress import Progress
 from .buffer_sync import rank0_values
 
@@ -81,7 +82,7 @@ def memory_report(engine: "Engine") -> MemoryReport:
     for u in engine.units:
         if not u.sharded_params:
             rep.add("device", "params", u.full_bytes)
-            if engine.stage == 3:
+            if engine.sharding.shards_params:
                 rep.persistent_param_bytes += u.full_bytes
         elif engine.unit_states.gather_state(u) is not GatherState.FREE:
             rep.add("device", "params", u.full_bytes)
@@ -89,7 +90,7 @@ def memory_report(engine: "Engine") -> MemoryReport:
             if p.grad is not None and not _views_of(p.grad, engine.grads):
                 rep.add("device", "grads", p.grad.numel() * p.grad.element_size())
     if engine.grads is not None:
-        grads_tier = "device" if engine.config.offload.optimizer == "none" else "host"
+        grads_tier = Tier.HOST if engine.config.offload.optimizer_tier.offloaded else Tier.DEVICE
         rep.add(grads_tier, "grads", engine.grads.numel() * engine.grads.element_size())
     engine.stepper.add_to(rep)
     if engine.grad_queue is not None:

@@ -29,6 +29,7 @@ from ..params.released import unguard
 from ..params.store import ParamStore
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit
+from ..policies import Stage
 
 __all__ = ["Leftovers", "check_parameters", "hand_back_parameters", "has_memory"]
 
@@ -112,7 +113,7 @@ def _own_copy(p: nn.Parameter, value: torch.Tensor, device: torch.device) -> Non
 def hand_back_parameters(
     model: nn.Module,
     units: list[FlatUnit],
-    stage: int,
+    stage: Stage,
     states: UnitStates,
     store: ParamStore | None,
 ) -> None:
@@ -121,7 +122,7 @@ def hand_back_parameters(
     host = torch.device("cpu")
     with torch.no_grad():
         for unit in units:
-            target = host if stage == 3 else unit.full.device
+            target = host if stage.shards_params else unit.full.device
             if unit.sharded_params:
                 assert store is not None
                 shard, copied = store.load(unit)
@@ -132,7 +133,7 @@ def hand_back_parameters(
                 states.free(unit)
             unit.full = unit.full.new_empty(0)  # the engine keeps no copy of the values
             unit.views = []
-        if stage == 3:
+        if stage.shards_params:
             for module in model.modules():
                 for name, b in module._buffers.items():
                     if b is not None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 import torch
 import torch.nn as nn
 
+from ..policies import Stage
 from .buffer_sync import broadcast_buffers
 from .handback import Leftovers, hand_back_parameters
 
@@ -43,6 +44,7 @@ class EngineLifecycle:
     config: ZeroConfig
     comm: Comm
     stage: int
+    sharding: Stage
     units: list[FlatUnit]
     unit_states: UnitStates
     reducer: GradReducer
@@ -148,7 +150,7 @@ class EngineLifecycle:
         if self.config.broadcast_buffers:
             broadcast_buffers(self._module, self.comm)
         hand_back_parameters(
-            self._module, self.units, self.stage, self.unit_states, self.param_store
+            self._module, self.units, self.sharding, self.unit_states, self.param_store
         )
 
     def __enter__(self: _E) -> _E:

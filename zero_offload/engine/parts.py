@@ -63,17 +63,20 @@ def split_host_budget(
     optimizer with its gradients: (param pool, optimizer, activations)."""
     off = config.offload
     staging = 0
-    if off.optimizer != "none" and device.type == "cuda":
+    if off.optimizer_tier.offloaded and device.type == "cuda":
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
         staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
     pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
     budget = host_memory_budget(off.host_memory_limit)
     acts = (
-        activation_host_share(budget, off.param, off.optimizer, staging)
+        activation_host_share(budget, off.param_tier, off.optimizer_tier, staging)
         if config.activations.offload
         else 0
     )
-    return (*split_budget(budget - acts, pool, off.param, off.optimizer, staging), acts)
+    return (
+        *split_budget(budget - acts, pool, off.param_tier, off.optimizer_tier, staging),
+        acts,
+    )
 
 
 def build_parts(
@@ -90,7 +93,7 @@ def build_parts(
     """The parts around ``model`` (moved to ``device``, pretrained weights loaded); what must
     be released however the engine ends goes to ``leftovers``. ``on_widen``: the host
     gradient shard became fp32 (a second backward before a step)."""
-    stage = config.stage
+    stage = config.sharding  # what the stage shards
     dtype = config.precision.dtype
     placement.move_model(model, device, stage)
     if config.broadcast_buffers:
@@ -121,7 +124,7 @@ def build_parts(
             ),
             threads.io,
         )
-        if stage == 3
+        if stage.shards_params
         else None
     )
     if param_store is not None:
@@ -167,7 +170,7 @@ def build_parts(
     grad_queue: HostGradQueue | None = None
     grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
     target: GradTarget
-    if config.offload.optimizer == "none":
+    if not config.offload.optimizer_tier.offloaded:
         grads = torch.zeros(trainable, dtype=dtype, device=device)
         target = ResidentGrads(grads)
     else:  # copied and summed in the background while backward runs on

@@ -25,6 +25,7 @@ import torch
 from ..device.streams import Streams
 from ..device.threads import ThreadBudget, yield_to_compute
 from ..memory.ledger import MemoryReport
+from ..policies import Stage
 from ..swap.pinned import pinned_nbytes, unpin
 from .target import GradTarget
 
@@ -42,14 +43,14 @@ def staging_bytes(largest_piece: int, dtype_bytes: int, depth: int = STAGING_BUF
     return depth * largest_piece * dtype_bytes
 
 
-def host_grad_dtype(stage: int, accumulation_steps: int, dtype: torch.dtype) -> torch.dtype:
+def host_grad_dtype(stage: Stage, accumulation_steps: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype of an offloaded optimizer's host gradient shard. Where each element gets
     one reduced value per update (stages 0-1, where autograd sums the micro-steps on the
     device as torch does; stages 2-3 without accumulation) the compute dtype holds exactly
     what fp32 would, in half the bytes. Stages 2-3 sum micro-steps on the host: fp32, as
     DeepSpeed does (a shard that starts in the compute dtype widens itself when a second
     backward comes anyway: :class:`~.grads.ResidentGrads`)."""
-    return torch.float32 if stage >= 2 and accumulation_steps > 1 else dtype
+    return torch.float32 if stage.shards_grads and accumulation_steps > 1 else dtype
 
 
 class HostGradQueue:

@@ -35,6 +35,7 @@ from torch.profiler import record_function
 from ..comm import Comm, Handle
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit
+from ..policies import Stage
 from ..weak import weak_hook
 from .target import GradTarget
 from .views import GradViews
@@ -82,7 +83,7 @@ class GradReducer:
         units: list[FlatUnit],
         states: UnitStates,
         comm: Comm,
-        stage: int,
+        stage: Stage,
         target: GradTarget,
         *,
         on_reduced: Callable[[FlatUnit], None] | None = None,
@@ -109,7 +110,7 @@ class GradReducer:
         # registration order, the buckets of stages 0-2 reversed already); units whose
         # gradient arrives in pieces after their hooks completed go last ("deferred").
         trainable = [u for u in units if not u.frozen]
-        self.order = trainable if stage < 3 else trainable[::-1]
+        self.order = trainable[::-1] if stage.shards_params else trainable
         self._deferred: set[int] = set()
         self._next = 0  # position in ``order`` of the next unit to reduce this backward
         self._complete: set[int] = set()  # ids of units complete and not deferred
@@ -120,8 +121,8 @@ class GradReducer:
         self._spare: list[tuple[torch.Tensor, Future[None] | None]] = []
         self._hooks = []
         # stage 0: param.grad is its view of the gradient buffer (where the target lends one)
-        self.views = GradViews(self.slots, target) if stage == 0 else None
-        if stage >= 2:
+        self.views = GradViews(self.slots, target) if stage.all_reduces else None
+        if stage.reduces_during_backward:
             for unit in trainable:
                 for i, p in enumerate(unit.params):
                     if p.requires_grad:  # weak: a hook must not keep the engine alive
@@ -253,7 +254,7 @@ class GradReducer:
     def end_backward(self) -> None:
         """Reduce the rest of the canonical order (a unit this rank did not use counts as
         zeros), so that every rank issues the same collectives, and wait for all of it."""
-        if self.stage >= 2:
+        if self.stage.reduces_during_backward:
             for unit in self.units:
                 if unit.frozen:
                     _check_frozen(unit)
@@ -277,7 +278,7 @@ class GradReducer:
         had a gradient in this window, then (stages 2-3) per unit of :attr:`order` whether
         late pieces wait in ``param.grad`` (give the agreed ones to :meth:`reduce_late`)."""
         self.states.begin_step()
-        if self.stage < 2:
+        if not self.stage.reduces_during_backward:
             for k, (unit, i) in enumerate(self.slots):
                 if (
                     self.views.had_grad(k)
@@ -316,10 +317,10 @@ class GradReducer:
             if unit.frozen:
                 _check_frozen(unit)
                 continue
-            if self.stage == 0 and self._reduce_in_place(unit):
+            if self.stage.all_reduces and self._reduce_in_place(unit):
                 continue
             flat = self._flat_grads(unit)
-            if self.stage == 0:
+            if self.stage.all_reduces:
                 self.comm.all_reduce(flat)
                 self._accumulate(unit, flat)
             else:

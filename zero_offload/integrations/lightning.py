@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from ..config import ConfigError, load_config
 from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
 from ..engine.engine import Engine, initialize
+from ..policies import Stage
 from .common import EngineOptimizer
 from .lightning_optimizers import hyperparameters, retarget
 from .lightning_preemption import PreemptionCallback
@@ -106,13 +107,21 @@ class ZeroOffloadStrategy(DDPStrategy):
         stage = zero.get("stage", 0) if isinstance(zero, Mapping) else int(bool(zero))
         return 0 if stage == "auto" else int(stage)
 
+    def _shards_params(self) -> bool:
+        """Whether the configured stage shards the parameters, read before the config is
+        built (an invalid stage is named by the config's check, later)."""
+        try:
+            return Stage(self._stage()).shards_params
+        except ValueError:
+            return False
+
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
         """Around ``configure_model``: at stage 3 its modules are built on the meta device,
         and the engine materializes them one unit at a time, each straight into its shards
         (``reset_parameters``, or the ``init_weights`` file): no rank ever holds the whole
         model. Other stages build it as usual."""
-        if self._stage() == 3:
+        if self._shards_params():
             with torch.device("meta"):
                 yield
         else:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..comm import CollectiveStats
+from ..policies import Tier
 
 __all__ = ["MemoryReport", "TIERS", "KINDS"]
 
-TIERS = ("device", "host", "nvme")
+TIERS = tuple(Tier)  # "device", "host", "nvme": a Tier is its name
 KINDS = ("params", "grads", "optimizer", "activations")
 
 

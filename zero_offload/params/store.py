@@ -29,6 +29,7 @@ import torch
 from ..config import ZeroConfig
 from ..device.streams import Streams
 from ..memory.ledger import MemoryReport
+from ..policies import Tier
 from ..swap.buffers import HostBuffer, pool_footprint
 from ..swap.io import DEFAULT_QUEUE_DEPTH
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
@@ -65,11 +66,11 @@ def param_pool_buffers(prefetch_depth: int) -> int:
     return prefetch_depth + 2
 
 
-def shards_in_host_memory(offload_param: str, device_type: str) -> bool:
+def shards_in_host_memory(param_tier: Tier, device_type: str) -> bool:
     """Whether stage 3's whole-shard buffer (``ParamStore.resident``) is host memory, where the
     CPU Adam writes its new values straight in: offloaded to the CPU, or a CPU device. NVMe
     shards have no such buffer."""
-    return offload_param == "cpu" or (offload_param == "none" and device_type == "cpu")
+    return param_tier.on_host or (not param_tier.offloaded and device_type == "cpu")
 
 
 def param_host_numel(shards: list[tuple[int, int]], fraction: float | None) -> int:
@@ -86,7 +87,7 @@ def param_host_numel(shards: list[tuple[int, int]], fraction: float | None) -> i
 def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) -> int:
     """Host bytes the NVMe parameter pool wants (0 off NVMe): :func:`param_pool_buffers` of
     the largest unit's shard, as the pool rounds them; its share of the host budget."""
-    if cfg.offload.param != "nvme" or largest_shard <= 0:
+    if not cfg.offload.param_tier.on_nvme or largest_shard <= 0:
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return param_pool_buffers(cfg.prefetch_depth) * pool_footprint(largest_shard * itemsize)
@@ -109,7 +110,7 @@ class ParamStore:
         """``host_numel``: with ``offload_param="nvme"``, the rank-flat prefix kept in host
         memory (whole units, :func:`param_host_numel`). ``io_threads``: NVMe requests in
         flight (the rank's thread budget)."""
-        self.tier = cfg.offload.param
+        self.tier = cfg.offload.param_tier
         self.streams = streams
         self.wait_s = 0.0  # time spent waiting for NVMe reads (prefetch misses)
         self.unread_ahead = 0  # gathers whose NVMe read was not started ahead
@@ -126,11 +127,11 @@ class ParamStore:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self._bytes = numel * itemsize
         # NVMe: the leading units' shards in host memory (empty when all are in files)
-        self.host_numel = host_numel if self.tier == "nvme" else 0
+        self.host_numel = host_numel if self.tier.on_nvme else 0
         self.host = (
-            host_empty(self.host_numel, dtype, crosses_pcie=True) if self.tier == "nvme" else None
+            host_empty(self.host_numel, dtype, crosses_pcie=True) if self.tier.on_nvme else None
         )
-        if self.tier == "nvme":
+        if self.tier.on_nvme:
             self.swapper = Swapper(
                 cfg.offload.nvme_dir,
                 buffer_bytes=largest_shard * itemsize,
@@ -145,7 +146,7 @@ class ParamStore:
         else:
             self.resident = (
                 host_empty(numel, dtype, crosses_pcie=True)
-                if self.tier == "cpu"  # pinned; a CPU device's buffer is host memory anyway
+                if self.tier.on_host  # pinned; a CPU device's buffer is host memory anyway
                 else torch.empty(numel, dtype=dtype, device=device)
             )
 
@@ -173,7 +174,7 @@ class ParamStore:
         until that put (or :meth:`give_back`). None: the shard lives on an accelerator."""
         view = self.view(unit)
         if view is not None:  # device memory of an accelerator takes put()'s stream copy
-            on_accelerator = self.tier == "none" and self.streams.cuda
+            on_accelerator = not self.tier.offloaded and self.streams.cuda
             return None if on_accelerator or view.device.type != "cpu" else view
         assert self.swapper is not None
         buf = self._lent.get(unit.index)
@@ -211,7 +212,7 @@ class ParamStore:
         if view is not None:
             if view.data_ptr() == shard.data_ptr():
                 pass  # the step wrote it in place (the unit's target, or the fp32 master)
-            elif self.tier == "none":  # to the device, on the host-to-device stream
+            elif not self.tier.offloaded:  # to the device, on the host-to-device stream
                 self.streams.copy_into(view, shard)
             else:
                 self.copied_bytes += view.numel() * view.element_size()
@@ -326,7 +327,7 @@ class ParamStore:
     def add_to(self, report: MemoryReport) -> None:
         if self.resident is not None:
             report.add(
-                "host" if self.tier == "cpu" else "device",
+                self.tier,  # host or device: an NVMe store has no resident buffer
                 "params",
                 self._bytes,
                 pinned=pinned_nbytes(self.resident),

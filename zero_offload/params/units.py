@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..device import placement
 from ..partition import FlatLayout, bucketize, build_layout
+from ..policies import Stage
 
 __all__ = [
     "FlatUnit",
@@ -104,7 +105,7 @@ def trainable_numel(units: "list[UnitPlan] | list[FlatUnit]") -> int:
 
 
 def plan_units(
-    model: nn.Module, *, stage: int, world_size: int, bucket_size: int
+    model: nn.Module, *, stage: Stage, world_size: int, bucket_size: int
 ) -> list[UnitPlan]:
     """Group parameters into units (stage 3: one per module that holds parameters; else
     buckets of ``bucket_size`` elements in reverse registration order, the order in which
@@ -120,7 +121,7 @@ def plan_units(
         return [part for part in (trainable, frozen) if part]
 
     owned = [(module, name, p) for module, own in owning_modules(model) for name, p in own]
-    if stage == 3:
+    if stage.shards_params:
         groups = [
             part for m, own in owning_modules(model) for part in split([(m, n, p) for n, p in own])
         ]
@@ -131,7 +132,7 @@ def plan_units(
             for part in split(owned)
             for b in bucketize([p.numel() for _, _, p in part], bucket_size)
         ]
-    num_shards = 1 if stage == 0 else world_size
+    num_shards = world_size if stage.shards_optimizer else 1
     plans = []
     for index, group in enumerate(groups):
         layout = build_layout(((n, p.shape) for _, n, p in group), num_shards)
@@ -198,7 +199,7 @@ def _initial_values(plan: UnitPlan) -> list[torch.Tensor]:
 def make_unit(
     plan: UnitPlan,
     *,
-    stage: int,
+    stage: Stage,
     rank: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -230,7 +231,7 @@ def make_unit(
         del flat
         comm.broadcast(master, src=0)
     full = master.to(dtype) if into is None else into.copy_(master)
-    sharded = stage == 3 and layout.numel >= persistence_threshold
+    sharded = stage.shards_params and layout.numel >= persistence_threshold
     views = layout.views(full)
     params = []
     for p, view in zip(plan.params, views):

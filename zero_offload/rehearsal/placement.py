@@ -7,9 +7,7 @@ from typing import Any
 
 import torch
 
-
-def _tier_of(offload: str) -> str:
-    return "cpu" if offload != "none" else "device"
+from ..policies import Tier
 
 
 def device_problems(engine: Any, when: str) -> list[str]:
@@ -19,29 +17,28 @@ def device_problems(engine: Any, when: str) -> list[str]:
     sim = engine.device.type
     out = []
 
-    def check(what: str, t: torch.Tensor | None, want: str) -> None:
+    def check(what: str, t: torch.Tensor | None, want: Tier) -> None:
+        """``want``: an offloaded tier is host memory (NVMe state is read into it)."""
         if t is None:
             return
-        want_type = sim if want == "device" else "cpu"
+        want_type = "cpu" if want.offloaded else sim
         if t.device.type != want_type:
             out.append(
                 f"{when}: {what} is on {t.device.type}, expected "
-                f"{'the GPU' if want == 'device' else 'the host'}"
+                f"{'the host' if want.offloaded else 'the GPU'}"
             )
 
     cfg = engine.config
     for name, p in engine.module.named_parameters():
-        check(f"parameter {name}", p, "device")
+        check(f"parameter {name}", p, Tier.DEVICE)
     for name, b in engine.module.named_buffers():
-        check(f"buffer {name}", b, "device")
+        check(f"buffer {name}", b, Tier.DEVICE)
     held = engine.held_tensors()
     for i, full in enumerate(held["units"] + held["gathered"]):
-        check(f"flat parameter buffer {i}", full, "device")
+        check(f"flat parameter buffer {i}", full, Tier.DEVICE)
     for t in held["grad_shard"]:
-        check("the gradient shard", t, _tier_of(cfg.offload.optimizer))
+        check("the gradient shard", t, cfg.offload.optimizer_tier)
     for t in held["param_shards"]:
-        check("the parameter shards", t, _tier_of(cfg.offload.param))
-    check(
-        "the fp32 master", engine.optimizer_tensors().get("master"), _tier_of(cfg.offload.optimizer)
-    )
+        check("the parameter shards", t, cfg.offload.param_tier)
+    check("the fp32 master", engine.optimizer_tensors().get("master"), cfg.offload.optimizer_tier)
     return out

@@ -20,6 +20,7 @@ from ..planning.estimate.memory import (
     MemoryEstimate,
     ModelShape,
 )
+from ..policies import Tier
 from .tracker import KINDS, PhaseMemory
 
 __all__ = ["Rehearsal", "PHASES", "HONESTY", "tiers_note"]
@@ -116,7 +117,7 @@ class Rehearsal:
         activations."""
         e = estimate or self.estimate
         by = {
-            p: sum(t.bytes for t in e.terms if t.tier == "device" and t.phase == p)
+            p: sum(t.bytes for t in e.terms if t.tier == Tier.DEVICE and t.phase == p)
             for p in (RESIDENT, FORWARD_BACKWARD, LOSS, REDUCE, STEP, INITIALIZE)
         }
         return {
@@ -341,7 +342,7 @@ class Rehearsal:
                 f"{_gb(meas[p]):>7} GB ({diff:+.1%})"
             )
         for t in sorted(
-            (t for t in self.estimate.terms if t.tier == "device"), key=lambda t: -t.bytes
+            (t for t in self.estimate.terms if t.tier == Tier.DEVICE), key=lambda t: -t.bytes
         ):
             lines.append(f"    {_gb(t.bytes):>7} GB  {t.name} [{t.phase}] ({t.formula})")
         # the planner's own figures include activation offload's host buffers
@@ -355,7 +356,7 @@ class Rehearsal:
             # what the step leaves is what the estimate counts as held (the peak adds
             # whatever the phases allocate for a moment)
             after = self.phases["step"].host_end if "step" in self.phases else None
-            held = f", {_gb(after)} GB after the step" if tier == "host" and after else ""
+            held = f", {_gb(after)} GB after the step" if attr == "host_peak" and after else ""
             lines.append(
                 f"  {tier + ' (per rank)':<17} estimated {_gb(estimated):>7} GB, "
                 f"measured {_gb(got):>7} GB{held}"

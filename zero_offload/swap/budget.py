@@ -22,6 +22,8 @@ import os
 
 import psutil
 
+from ..policies import Tier
+
 __all__ = [
     "DEFAULT_HOST_FRACTION",
     "activation_host_share",
@@ -69,8 +71,8 @@ def host_memory_budget(
 def split_host_budget(
     budget: int,
     param_pool_bytes: int,
-    offload_param: str,
-    offload_optimizer: str,
+    param_tier: Tier,
+    optimizer_tier: Tier,
     staging_bytes: int = 0,
 ) -> tuple[int, int]:
     """(the NVMe parameter pool's share, the optimizer's share, gradients included).
@@ -80,16 +82,16 @@ def split_host_budget(
     but at most half of what is left (it can run on fewer buffers), and the optimizer the
     rest; otherwise the one pool there is has all of it."""
     left = max(0, budget - int(staging_bytes))
-    if offload_param != "nvme":
+    if not param_tier.on_nvme:
         return 0, left
-    if offload_optimizer != "nvme":
+    if not optimizer_tier.on_nvme:
         return left, 0
     params = min(int(param_pool_bytes), left // 2)
     return params, left - params
 
 
 def activation_host_share(
-    budget: int, offload_param: str, offload_optimizer: str, staging_bytes: int = 0
+    budget: int, param_tier: Tier, optimizer_tier: Tier, staging_bytes: int = 0
 ) -> int:
     """With activation offload on: the most bytes its host buffers may hold, taken from the
     budget right after the fixed staging buffers, before the NVMe pools. All of what is left
@@ -97,7 +99,7 @@ def activation_host_share(
     from the other half by :func:`split_host_budget`). The buffers are sized to what a
     forward offloads: a share is a ceiling, not an allocation."""
     left = max(0, budget - int(staging_bytes))
-    return left // 2 if "nvme" in (offload_param, offload_optimizer) else left
+    return left // 2 if param_tier.on_nvme or optimizer_tier.on_nvme else left
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,7 +23,6 @@ on close, garbage collection, normal exit and SIGTERM, or else at the next run (
 
 from __future__ import annotations
 
-import enum
 import os
 from concurrent.futures import Future
 
@@ -31,6 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from ..errors import SwapIOError
+from ..policies import Tier
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .folder import SwapFolder
 from .io import DEFAULT_QUEUE_DEPTH, FileIOEngine
@@ -39,12 +39,6 @@ from .keys import KeyEntry, Keys, direct_ok
 __all__ = ["Tier", "Swapper"]
 
 
-class Tier(enum.Enum):
-    """Storage tiers, fastest first."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
 
 
 class Swapper:

@@ -292,7 +292,7 @@ def check_device(cfg: ZeroConfig, device: torch.device) -> None:
     """Any policy but fp32 AdamW is stepped by the CPU kernel: an optimizer left on an
     accelerator (no offload) is refused, naming the fix."""
     policy = cfg.optimizer.policy
-    if not policy.is_default and cfg.offload.optimizer == "none" and device.type != "cpu":
+    if not policy.is_default and not cfg.offload.optimizer_tier.offloaded and device.type != "cpu":
         raise ConfigError(
             f"optimizer_type / moment_precision / master_precision = {policy.describe()} is "
             f"stepped by the CPU optimizer kernel; with the optimizer on {device} pass "

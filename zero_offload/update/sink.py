@@ -20,6 +20,7 @@ from ..device.streams import Streams
 from ..memory.ledger import MemoryReport
 from ..params.store import ParamStore
 from ..params.units import FlatUnit
+from ..policies import Stage
 from ..swap.pinned import host_empty, pinned_nbytes, unpin
 
 __all__ = ["ParamSink"]
@@ -33,7 +34,7 @@ class ParamSink:
     def __init__(
         self,
         stepped: list[FlatUnit],
-        stage: int,
+        stage: Stage,
         dtype: torch.dtype,
         comm: Comm,
         streams: Streams,
@@ -118,7 +119,7 @@ class ParamSink:
         if unit.sharded_params:
             assert self.params is not None
             self.params.put(unit, shard.to(self.dtype))
-        elif self.stage == 0:
+        elif self.stage.all_reduces:
             if unit.full.data_ptr() != shard.data_ptr():  # else the step wrote them in place
                 unit.full.copy_(shard)
         elif shard.device.type == "cpu" and self.streams.cuda:

@@ -79,7 +79,7 @@ class ShardStepper:
         self.units = units
         self.cfg = cfg
         self.comm = comm
-        self.stage = cfg.stage
+        self.stage = cfg.sharding
         self.grads = grads  # None: the gradients are in files (NVMe optimizer, small budget)
         self.device = device  # scalars for collectives live here (NCCL needs device tensors)
         self.dtype = dtype
@@ -97,7 +97,7 @@ class ShardStepper:
             comm,
             streams,
             params,
-            staging=cfg.offload.optimizer == "nvme",
+            staging=cfg.offload.optimizer_tier.on_nvme,
         )
         p = cfg.precision
         self.scaler: LossScaler | None = None
@@ -136,7 +136,7 @@ class ShardStepper:
         self.early: EarlyUpdate | None = None
         self._can_step_early = (
             cfg.step_during_backward
-            and self.stage >= 2
+            and self.stage.reduces_during_backward
             and grads is not None
             and cfg.optimizer.max_grad_norm is None
             and self.scaler is None
@@ -248,9 +248,9 @@ class ShardStepper:
             self._host_vec[:n].copy_(flags)
         vec = self._host_vec.to(self.device, non_blocking=True)
         stats = self.scaler is not None or self.cfg.optimizer.max_grad_norm is not None
-        if stats and (self.stage > 0 or self.comm.rank == 0):  # stage 0: every rank holds
+        if stats and (self.stage.sharded or self.comm.rank == 0):  # stage 0: every rank holds
             vec[n] = self._local_sumsq().to(self.device)  # the whole gradient; rank 0's
-        if self.stage > 0 or n:
+        if self.stage.sharded or n:
             self.comm.all_reduce(vec)
         if is_fake(vec):  # a rehearsal (zero_offload.rehearsal) has no values to read: every
             # parameter had a gradient, none arrived late, and the norm reads 0

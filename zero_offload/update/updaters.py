@@ -318,9 +318,9 @@ def params_are_master(cfg: ZeroConfig, dtype: torch.dtype) -> bool:
     """Stage 0 with fp32 compute and the optimizer beside the params: the params, laid out in
     one rank-flat buffer, are the fp32 master (the optimizer steps them in place)."""
     return (
-        cfg.stage == 0
+        cfg.sharding.all_reduces
         and dtype == torch.float32
-        and cfg.offload.optimizer == "none"
+        and not cfg.offload.optimizer_tier.offloaded
         and cfg.optimizer.policy.master is MasterPrecision.FP32
     )
 
@@ -345,14 +345,14 @@ def make_updater(
     pool). ``threads``: the rank's thread budget (None: decided here for a CPU).
     ``device_optimizer``: what steps a master on an accelerator (None: torch's fused AdamW).
     ``state_layout``: the run's pieces under the state policy (needed by any but fp32 AdamW)."""
-    where = cfg.offload.optimizer
+    where = cfg.offload.optimizer_tier
     threads = threads or ThreadBudget.decide(device.type, cfg.threads)
     policy = cfg.optimizer.policy
     check_device(cfg, device)
-    if where == "nvme" and not policy.is_default:
+    if where.on_nvme and not policy.is_default:
         assert state_layout is not None and state_layout.numel == numel
         return NvmeState(state_layout, cfg, dtype, rank, host_memory_limit, threads)
-    if where == "nvme":
+    if where.on_nvme:
         return NvmeAdam(numel, cfg, dtype, rank, host_memory_limit, threads)
     out = (
         param_shards
@@ -364,7 +364,7 @@ def make_updater(
     # on the host, the master crosses PCIe only as fp32 compute's new params for the device
     crosses = dtype == torch.float32 and out is None
     shared = (
-        where == "none"
+        not where.offloaded
         and param_shards is not None
         and param_shards.dtype == torch.float32
         and param_shards.device == device
@@ -375,7 +375,7 @@ def make_updater(
             state_layout,
             cfg,
             dtype,
-            tier="host" if where == "cpu" else "device",
+            tier=where,  # host or device: NVMe returned above
             out=out,
             num_threads=threads.optimizer,
             master=param_shards[:numel] if shared and param_shards is not None else None,
@@ -386,11 +386,11 @@ def make_updater(
     if shared:
         assert param_shards is not None
         master = param_shards[:numel]  # the fp32 params: no second copy of them
-    elif where == "cpu":
+    elif where.on_host:
         master = host_empty(numel, torch.float32, crosses_pcie=crosses)
     else:
         master = torch.empty(numel, dtype=torch.float32, device=device)
-    if where == "cpu":
+    if where.on_host:
         return HostAdam(master, cfg, dtype, out=out, num_threads=threads.optimizer)
     updater: HostAdam | DeviceAdam = (
         HostAdam(master, cfg, dtype, tier="device", out=out, num_threads=threads.optimizer)

@@ -13,6 +13,7 @@ from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import MasterPrecision, StatePolicy
 from ...params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
 from ...params.units import unit_build_bytes
+from ...policies import Stage, Tier
 from ...update.updaters import GRAD_SLICE
 from .state import moment_bytes, per_param_text, state_names
 from .terms import (
@@ -36,9 +37,9 @@ class TermBuilder:
 
     num_params: int
     trainable_params: int  # Ψt
-    stage: int
-    offload_optimizer: str
-    offload_param: str
+    sharding: Stage
+    optimizer_tier: Tier
+    param_tier: Tier
     device: str
     b: int  # bytes per element of the compute dtype
     shards: int  # ranks the params are sharded across (1 at stage 0)
@@ -62,7 +63,7 @@ class TermBuilder:
     def grads_on_disk(self) -> bool:
         """With the optimizer on NVMe and an explicit budget too small for the fp32 shard,
         the gradients go to files beside the optimizer state."""
-        return self.offload_optimizer == "nvme" and self.host.split.sizing.grads_on_disk
+        return self.optimizer_tier.on_nvme and self.host.split.sizing.grads_on_disk
 
     def add(self, name: str, tier: str, phase: str, kind: str, nbytes: int, formula: str) -> None:
         self.terms.append(Term(name, tier, phase, kind, int(nbytes), formula))
@@ -71,7 +72,7 @@ class TermBuilder:
         """Stages 0-2: a full copy per GPU. Stage 3: this rank's shards where offload_param
         puts them, the modules gathered around the running one, and NVMe's swap buffers."""
         b, lay = self.b, self.layout
-        if self.stage < 3:
+        if not self.sharding.shards_params:
             self.add(
                 "params",
                 "device",
@@ -90,7 +91,7 @@ class TermBuilder:
             lay.window * b,
             "the prefetch_depth + 1 largest modules",
         )
-        if self.offload_param == "nvme":
+        if self.param_tier.on_nvme:
             self.add(
                 "param swap buffers",
                 "host",
@@ -108,8 +109,8 @@ class TermBuilder:
         """Stage 3's parameter shards; on NVMe, the leading units' shards may stay in host
         memory (``offload_param_fraction``)."""
         b, lay = self.b, self.layout
-        tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_param]
-        fraction = offload_param_fraction if self.offload_param == "nvme" else None
+        tier = self.param_tier
+        fraction = offload_param_fraction if tier.on_nvme else None
         on_host = (
             param_host_numel([(p.shard_offset, p.shard_numel) for p in lay.plans], fraction)
             if lay.plans is not None
@@ -117,7 +118,7 @@ class TermBuilder:
             if fraction is not None
             else 0
         )
-        if tier == "nvme" and not on_host:  # each unit's shard a file of whole 4 KiB blocks
+        if tier.on_nvme and not on_host:  # each unit's shard a file of whole 4 KiB blocks
             self.add(
                 "param shards",
                 tier,
@@ -151,12 +152,15 @@ class TermBuilder:
         b, lay, T = self.b, self.layout, self.T
         g_tier, g_bytes = (
             ("device", b)
-            if self.offload_optimizer == "none"
-            else ("host", 4 if self.stage >= 2 and self.gradient_accumulation_steps > 1 else b)
+            if not self.optimizer_tier.offloaded
+            else (
+                "host",
+                4 if self.sharding.shards_grads and self.gradient_accumulation_steps > 1 else b,
+            )
         )  # host_grad_dtype
         if self.grads_on_disk:
             g_tier = "nvme"
-        if self.stage < 2:
+        if not self.sharding.shards_grads:
             self._add_unsharded_grads(g_tier, g_bytes)
         else:
             self.add(
@@ -174,7 +178,7 @@ class TermBuilder:
 
     def _add_unsharded_grads(self, g_tier: str, g_bytes: int) -> None:
         """Stages 0-1: autograd's full gradients, reduced bucket by bucket into a shard."""
-        b, lay, T, stage, shards = self.b, self.layout, self.T, self.stage, self.shards
+        b, lay, T, sharded, shards = self.b, self.layout, self.T, self.sharding.sharded, self.shards
         self.add(
             "grads",
             "device",
@@ -189,21 +193,21 @@ class TermBuilder:
             RESIDENT,
             BUFFER,
             g_bytes * lay.s_t,
-            f"{g_bytes}{T}/N" if stage else f"{g_bytes}{T}",
+            f"{g_bytes}{T}/N" if sharded else f"{g_bytes}{T}",
         )
         self.add(
             "grad bucket",
             "device",
             REDUCE,
             BUFFER,
-            b * (lay.largest_t + (math.ceil(lay.largest_t / shards) if stage else 0)),
-            "one bucket flattened" + (" and its reduced shard" if stage else ""),
+            b * (lay.largest_t + (math.ceil(lay.largest_t / shards) if sharded else 0)),
+            "one bucket flattened" + (" and its reduced shard" if sharded else ""),
         )
 
     def _add_offload_copies(self) -> None:
         """An offloaded optimizer's copies: gradients to the host, updated params back."""
         largest_t = self.layout.largest_t
-        if self.offload_optimizer == "none" or self.on_cpu or not largest_t:
+        if not self.optimizer_tier.offloaded or self.on_cpu or not largest_t:
             return
         self.add(
             "grad staging",
@@ -214,7 +218,7 @@ class TermBuilder:
             f"{STAGING_BUFFERS} pinned buffers × the largest trainable unit's shard: "
             "device-to-host copies of reduced gradients",
         )
-        if self.stage < 3:
+        if not self.sharding.shards_params:
             self.add(
                 "updated params copied in",
                 "device",
@@ -233,7 +237,7 @@ class TermBuilder:
         b, lay, T = self.b, self.layout, self.T
         making = unit_build_bytes(lay.largest, math.ceil(lay.largest / self.shards), b)
         moments = moment_bytes(self.policy, lay.s_t, self.host.split.rate)
-        later = moments + b * lay.s_t if self.offload_optimizer == "none" else 0
+        later = moments + b * lay.s_t if not self.optimizer_tier.offloaded else 0
         self.add(
             "unit being made",
             "device",
@@ -255,7 +259,7 @@ class TermBuilder:
         sub-groups' state in host memory), and the fp32 gradient slice torch's fused AdamW
         steps from."""
         b, s_t, T, split, policy = self.b, self.layout.s_t, self.T, self.host.split, self.policy
-        if self.offload_optimizer == "none" and b != 4 and not self.on_cpu:
+        if not self.optimizer_tier.offloaded and b != 4 and not self.on_cpu:
             self.add(
                 "fp32 grad slice",
                 "device",
@@ -264,8 +268,8 @@ class TermBuilder:
                 4 * min(s_t, GRAD_SLICE),
                 f"4 bytes × min({T}/N, {GRAD_SLICE}): torch's fused AdamW's fp32 gradients",
             )
-        o_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload_optimizer]
-        on_nvme = split.nvme_numel if self.offload_optimizer == "nvme" else s_t
+        o_tier = self.optimizer_tier
+        on_nvme = split.nvme_numel if o_tier.on_nvme else s_t
         rate = split.rate
         per = per_param_text(rate)
         if self._params_are_master():
@@ -306,8 +310,8 @@ class TermBuilder:
         (``update.nvme.early``): stages 2-3, the gradients in host memory."""
         return (
             self.step_during_backward
-            and self.stage >= 2
-            and self.offload_optimizer == "nvme"
+            and self.sharding.reduces_during_backward
+            and self.optimizer_tier.on_nvme
             and not self.grads_on_disk
         )
 
@@ -339,22 +343,22 @@ class TermBuilder:
     def _params_are_master(self) -> bool:
         """fp32 params beside the optimizer are its master (updaters.make_updater), when the
         policy keeps an fp32 master."""
-        stage, offload_param = self.stage, self.offload_param
+        stage, param = self.sharding, self.param_tier
         return (
             self.policy.master is MasterPrecision.FP32
-            and self.offload_optimizer == "none"
+            and not self.optimizer_tier.offloaded
             and self.b == 4
             and (
-                stage == 0
-                or stage == 3
-                and (offload_param == "none" or offload_param == "cpu" and self.on_cpu)
+                stage.all_reduces
+                or stage.shards_params
+                and (not param.offloaded or param.on_host and self.on_cpu)
             )
         )
 
     def add_optimizer_buffers(self) -> None:
         """The NVMe optimizer's swap buffers, or the CPU Adam's compute-dtype output."""
         b, s_t, sizing = self.b, self.layout.s_t, self.host.split.sizing
-        if self.offload_optimizer == "nvme":
+        if self.optimizer_tier.on_nvme:
             count = sizing.buffers
             self.add(
                 "optimizer swap buffers",
@@ -383,11 +387,13 @@ class TermBuilder:
                     sizing.out_bytes(b),
                     f"{b} bytes × one sub-group: CPU Adam's output",
                 )
-        elif b != 4 and (self.offload_optimizer == "cpu" or self.on_cpu):
+        elif b != 4 and (self.optimizer_tier.on_host or self.on_cpu):
             # The CPU Adam writes compute-dtype params into a buffer of its own unless stage
             # 3's shards are themselves in host memory.
-            if not (self.stage == 3 and shards_in_host_memory(self.offload_param, self.device)):
-                tier = "host" if self.offload_optimizer == "cpu" else "device"
+            if not (
+                self.sharding.shards_params and shards_in_host_memory(self.param_tier, self.device)
+            ):
+                tier = Tier.HOST if self.optimizer_tier.on_host else Tier.DEVICE
                 self.add(
                     "param staging",
                     tier,

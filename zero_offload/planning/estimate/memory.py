@@ -34,6 +34,7 @@ from ...memory.sizes import dtype_name as _dtype_name
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
 from ...params.store import param_pool_buffers
+from ...policies import OFFLOAD_KEYWORDS, Stage, Tier
 from ...swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from .activations import ActivationEstimate
 from .builder import TermBuilder
@@ -74,16 +75,25 @@ __all__ = [
 ]
 
 
-def _check_choice(stage: int, offload_optimizer: str, offload_param: str) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3")
+def _parse_choice(
+    stage: int, offload_optimizer: str, offload_param: str
+) -> tuple[Stage, Tier, Tier]:
+    """The keywords, parsed once: what the stage shards and where each state lives."""
+    try:
+        sharding = Stage(stage)
+    except ValueError:
+        raise ConfigError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3") from None
+    tiers = []
     for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
-        if value not in ("none", "cpu", "nvme"):
+        if value not in OFFLOAD_KEYWORDS:
             raise ConfigError(f"{key}={value!r} is not valid: expected 'none', 'cpu' or 'nvme'")
-    if offload_param != "none" and stage != 3:
+        tiers.append(Tier.from_keyword(value))
+    optimizer_tier, param_tier = tiers
+    if param_tier.offloaded and not sharding.shards_params:
         raise ConfigError(f"offload_param={offload_param!r} needs stage=3 (got stage={stage})")
-    if offload_optimizer != "none" and stage == 0:
+    if optimizer_tier.offloaded and not sharding.shards_optimizer:
         raise ConfigError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3")
+    return sharding, optimizer_tier, param_tier
 
 
 def estimate_memory(
@@ -145,7 +155,7 @@ def estimate_memory(
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
-    _check_choice(stage, offload_optimizer, offload_param)
+    sharding, optimizer_tier, param_tier = _parse_choice(stage, offload_optimizer, offload_param)
     if activation_bytes and activations is not None:
         raise ValueError("give activation_bytes or activations, not both")
     if num_gpus < 1:
@@ -155,14 +165,14 @@ def estimate_memory(
     policy = state_policy(optimizer_type, moment_precision, master_precision)
     shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
-    shards = 1 if stage == 0 else num_gpus
+    shards = num_gpus if sharding.sharded else 1
     key = (stage, num_gpus, b, prefetch_depth, largest_layer_params, reduce_bucket_size)
     if shape.model is not None and key in shape.layouts:
         layout = shape.layouts[key]
     elif shape.model is not None:
         layout = shape.layouts[key] = model_layout(
             shape.model,
-            stage=stage,
+            stage=sharding,
             num_gpus=num_gpus,
             shards=shards,
             b=b,
@@ -173,7 +183,7 @@ def estimate_memory(
     else:
         layout = count_layout(
             shape,
-            stage=stage,
+            stage=sharding,
             shards=shards,
             b=b,
             prefetch_depth=prefetch_depth,
@@ -189,8 +199,8 @@ def estimate_memory(
         host_memory_limit=host_memory_limit,
         host_available=host_available,
         ranks=gpus_per_node,
-        offload_optimizer=offload_optimizer,
-        offload_param=offload_param,
+        optimizer_tier=optimizer_tier,
+        param_tier=param_tier,
         on_cpu=device == "cpu",
         sub_group_size=sub_group_size,
         offload_optimizer_fraction=offload_optimizer_fraction,
@@ -200,9 +210,9 @@ def estimate_memory(
     build = TermBuilder(
         num_params=shape.num_params,
         trainable_params=shape.trainable_params,
-        stage=stage,
-        offload_optimizer=offload_optimizer,
-        offload_param=offload_param,
+        sharding=sharding,
+        optimizer_tier=optimizer_tier,
+        param_tier=param_tier,
         device=device,
         b=b,
         shards=shards,
@@ -222,22 +232,22 @@ def estimate_memory(
         build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
     if activations is not None:
         # stage 3 gathers the head for its backward: the largest unit, for Llama and GPT
-        head = b * layout.largest if stage == 3 else 0
+        head = b * layout.largest if sharding.shards_params else 0
         build.terms.extend(activations.terms(head_gathered=head))
     return _estimate(build, num_gpus, gpus_per_node, _dtype_name(dtype))
 
 
 def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str) -> MemoryEstimate:
     """The terms ``build`` added, with the configuration they were made for."""
-    nvme = build.offload_optimizer == "nvme"
+    nvme = build.optimizer_tier.on_nvme
     return MemoryEstimate(
         num_params=build.num_params,
         trainable_params=build.trainable_params,
         num_gpus=num_gpus,
         gpus_per_node=gpus_per_node,
-        stage=build.stage,
-        offload_optimizer=build.offload_optimizer,
-        offload_param=build.offload_param,
+        stage=build.sharding.number,
+        offload_optimizer=build.optimizer_tier.keyword,
+        offload_param=build.param_tier.keyword,
         dtype=dtype,
         shard_numel=build.layout.s,
         trainable_shard_numel=build.layout.s_t,
@@ -259,8 +269,8 @@ def _split_host(
     host_memory_limit: int | None,
     host_available: int | None,
     ranks: int,
-    offload_optimizer: str,
-    offload_param: str,
+    optimizer_tier: Tier,
+    param_tier: Tier,
     on_cpu: bool,
     sub_group_size: int,
     offload_optimizer_fraction: float | str | None,
@@ -272,19 +282,19 @@ def _split_host(
     budget = host_memory_budget(host_memory_limit, available=host_available, ranks=ranks)
     staging = (
         staging_bytes(math.ceil(layout.largest_t / shards), b)
-        if offload_optimizer != "none" and not on_cpu
+        if optimizer_tier.offloaded and not on_cpu
         else 0
     )
     param_pool = _pool(
         b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
     )
     acts = (
-        activation_host_share(budget, offload_param, offload_optimizer, staging)
+        activation_host_share(budget, param_tier, optimizer_tier, staging)
         if offload_activations
         else 0
     )
     param_budget, opt_budget = split_host_budget(
-        budget - acts, param_pool, offload_param, offload_optimizer, staging
+        budget - acts, param_pool, param_tier, optimizer_tier, staging
     )
     split = state_split(
         policy,
@@ -292,7 +302,7 @@ def _split_host(
         sub_group_size,
         opt_budget,
         b,
-        offload_optimizer_fraction if offload_optimizer == "nvme" else None,
+        offload_optimizer_fraction if optimizer_tier.on_nvme else None,
         state_rate(policy, layout.plans),
     )
     return HostSplit(budget, staging, param_budget, split)

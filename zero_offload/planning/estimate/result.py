@@ -8,6 +8,7 @@ from typing import Any
 
 from ...memory.sizes import describe_params
 from ...optim.policy import StatePolicy
+from ...policies import Stage, Tier
 from .state import FP32_STATE
 from .terms import (
     ACTIVATIONS,
@@ -17,7 +18,7 @@ from .terms import (
     Term,
 )
 
-TIERS = ("device", "host", "nvme")
+TIERS = tuple(Tier)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,18 @@ class MemoryEstimate:
     disk_bytes_per_step: int = 0
     host_budget: int = 0  # the rank's host budget (``swap.budget``) the estimate used
     policy: StatePolicy = FP32_STATE  # the optimizer state's kind and precisions
+
+    @property
+    def sharding(self) -> Stage:
+        return Stage(self.stage)
+
+    @property
+    def optimizer_tier(self) -> Tier:
+        return Tier.from_keyword(self.offload_optimizer)
+
+    @property
+    def param_tier(self) -> Tier:
+        return Tier.from_keyword(self.offload_param)
 
     @property
     def ranks_per_node(self) -> int:

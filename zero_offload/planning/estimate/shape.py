@@ -14,6 +14,7 @@ from ...grads.reducer import reductions_alive
 from ...params.gather import gathered_units
 from ...params.units import owning_modules, plan_units, trainable_numel
 from ...partition import padded_numel
+from ...policies import Stage
 from ...swap.buffers import ALIGNMENT, round_up
 from .terms import Layout
 
@@ -99,7 +100,7 @@ def _is_count(value: Any) -> bool:
 def model_layout(
     model: nn.Module,
     *,
-    stage: int,
+    stage: Stage,
     num_gpus: int,
     shards: int,
     b: int,
@@ -113,7 +114,7 @@ def model_layout(
     full, largest = sum(padded), max(padded)
     # stage 3 gathers prefetch_depth + 1 units at a time: at most the largest ones
     window = sum(sorted(padded, reverse=True)[: gathered_units(prefetch_depth)])
-    if stage == 3 and largest_layer_params is not None:
+    if stage.shards_params and largest_layer_params is not None:
         largest = padded_numel(largest_layer_params, shards)
         window = gathered_units(prefetch_depth) * largest
     # gradients are reduced, and stepped, for trainable units only
@@ -129,7 +130,7 @@ def model_layout(
 def count_layout(
     shape: ModelShape,
     *,
-    stage: int,
+    stage: Stage,
     shards: int,
     b: int,
     prefetch_depth: int,
@@ -141,7 +142,7 @@ def count_layout(
     full = psi
     largest = (
         largest_layer_params or max(1, psi // _DEFAULT_LARGEST_FRACTION)
-        if stage == 3
+        if stage.shards_params
         else min(reduce_bucket_size, psi)
     )
     largest_t = min(largest, psi_t)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...optim.policy import StatePolicy
+from ...policies import Tier
 from ..estimate.memory import MemoryEstimate
 from ..estimate.state import FP32_STATE, per_param_text, state_bytes
 from .measures import Measures
@@ -37,12 +38,16 @@ class Candidate:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.offload_optimizer, self.offload_param)
+        return self.estimate.optimizer_tier.on_nvme or self.estimate.param_tier.on_nvme
 
-    def needs(self) -> dict[str, int]:
+    def needs(self) -> dict[Tier, int]:
         """Bytes it needs: per GPU, host per node, NVMe per node."""
         e = self.estimate
-        return {"device": e.gpu_bytes, "host": e.host_bytes_per_node, "nvme": e.nvme_bytes_per_node}
+        return {
+            Tier.DEVICE: e.gpu_bytes,
+            Tier.HOST: e.host_bytes_per_node,
+            Tier.NVME: e.nvme_bytes_per_node,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ import functools
 from dataclasses import replace
 from typing import Any
 
+from ...policies import Tier
 from ...update.nvme.sizing import FULL_SPEED_GROUP
 from ..estimate.memory import MemoryEstimate, ModelShape, estimate_memory
 from ..estimate.state import state_bytes
@@ -47,7 +48,11 @@ def _within(need: float, usable: float | None) -> bool:
 
 
 def _fits(e: MemoryEstimate, limits: dict[str, float | None]) -> bool:
-    needs = {"device": e.gpu_bytes, "host": e.host_bytes_per_node, "nvme": e.nvme_bytes_per_node}
+    needs = {
+        Tier.DEVICE: e.gpu_bytes,
+        Tier.HOST: e.host_bytes_per_node,
+        Tier.NVME: e.nvme_bytes_per_node,
+    }
     return all(_within(needs[t], limits[t]) for t in needs)
 
 
@@ -64,7 +69,7 @@ def _fill_host(
     sub-groups: ``offload_optimizer_fraction="auto"`` under the largest ``host_memory_limit``
     whose estimate still fits (found in a few steps: host use grows with the limit by whole
     sub-groups). None when nothing moves to the host."""
-    usable = limits["host"]
+    usable = limits[Tier.HOST]
     if usable is None or not _fits(all_nvme, limits):
         return None
     ranks = all_nvme.ranks_per_node
@@ -115,7 +120,9 @@ def _candidate(
     )
     extra: dict[str, Any] = {}
     filled = (
-        _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e) if opt == "nvme" else None
+        _fill_host(shape, limits, num_gpus, est_kwargs, stage, par, e)
+        if e.optimizer_tier.on_nvme
+        else None
     )
     if filled is not None:
         extra = dict(host_memory_limit=filled[1], all_nvme_disk_bytes=e.disk_bytes_per_step)
@@ -127,7 +134,7 @@ def _candidate(
         if usable is None or need <= usable:  # None: NVMe space not measured
             continue
         reasons.append(why_over(e, tier, need, usable))
-    unchecked = cand.uses_nvme and limits["nvme"] is None
+    unchecked = cand.uses_nvme and limits[Tier.NVME] is None
     return Candidate(
         stage, opt, par, e, not reasons, tuple(reasons), unchecked, measures=measures, **extra
     )
@@ -213,9 +220,9 @@ def what_would_fit(
     then the fewest GPUs (doubling) at which something fits."""
     out = []
     for tier, unit in (
-        ("device", "GPU memory per GPU"),
-        ("host", "host memory per node"),
-        ("nvme", "NVMe space per node"),
+        (Tier.DEVICE, "GPU memory per GPU"),
+        (Tier.HOST, "host memory per node"),
+        (Tier.NVME, "NVMe space per node"),
     ):
         best = None
         for c in cands:

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ...memory.sizes import describe_params, dtype_name
+from ...policies import Tier
 from ..estimate.memory import (
     MemoryEstimate,
     ModelShape,
@@ -120,9 +121,9 @@ def plan(
     usable_gpu = gpu_memory * keep
     usable_host = None if host_memory is None else host_memory * keep
     limits: dict[str, float | None] = {
-        "device": usable_gpu,
-        "host": usable_host,
-        "nvme": None if nvme_bytes is None else nvme_bytes * keep,
+        Tier.DEVICE: usable_gpu,
+        Tier.HOST: usable_host,
+        Tier.NVME: None if nvme_bytes is None else nvme_bytes * keep,
     }
     est_kwargs = dict(
         gpus_per_node=gpus_per_node,
@@ -200,7 +201,7 @@ def plan(
     }
     if not chosen.policy.is_default:
         kwargs.update(policy_keys(chosen.policy))
-    if choice.stage == 3:
+    if choice.estimate.sharding.shards_params:
         kwargs["prefetch_depth"] = prefetch_depth
     if choice.measures is not None:
         kwargs.update(choice.measures.kwargs())

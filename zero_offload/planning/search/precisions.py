@@ -54,8 +54,8 @@ def row_policies(optimizer_type: str) -> list[tuple[str, StatePolicy]]:
 
 def offload_rank(c: Candidate) -> int:
     """0: nothing offloaded, 1: host memory, 2: NVMe."""
-    tiers = (c.offload_optimizer, c.offload_param)
-    return 2 if "nvme" in tiers else 1 if "cpu" in tiers else 0
+    tiers = (c.estimate.optimizer_tier, c.estimate.param_tier)
+    return 2 if any(t.on_nvme for t in tiers) else 1 if any(t.offloaded for t in tiers) else 0
 
 
 def pick_row(rows: list[StateRow], allow_low_precision: bool) -> StateRow:

@@ -4,36 +4,37 @@ between host memory and NVMe."""
 
 from __future__ import annotations
 
+from ...policies import Tier
 from ..estimate.memory import MemoryEstimate
 from .candidate import Candidate
 
 __all__ = ["gb", "split_text", "why_over"]
 
-_TIER_LABEL = {"device": "GPU", "host": "host", "nvme": "NVMe"}
+_TIER_LABEL = {Tier.DEVICE: "GPU", Tier.HOST: "host", Tier.NVME: "NVMe"}
 
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def why_over(e: MemoryEstimate, tier: str, need: int, usable: float) -> str:
+def why_over(e: MemoryEstimate, tier: Tier, need: int, usable: float) -> str:
     """ "GPU 84.5 GB > 21.6 GB usable: optimizer state 39.0 GB, params 26.0 GB, ..." plus what
     would remove the biggest obstacle."""
-    per_node = e.ranks_per_node if tier != "device" else 1
-    where = "/node" if tier != "device" else ""
+    per_node = e.ranks_per_node if tier.offloaded else 1
+    where = "/node" if tier.offloaded else ""
     top = ", ".join(f"{t.name} {gb(t.bytes * per_node)}" for t in e.largest_terms(tier))
     if usable <= 0:
         return f"no {_TIER_LABEL[tier]} given: needs {gb(need)}{where}"
     text = f"{_TIER_LABEL[tier]} {gb(need)}{where} > {gb(usable)} usable: {top}"
     by_name = {t.name: t.bytes * per_node for t in e.terms if t.tier == tier}
-    if tier == "device" and by_name.get("params", 0) > usable:
+    if not tier.offloaded and by_name.get("params", 0) > usable:
         text += (
             f"; the full {e.dtype} params alone ({gb(by_name['params'])}) exceed it, "
             "whatever is offloaded: only stage 3 shards them"
         )
-    elif tier == "device" and "optimizer state" in by_name:
+    elif not tier.offloaded and "optimizer state" in by_name:
         text += "; offload the optimizer state (offload_optimizer) or use more GPUs"
-    elif tier == "host" and "optimizer state" in by_name:
+    elif tier.on_host and "optimizer state" in by_name:
         text += "; put the optimizer state on NVMe (offload_optimizer='nvme')" + (
             " or allow lower-precision state (allow_low_precision_states)"
             if e.policy.is_default

@@ -175,30 +175,32 @@ def workload(
     fwd_flops = 2.0 * e.num_params * tokens + attention_flops
     bwd_flops = 2 * fwd_flops + (fwd_flops if checkpointing else 0.0)
     gpu = e.device == "cuda"
-    offloaded = e.offload_optimizer != "none"
+    stage, opt, param = e.sharding, e.optimizer_tier, e.param_tier
+    offloaded = opt.offloaded
+    at_step = stage.sharded and not stage.reduces_during_backward  # stage 1 reduces at the step
     fwd, bwd, step = PhaseWork(flops=fwd_flops), PhaseWork(flops=bwd_flops), PhaseWork()
     # the parameters: stage 3 gathers them twice a step, the others all-gather after the step
     gathers = b * e.num_params * shards
-    if e.stage == 3:
+    if stage.shards_params:
         fwd, bwd = replace(fwd, comm=gathers), replace(bwd, comm=gathers)
         shard = b * s
-        if e.offload_param == "cpu" and gpu:
+        if param.on_host and gpu:
             fwd, bwd = replace(fwd, h2d=shard), replace(bwd, h2d=shard)
-        if e.offload_param == "nvme":
+        if param.on_nvme:
             fwd, bwd = replace(fwd, disk_read=shard), replace(bwd, disk_read=shard)
             if gpu:
                 fwd, bwd = replace(fwd, h2d=shard), replace(bwd, h2d=shard)
-    elif e.stage in (1, 2):
+    elif stage.sharded:
         step = replace(step, comm=gathers)
     # the gradients: reduced in backward (stage 0: all-reduce, twice the bytes)
-    grads = b * e.trainable_params * shards * (2 if e.stage == 0 else 1)
-    bwd = replace(bwd, comm=bwd.comm + (grads if e.stage != 1 else 0.0))
-    step = replace(step, comm=step.comm + (grads if e.stage == 1 else 0.0))
+    grads = b * e.trainable_params * shards * (2 if stage.all_reduces else 1)
+    bwd = replace(bwd, comm=bwd.comm + (0.0 if at_step else grads))
+    step = replace(step, comm=step.comm + (grads if at_step else 0.0))
     update = UpdateWork(device_params=0 if offloaded else s_t)
     if offloaded:
         if gpu:
             bwd = replace(bwd, d2h=bwd.d2h + b * s_t)
-            if e.stage < 3 or e.offload_param == "none":
+            if not stage.shards_params or not param.offloaded:
                 step = replace(step, h2d=step.h2d + b * s)
         step = replace(step, host=_HOST_PASSES * b * s_t)
         nvme = round(e.nvme_fraction * s_t) if e.nvme_fraction is not None else 0
@@ -206,7 +208,7 @@ def workload(
         # read by the update (``OptimizerSplit.disk_bytes_per_step`` counts them)
         grad_files = 4 * s_t if e.disk_bytes_per_step - 24 * nvme > 4 * s_t else 0
         bwd = replace(bwd, disk_write=bwd.disk_write + grad_files)
-        params_out = b * s if e.stage == 3 and e.offload_param == "nvme" else 0.0
+        params_out = b * s if stage.shards_params and param.on_nvme else 0.0
         update = UpdateWork(
             cpu_params=s_t,
             disk_read=state_bytes * nvme + grad_files,
@@ -214,14 +216,14 @@ def workload(
             values=b * nvme,
             nvme_params=nvme,
         )
-    sdb = step_during_backward and e.offload_optimizer == "nvme" and e.stage >= 2
+    sdb = step_during_backward and opt.on_nvme and stage.reduces_during_backward
     return Workload(
         fwd,
         bwd,
         step,
         update,
         ranks_per_node=e.ranks_per_node,
-        overlap_step=overlap_step and e.stage == 3 and e.offload_optimizer == "nvme",
+        overlap_step=overlap_step and stage.shards_params and opt.on_nvme,
         step_during_backward=sdb,
         tokens=tokens,
         state_bytes=state_bytes,
