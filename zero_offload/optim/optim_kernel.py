@@ -22,6 +22,7 @@ from .hyper import NUM_SCALARS, StepHyper, fold_scalars
 from .layout import ROW_FIELDS
 from .native import KernelBuildError, cache_dir, compiler
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
+from . import quant
 from .quant import dynamic_map, lookup_table
 from .rounding import STREAMS, stream_seed
 from .state import ShardState
@@ -29,7 +30,7 @@ from .state import ShardState
 logger = logging.getLogger(__name__)
 
 KERNEL_NAME = "cpu_optim"
-ABI_VERSION = 1
+ABI_VERSION = 2
 NUM_PTRS = 10
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = {
@@ -50,6 +51,10 @@ class QMap(ctypes.Structure):
         ("lut", ctypes.c_void_p),
         ("shift", ctypes.c_int32),
         ("buckets", ctypes.c_int32),
+        ("value_planes", ctypes.c_void_p),
+        ("thr_planes", ctypes.c_void_p),
+        ("lines", ctypes.c_void_p),
+        ("neg_k", ctypes.c_float),
     ]
 
 
@@ -65,8 +70,20 @@ class _Maps:
         values = np.ascontiguousarray(dynamic_map(signed).numpy())
         lut, shift, buckets = lookup_table(signed)
         lut = np.ascontiguousarray(lut)
-        self.arrays += [values, lut]
-        return QMap(values.ctypes.data, lut.ctypes.data, shift, buckets)
+        vplanes = np.ascontiguousarray(quant.byte_planes(values))
+        tplanes = np.ascontiguousarray(quant.byte_planes(quant.threshold_words(signed)))
+        lines = np.ascontiguousarray(quant.octave_lines(signed))
+        self.arrays += [values, lut, vplanes, tplanes, lines]
+        return QMap(
+            values.ctypes.data,
+            lut.ctypes.data,
+            shift,
+            buckets,
+            vplanes.ctypes.data,
+            tplanes.ctypes.data,
+            lines.ctypes.data,
+            quant.negative_offset(signed),
+        )
 
 
 @functools.lru_cache(maxsize=1)
