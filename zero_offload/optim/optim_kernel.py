@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from . import kernel as K
+from . import quant
 from .hyper import NUM_SCALARS, StepHyper, fold_scalars
 from .layout import ROW_FIELDS
 from .native import KernelBuildError, cache_dir, compiler
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
-from . import quant
 from .quant import dynamic_map, lookup_table
 from .rounding import STREAMS, stream_seed
 from .state import ShardState
