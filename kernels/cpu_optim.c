@@ -32,7 +32,6 @@
 
 #define ZO_BLOCK 256
 #define ZO_ROW_FIELDS 5
-#define ZO_PREFETCH 256
 
 enum { ZO_F32 = 0, ZO_BF16 = 1, ZO_F16 = 2, ZO_NONE = -1 };
 enum { K_ADAMW = 0, K_ADAM = 1, K_LION = 2, K_ADAGRAD = 3 };
@@ -66,7 +65,7 @@ typedef struct {
     /* the AVX-512 VBMI path's tables (zero_offload/optim/quant.py builds them) */
     const uint8_t* value_planes; /* byte_planes(values) */
     const uint8_t* thr_planes;   /* byte_planes(threshold_words) */
-    const float* lines;          /* octave_lines */
+    const float* lines;          /* span_lines */
     float neg_k;                 /* negative_offset */
 } zo_qmap;
 
@@ -807,41 +806,37 @@ static inline __attribute__((always_inline)) void dequant_z(const zo_qmap* q, co
     for (; j < n; j++) s[j] = q->values[codes[j]];
 }
 
-/* The lines of x's octave (quant.octave_lines) held in 8 registers. */
+/* The lines of x's span of octaves (quant.span_lines) held in 4 registers. */
 typedef struct {
-    __m512 l[8];
+    __m512 l[4];
 } zo_lines_z;
 
-/* The estimate (the code or one below, quant.octave_lines) of 16 values, and in *xc each
- * value with |x| clamped to [2^-31, 1] (NaN and inf to 1, by sign): no decision point lies
- * in what the clamp moves, so the codes are those of x. */
-static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x, __m512* xc) {
+/* The estimate of 16 values (the code or one below, quant.span_lines; any negative value
+ * where the code is 0), from |x| clamped to [2^-31, 1] (NaN and inf to 1): no decision point
+ * lies in what the clamp moves. */
+static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x) {
     __m512i b = _mm512_castps_si512(x);
     __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32((int)ZO_MAG1));
     __m512 y = _mm512_castsi512_ps(mag);
-    __m512i oct = _mm512_srli_epi32(mag, 23); /* the low 5 bits: octave 0 .. 31 */
-    __m512 t1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(Lz->l[0], oct, Lz->l[1]), y,
-                                _mm512_permutex2var_ps(Lz->l[2], oct, Lz->l[3]));
-    __m512 t2 = _mm512_fmadd_ps(_mm512_permutex2var_ps(Lz->l[4], oct, Lz->l[5]), y,
-                                _mm512_permutex2var_ps(Lz->l[6], oct, Lz->l[7]));
+    __m512i span = _mm512_srli_epi32(mag, 24); /* the low 4 bits: span 0 .. 15 */
+    __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[0]), y, _mm512_permutexvar_ps(span, Lz->l[1]));
+    __m512 t2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[2]), y, _mm512_permutexvar_ps(span, Lz->l[3]));
     __m512 t = _mm512_min_ps(t1, t2);
     t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(b), _mm512_set1_ps(neg_k), t);
-    *xc = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, b, _mm512_set1_epi32((int)0x80000000u), 0xf8));
-    __m512i e = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    return _mm512_max_epi32(e, _mm512_setzero_si512());
+    return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 
-/* The codes of 64 values x[r] (16 each): the estimate, plus one where x reaches the decision
- * point at the estimate. */
+/* The codes of 64 values x[r] (16 each): the estimate, plus one where x is not below the
+ * decision point at the estimate (a NaN counts as beyond it: +NaN takes code 255 and -NaN 0,
+ * as quantize1 gives them; the packs saturate the estimate to [0, 255]). */
 static inline __attribute__((always_inline)) __m512i codes64_z(const zo_lines_z* Lz, const zo_planes_z* T, float neg_k,
                                                                 const __m512 x[4]) {
     __m512i e[4], t[4];
-    __m512 xc[4];
-    for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r], &xc[r]);
+    for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r]);
     lookup64_z(T, pack_z(e), t);
     for (int r = 0; r < 4; r++) {
-        __mmask16 up = _mm512_cmp_ps_mask(xc[r], _mm512_castsi512_ps(t[r]), _CMP_GE_OQ);
+        __mmask16 up = _mm512_cmp_ps_mask(x[r], _mm512_castsi512_ps(t[r]), _CMP_NLT_UQ);
         e[r] = _mm512_mask_sub_epi32(e[r], up, e[r], _mm512_set1_epi32(-1));
     }
     return pack_z(e);
@@ -851,7 +846,7 @@ static inline __attribute__((always_inline)) void quantize_z(const float* s, int
     zo_planes_z T;
     zo_lines_z Lz;
     load_planes_z(&T, q->thr_planes);
-    for (int k = 0; k < 8; k++) Lz.l[k] = _mm512_loadu_ps(q->lines + 16 * k);
+    for (int k = 0; k < 4; k++) Lz.l[k] = _mm512_loadu_ps(q->lines + 16 * k);
     const __m512i order = from_lane_order_z();
     __m512 iv = _mm512_set1_ps(inv);
     int j = 0;
@@ -935,6 +930,24 @@ static inline __attribute__((always_inline)) void quantize_z(const float* s, int
 
 #endif
 
+/* Software prefetch of the elements [a, b) of a row into L2: an 8-bit block alternates
+ * memory-bound and compute-bound passes, so the hardware prefetchers alone leave memory
+ * idle during the latter. */
+static inline __attribute__((always_inline)) void prefetch_z(const zo_cfg* c, void* const* P, int64_t a, int64_t b) {
+    const int mb = c->master == MA_F32 ? 4 : 2, gb = c->g_dtype == ZO_F32 ? 4 : 2;
+    for (int64_t k = a; k < b; k += 64) {
+        for (int o = 0; o < 64 * mb; o += 64) {
+            _mm_prefetch((const char*)P[P_MASTER] + k * mb + o, _MM_HINT_T1);
+            if (c->master == MA_KAHAN) _mm_prefetch((const char*)P[P_COMP] + k * mb + o, _MM_HINT_T1);
+        }
+        for (int o = 0; o < 64 * gb; o += 64) _mm_prefetch((const char*)P[P_GRAD] + k * gb + o, _MM_HINT_T1);
+        _mm_prefetch((const char*)P[P_M] + k, _MM_HINT_T1);
+        if (two_moments(c)) _mm_prefetch((const char*)P[P_V] + k, _MM_HINT_T1);
+    }
+}
+
+#define ZO_PREFETCH_BLOCKS 2 /* how far ahead, in blocks */
+
 static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* c, void* const* P, int64_t off, int64_t n,
                                                                   int phase, int64_t blk) {
     float sm[ZO_BLOCK] __attribute__((aligned(64)));
@@ -947,6 +960,8 @@ static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* 
     while (i < end) {
         if (len > end - i) len = (int)(end - i);
         float mx_m = 0.0f, mx_v = 0.0f;
+        int64_t ahead = i + len + (ZO_PREFETCH_BLOCKS - 1) * ZO_BLOCK;
+        if (ahead < end) prefetch_z(c, P, ahead, ahead + ZO_BLOCK < end ? ahead + ZO_BLOCK : end);
         dequant_z(c->qm, (const uint8_t*)P[P_M] + i, len, sm);
         if (two) dequant_z(c->qv, (const uint8_t*)P[P_V] + i, len, sv);
         block_z(c, P, i, len, am_m[blk], two ? am_v[blk] : 0.0f, sm, sv, &mx_m, &mx_v);
@@ -964,6 +979,7 @@ static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* 
 
 #define ZO_DENSE dense_range_z
 #define ZO_QUANTIZED quantized_row_z
+#define ZO_QUANTIZE quantize_z
 #else
 #define ZO_VEC_PATH "avx2"
 #endif
@@ -1019,6 +1035,7 @@ static inline __attribute__((always_inline)) void quantized_row(const zo_cfg* c,
 #ifndef ZO_DENSE
 #define ZO_DENSE dense_range
 #define ZO_QUANTIZED quantized_row
+#define ZO_QUANTIZE quantize_range
 #endif
 
 /* One row with the kind fixed: the local copies (whose address never escapes) let the
@@ -1105,4 +1122,28 @@ int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const in
 /* Codes of n values under map q (tests compare the lookup with the binding's rule). */
 void zo_optim_quantize(const float* x, int64_t n, const zo_qmap* q, uint8_t* out) {
     for (int64_t i = 0; i < n; i++) out[i] = quantize1(x[i], q);
+}
+
+/* How many of the fp32 bit patterns first .. first + count - 1 (mod 2^32) this path's block
+ * quantizer codes differently from quantize1, the reference (tests, and the exhaustive check
+ * in docs/optimizer_states.md). */
+int64_t zo_optim_code_mismatches(const zo_qmap* q, int64_t first, int64_t count, int num_threads) {
+    const int64_t chunks = (count + ZO_BLOCK - 1) / ZO_BLOCK;
+    int64_t bad = 0;
+#ifdef _OPENMP
+    int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : bad)
+#else
+    (void)num_threads;
+#endif
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        float x[ZO_BLOCK] __attribute__((aligned(64)));
+        uint8_t got[ZO_BLOCK];
+        int64_t a = ch * ZO_BLOCK;
+        int n = count - a < ZO_BLOCK ? (int)(count - a) : ZO_BLOCK;
+        for (int j = 0; j < n; j++) x[j] = u2f((uint32_t)(first + a + j));
+        ZO_QUANTIZE(x, n, 1.0f, q, got); /* x * 1 is x (a signaling NaN turns quiet: same code) */
+        for (int j = 0; j < n; j++) bad += got[j] != quantize1(x[j], q);
+    }
+    return bad;
 }

@@ -72,7 +72,7 @@ class _Maps:
         lut = np.ascontiguousarray(lut)
         vplanes = np.ascontiguousarray(quant.byte_planes(values))
         tplanes = np.ascontiguousarray(quant.byte_planes(quant.threshold_words(signed)))
-        lines = np.ascontiguousarray(quant.octave_lines(signed))
+        lines = np.ascontiguousarray(quant.span_lines(signed))
         self.arrays += [values, lut, vplanes, tplanes, lines]
         return QMap(
             values.ctypes.data,
@@ -110,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_optim_omp.argtypes = [p, p, i64, p, p, p, i64, p, p, i32]
     lib.zo_optim_quantize.restype = None
     lib.zo_optim_quantize.argtypes = [p, i64, p, p]
+    lib.zo_optim_code_mismatches.restype = i64
+    lib.zo_optim_code_mismatches.argtypes = [p, i64, i64, i32]
 
 
 def load_optim_kernel(isa: str | None = None) -> OptimKernel:
@@ -244,3 +246,14 @@ def native_quantize(k: OptimKernel, x: torch.Tensor, signed: bool) -> torch.Tens
         x.data_ptr(), x.numel(), ctypes.byref(q.signed if signed else q.unsigned), out.data_ptr()
     )
     return out
+
+
+def code_mismatches(
+    k: OptimKernel, signed: bool, first: int = 0, count: int = 1 << 32, threads: int = 1
+) -> int:
+    """How many fp32 bit patterns ``first .. first + count - 1`` the path's block quantizer
+    codes differently from the scalar reference rule (0 over all 2**32 is the exhaustive
+    check of docs/optimizer_states.md)."""
+    q = maps()
+    qm = ctypes.byref(q.signed if signed else q.unsigned)
+    return int(k.lib.zo_optim_code_mismatches(qm, first, count, max(1, threads)))

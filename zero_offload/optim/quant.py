@@ -188,10 +188,10 @@ def _try_lut(t: np.ndarray, shift: int) -> np.ndarray | None:
 # The AVX-512 quantizer's tables (kernels/cpu_optim.c, quantize_z). Within decade i of the
 # map (|x| in [0.1, 1] * 10**(i - 6)) the code rises linearly in |x|, so a line per decade,
 # lowered by half a code, gives an estimate at most one below the code (the decision points
-# sit at whole codes, or 0.2 of a code above the lines' meeting point between decades). An
-# octave of |x| meets at most two decades; the lower of their two lines is the estimate
-# there. One compare with the decision point at the estimate corrects it.
-_OCTAVE0 = 96  # fp32 exponent of 2**-31: |x| is clamped to [2**-31, 1], 32 octaves
+# sit at whole codes, or 0.2 of a code above the lines' meeting point between decades). A
+# span of two octaves of |x| meets at most two decades; the lower of their two lines is the
+# estimate there. One compare with the decision point at the estimate corrects it.
+_SPAN0 = 48  # (fp32 exponent >> 1) of 2**-31: |x| is clamped to [2**-31, 1], 16 spans
 
 
 def _decades(signed: bool) -> list[tuple[float, int, int]]:
@@ -205,22 +205,22 @@ def _decades(signed: bool) -> list[tuple[float, int, int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def octave_lines(signed: bool) -> np.ndarray:
-    """float32[4, 32]: slope and offset of two lines (code units, half a code lowered) per
-    octave of |x|; the estimate is floor(min of the two)."""
+def span_lines(signed: bool) -> np.ndarray:
+    """float32[4, 16]: slope and offset of two lines (code units, half a code lowered) per
+    span of |x| (its fp32 exponent >> 1); the estimate is floor(the lower line)."""
     dec = _decades(signed)
 
     def decade(y: float) -> int:
         return max(0, min(len(dec) - 1, sum(1 for s, _, _ in dec if y >= s)))
 
-    out = np.zeros((4, 32), dtype=np.float64)
-    for e in range(32):
-        lo = 2.0 ** (e + _OCTAVE0 - 127)
-        hi = np.nextafter(np.float32(2 * lo), np.float32(0)) if e < 31 else 1.0
-        for j, y in enumerate((lo, float(hi))):
+    out = np.zeros((4, 16), dtype=np.float64)
+    for e in range(16):
+        lo = 2.0 ** (2 * (e + _SPAN0) - 127)
+        hi = float(np.nextafter(np.float32(4 * lo), np.float32(0))) if e < 15 else 1.0
+        for j, y in enumerate((lo, hi)):
             scale, count, base = dec[decade(y)]
-            slope = count / (0.9 * scale)
-            out[2 * j, e], out[2 * j + 1, e] = slope, base - 0.1 * count / 0.9 - 0.5
+            out[2 * j, e] = count / (0.9 * scale)
+            out[2 * j + 1, e] = base - 0.1 * count / 0.9 - 0.5
     return out.astype(np.float32)
 
 
