@@ -930,24 +930,6 @@ static inline __attribute__((always_inline)) void quantize_z(const float* s, int
 
 #endif
 
-/* Software prefetch of the elements [a, b) of a row into L2: an 8-bit block alternates
- * memory-bound and compute-bound passes, so the hardware prefetchers alone leave memory
- * idle during the latter. */
-static inline __attribute__((always_inline)) void prefetch_z(const zo_cfg* c, void* const* P, int64_t a, int64_t b) {
-    const int mb = c->master == MA_F32 ? 4 : 2, gb = c->g_dtype == ZO_F32 ? 4 : 2;
-    for (int64_t k = a; k < b; k += 64) {
-        for (int o = 0; o < 64 * mb; o += 64) {
-            _mm_prefetch((const char*)P[P_MASTER] + k * mb + o, _MM_HINT_T1);
-            if (c->master == MA_KAHAN) _mm_prefetch((const char*)P[P_COMP] + k * mb + o, _MM_HINT_T1);
-        }
-        for (int o = 0; o < 64 * gb; o += 64) _mm_prefetch((const char*)P[P_GRAD] + k * gb + o, _MM_HINT_T1);
-        _mm_prefetch((const char*)P[P_M] + k, _MM_HINT_T1);
-        if (two_moments(c)) _mm_prefetch((const char*)P[P_V] + k, _MM_HINT_T1);
-    }
-}
-
-#define ZO_PREFETCH_BLOCKS 2 /* how far ahead, in blocks */
-
 static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* c, void* const* P, int64_t off, int64_t n,
                                                                   int phase, int64_t blk) {
     float sm[ZO_BLOCK] __attribute__((aligned(64)));
@@ -960,8 +942,6 @@ static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* 
     while (i < end) {
         if (len > end - i) len = (int)(end - i);
         float mx_m = 0.0f, mx_v = 0.0f;
-        int64_t ahead = i + len + (ZO_PREFETCH_BLOCKS - 1) * ZO_BLOCK;
-        if (ahead < end) prefetch_z(c, P, ahead, ahead + ZO_BLOCK < end ? ahead + ZO_BLOCK : end);
         dequant_z(c->qm, (const uint8_t*)P[P_M] + i, len, sm);
         if (two) dequant_z(c->qv, (const uint8_t*)P[P_V] + i, len, sv);
         block_z(c, P, i, len, am_m[blk], two ? am_v[blk] : 0.0f, sm, sv, &mx_m, &mx_v);
