@@ -811,13 +811,14 @@ typedef struct {
     __m512 l[4];
 } zo_lines_z;
 
-/* The estimate of 16 values (the code or one below, quant.span_lines; any negative value
- * where the code is 0), from |x| clamped to [2^-31, 1] (NaN and inf to 1): no decision point
- * lies in what the clamp moves. */
+/* The estimate of 16 values (the code or one below, quant.span_lines), from |x| clamped to
+ * [2^-31, 2) (NaN and inf to just below 2): below 2^-31 no decision point lies, and at or
+ * above 1 the estimate is 254 or more (255 past the packs' saturation), or negative for a
+ * negative x (0 there). */
 static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x) {
     __m512i b = _mm512_castps_si512(x);
     __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
-    mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32((int)ZO_MAG1));
+    mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3fffffff));
     __m512 y = _mm512_castsi512_ps(mag);
     __m512i span = _mm512_srli_epi32(mag, 24); /* the low 4 bits: span 0 .. 15 */
     __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[0]), y, _mm512_permutexvar_ps(span, Lz->l[1]));
@@ -827,19 +828,20 @@ static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z
     return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 
-/* The codes of 64 values x[r] (16 each): the estimate, plus one where x is not below the
- * decision point at the estimate (a NaN counts as beyond it: +NaN takes code 255 and -NaN 0,
- * as quantize1 gives them; the packs saturate the estimate to [0, 255]). */
+/* The codes of 64 values x[r] (16 each), in natural order: the estimate (saturated to
+ * [0, 255]), plus one where x reaches the decision point at the estimate (never at 255,
+ * whose entry is NaN, nor for a NaN x). */
 static inline __attribute__((always_inline)) __m512i codes64_z(const zo_lines_z* Lz, const zo_planes_z* T, float neg_k,
-                                                                const __m512 x[4]) {
+                                                                const __m512 x[4], __m512i natural) {
     __m512i e[4], t[4];
     for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r]);
-    lookup64_z(T, pack_z(e), t);
-    for (int r = 0; r < 4; r++) {
-        __mmask16 up = _mm512_cmp_ps_mask(x[r], _mm512_castsi512_ps(t[r]), _CMP_NLT_UQ);
-        e[r] = _mm512_mask_sub_epi32(e[r], up, e[r], _mm512_set1_epi32(-1));
-    }
-    return pack_z(e);
+    __m512i k = pack_z(e);
+    lookup64_z(T, k, t);
+    __mmask16 up[4];
+    for (int r = 0; r < 4; r++) up[r] = _mm512_cmp_ps_mask(x[r], _mm512_castsi512_ps(t[r]), _CMP_GE_OQ);
+    __mmask64 ups = _mm512_kunpackd(_mm512_kunpackw(up[3], up[2]), _mm512_kunpackw(up[1], up[0]));
+    __m512i codes = _mm512_permutexvar_epi8(natural, k);
+    return _mm512_mask_sub_epi8(codes, ups, codes, _mm512_set1_epi8(-1));
 }
 
 static inline __attribute__((always_inline)) void quantize_z(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
@@ -853,7 +855,7 @@ static inline __attribute__((always_inline)) void quantize_z(const float* s, int
     for (; j + 64 <= n; j += 64) {
         __m512 x[4];
         for (int r = 0; r < 4; r++) x[r] = _mm512_mul_ps(_mm512_load_ps(s + j + 16 * r), iv);
-        _mm512_storeu_si512(out + j, _mm512_permutexvar_epi8(order, codes64_z(&Lz, &T, q->neg_k, x)));
+        _mm512_storeu_si512(out + j, codes64_z(&Lz, &T, q->neg_k, x, order));
     }
     quantize_scalar(s + j, n - j, inv, q, out + j);
 }
