@@ -706,10 +706,14 @@ static inline __attribute__((always_inline)) __m512 max_z(__m512 acc, __m512 x) 
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, acc, _CMP_GT_OQ), acc, x);
 }
 
+/* *mx = max(*mx, lanes of x) by halving (the max is exact: any order gives it) */
 static inline __attribute__((always_inline)) void fold_max_z(__m512 x, float* mx) {
-    float l[16];
-    _mm512_storeu_ps(l, x);
-    for (int k = 0; k < 16; k++) *mx = l[k] > *mx ? l[k] : *mx;
+    x = max_z(x, _mm512_shuffle_f32x4(x, x, 0x4e));
+    x = max_z(x, _mm512_shuffle_f32x4(x, x, 0xb1));
+    x = max_z(x, _mm512_permute_ps(x, 0x4e));
+    x = max_z(x, _mm512_permute_ps(x, 0xb1));
+    float l = _mm512_cvtss_f32(x);
+    *mx = l > *mx ? l : *mx;
 }
 
 /* Pass 1 of an 8-bit block, elements [a, a + len): the scratch holds the map values of the
