@@ -701,9 +701,9 @@ static inline __attribute__((always_inline)) void dense_range_z(const zo_cfg* c,
     dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
 }
 
-/* max as the scalar path computes it: x > acc ? x : acc */
+/* max as the scalar path computes it: x > acc ? x : acc (vmaxps's own rule, NaN included) */
 static inline __attribute__((always_inline)) __m512 max_z(__m512 acc, __m512 x) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, acc, _CMP_GT_OQ), acc, x);
+    return _mm512_max_ps(x, acc);
 }
 
 /* *mx = max(*mx, lanes of x) by halving (the max is exact: any order gives it) */
