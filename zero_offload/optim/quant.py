@@ -239,4 +239,5 @@ def byte_planes(words: np.ndarray) -> np.ndarray:
 
 def threshold_words(signed: bool) -> np.ndarray:
     """The 255 decision points and a NaN (never passed) at 255, as fp32."""
-    return np.concatenate([_thresholds_np(signed), np.float32([np.nan])]).astype(np.float32)
+    nan = np.full(1, np.nan, dtype=np.float32)
+    return np.concatenate([_thresholds_np(signed), nan]).astype(np.float32)
