@@ -542,10 +542,12 @@ static inline __attribute__((always_inline)) void quantize_range(const float* s,
 }
 
 /* ---------------------------------------------------------------- the AVX-512 path (16 lanes)
- * The AVX2 path's operations, 16 lanes at a time. An 8-bit block's old codes become map
- * values by permutes over the map held in registers (16-lane gathers cost more on Zen 5); the
- * lookup entries of the new codes are still scalar loads (the table is 12-23 KiB; a gather
- * was slower there too). */
+ * The AVX2 path's operations, 16 lanes at a time. With VBMI an 8-bit block's lookups (old
+ * codes' map values, new codes' decision points) are byte permutes over tables held in
+ * registers, and a new code starts from a linear estimate (quantize_z below). Without VBMI old
+ * codes become map values by permutes over the map in registers (16-lane gathers cost more on
+ * Zen 5) and new codes' lookup entries are scalar loads (the table is 12-23 KiB; a gather was
+ * slower there too). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define ZO_VEC_PATH "avx512"
 
