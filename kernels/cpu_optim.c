@@ -32,7 +32,6 @@
 
 #define ZO_BLOCK 256
 #define ZO_ROW_FIELDS 5
-#define ZO_PREFETCH 256
 
 enum { ZO_F32 = 0, ZO_BF16 = 1, ZO_F16 = 2, ZO_NONE = -1 };
 enum { K_ADAMW = 0, K_ADAM = 1, K_LION = 2, K_ADAGRAD = 3 };
@@ -42,7 +41,7 @@ enum { NUM_SCALARS = 13 };
 /* pointer slots of one span's state (zo_ptrs in the binding) */
 enum { P_MASTER, P_COMP, P_GRAD, P_OUT, P_M, P_V, P_M_ABSMAX, P_V_ABSMAX, P_M_SIDE, P_V_SIDE, NUM_PTRS };
 
-int zo_optim_abi_version(void) { return 1; }
+int zo_optim_abi_version(void) { return 2; }
 int zo_optim_num_scalars(void) { return NUM_SCALARS; }
 int zo_optim_num_ptrs(void) { return NUM_PTRS; }
 
@@ -63,6 +62,11 @@ typedef struct {
     const uint32_t* lut;
     int32_t shift;
     int32_t buckets; /* per sign; negatives use lut[buckets + bucket] */
+    /* the AVX-512 VBMI path's tables (zero_offload/optim/quant.py builds them) */
+    const uint8_t* value_planes; /* byte_planes(values) */
+    const uint8_t* thr_planes;   /* byte_planes(threshold_words) */
+    const float* lines;          /* span_lines */
+    float neg_k;                 /* negative_offset */
 } zo_qmap;
 
 #define ZO_MAG0 0x34000000u /* bits of 2^-23: smaller magnitudes are all "zero" */
@@ -538,10 +542,12 @@ static inline __attribute__((always_inline)) void quantize_range(const float* s,
 }
 
 /* ---------------------------------------------------------------- the AVX-512 path (16 lanes)
- * The AVX2 path's operations, 16 lanes at a time. An 8-bit block's old codes become map
- * values by permutes over the map held in registers (16-lane gathers cost more on Zen 5); the
- * lookup entries of the new codes are still scalar loads (the table is 12-23 KiB; a gather
- * was slower there too). */
+ * The AVX2 path's operations, 16 lanes at a time. With VBMI an 8-bit block's lookups (old
+ * codes' map values, new codes' decision points) are byte permutes over tables held in
+ * registers, and a new code starts from a linear estimate (quantize_z below). Without VBMI old
+ * codes become map values by permutes over the map in registers (16-lane gathers cost more on
+ * Zen 5) and new codes' lookup entries are scalar loads (the table is 12-23 KiB; a gather was
+ * slower there too). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define ZO_VEC_PATH "avx512"
 
@@ -697,17 +703,169 @@ static inline __attribute__((always_inline)) void dense_range_z(const zo_cfg* c,
     dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
 }
 
-/* max as the scalar path computes it: x > acc ? x : acc */
+/* max as the scalar path computes it: x > acc ? x : acc (vmaxps's own rule, NaN included) */
 static inline __attribute__((always_inline)) __m512 max_z(__m512 acc, __m512 x) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, acc, _CMP_GT_OQ), acc, x);
+    return _mm512_max_ps(x, acc);
 }
 
+/* *mx = max(*mx, lanes of x) by halving (the max is exact: any order gives it) */
 static inline __attribute__((always_inline)) void fold_max_z(__m512 x, float* mx) {
-    float l[16];
-    _mm512_storeu_ps(l, x);
-    for (int k = 0; k < 16; k++) *mx = l[k] > *mx ? l[k] : *mx;
+    x = max_z(x, _mm512_shuffle_f32x4(x, x, 0x4e));
+    x = max_z(x, _mm512_shuffle_f32x4(x, x, 0xb1));
+    x = max_z(x, _mm512_permute_ps(x, 0x4e));
+    x = max_z(x, _mm512_permute_ps(x, 0xb1));
+    float l = _mm512_cvtss_f32(x);
+    *mx = l > *mx ? l : *mx;
 }
 
+/* Pass 1 of an 8-bit block, elements [a, a + len): the scratch holds the map values of the
+ * old codes and receives the new moments; the absmax. */
+static inline __attribute__((always_inline)) void block_z(const zo_cfg* c, void* const* P, int64_t a, int len,
+                                                          float am_m, float am_v, float* sm, float* sv,
+                                                          float* mx_m, float* mx_v) {
+    const int two = two_moments(c);
+    __m512 amm = _mm512_set1_ps(am_m), amv = _mm512_set1_ps(am_v);
+    __m512 xm = _mm512_setzero_ps(), xv = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= len; j += 16) {
+        int64_t i = a + j;
+        __m512 m = _mm512_mul_ps(_mm512_load_ps(sm + j), amm);
+        __m512 v = two ? _mm512_mul_ps(_mm512_load_ps(sv + j), amv) : _mm512_setzero_ps();
+        __m512 p = update_z(c, load_master_z(c, P, i), load_grad_z(P[P_GRAD], c->g_dtype, i), &m, &v);
+        store_master_z(c, P, i, p);
+        _mm512_store_ps(sm + j, m);
+        xm = max_z(xm, _mm512_abs_ps(m));
+        if (two) {
+            _mm512_store_ps(sv + j, v);
+            xv = max_z(xv, _mm512_abs_ps(v));
+        }
+    }
+    fold_max_z(xm, mx_m);
+    if (two) fold_max_z(xv, mx_v);
+    block_scalar(c, P, a + j, a + len, j, am_m, am_v, sm, sv, mx_m, mx_v);
+}
+
+#if defined(__AVX512VBMI__)
+/* With VBMI a 256-entry table of 32-bit words is held as 4 byte planes of 4 registers each;
+ * a lookup of 64 indices is two vpermi2b and a blend per plane, then unpacks to words. The
+ * unpacks take byte 16L + 4r + j of a register (128-bit lane L) to word 4L + j of the r-th
+ * result, so indices are put in that order first ("lane order"); pack_z does the reverse. */
+typedef struct {
+    __m512i p[4][4];
+} zo_planes_z;
+
+static inline __attribute__((always_inline)) void load_planes_z(zo_planes_z* T, const uint8_t* planes) {
+    for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 4; k++) T->p[j][k] = _mm512_loadu_si512(planes + 256 * j + 64 * k);
+}
+
+/* natural order -> lane order (idx[16L + 4r + j] = 16r + 4L + j), and back */
+static inline __attribute__((always_inline)) __m512i to_lane_order_z(void) {
+    uint8_t ix[64];
+    for (int L = 0; L < 4; L++)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 4; j++) ix[16 * L + 4 * r + j] = (uint8_t)(16 * r + 4 * L + j);
+    return _mm512_loadu_si512(ix);
+}
+
+static inline __attribute__((always_inline)) __m512i from_lane_order_z(void) {
+    uint8_t ix[64];
+    for (int L = 0; L < 4; L++)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 4; j++) ix[16 * r + 4 * L + j] = (uint8_t)(16 * L + 4 * r + j);
+    return _mm512_loadu_si512(ix);
+}
+
+/* T[k] for 64 byte indices in lane order -> 4 x 16 words in natural order */
+static inline __attribute__((always_inline)) void lookup64_z(const zo_planes_z* T, __m512i k, __m512i out[4]) {
+    __mmask64 hi = _mm512_movepi8_mask(k);
+    __m512i b[4];
+    for (int j = 0; j < 4; j++) {
+        __m512i lo_half = _mm512_permutex2var_epi8(T->p[j][0], k, T->p[j][1]);
+        __m512i hi_half = _mm512_permutex2var_epi8(T->p[j][2], k, T->p[j][3]);
+        b[j] = _mm512_mask_blend_epi8(hi, lo_half, hi_half);
+    }
+    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_unpacklo_epi16(w01l, w23l);
+    out[1] = _mm512_unpackhi_epi16(w01l, w23l);
+    out[2] = _mm512_unpacklo_epi16(w01h, w23h);
+    out[3] = _mm512_unpackhi_epi16(w01h, w23h);
+}
+
+/* 4 x 16 words in [0, 256) -> 64 bytes in lane order */
+static inline __attribute__((always_inline)) __m512i pack_z(const __m512i w[4]) {
+    return _mm512_packus_epi16(_mm512_packus_epi32(w[0], w[1]), _mm512_packus_epi32(w[2], w[3]));
+}
+
+/* The map values of n codes into the scratch. */
+static inline __attribute__((always_inline)) void dequant_z(const zo_qmap* q, const uint8_t* codes, int n, float* s) {
+    zo_planes_z T;
+    load_planes_z(&T, q->value_planes);
+    const __m512i order = to_lane_order_z();
+    int j = 0;
+    for (; j + 64 <= n; j += 64) {
+        __m512i w[4];
+        lookup64_z(&T, _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j)), w);
+        for (int r = 0; r < 4; r++) _mm512_store_ps(s + j + 16 * r, _mm512_castsi512_ps(w[r]));
+    }
+    for (; j < n; j++) s[j] = q->values[codes[j]];
+}
+
+/* The lines of x's span of octaves (quant.span_lines) held in 4 registers. */
+typedef struct {
+    __m512 l[4];
+} zo_lines_z;
+
+/* The estimate of 16 values (the code or one below, quant.span_lines), from |x| clamped to
+ * [2^-31, 2) (NaN and inf to just below 2): below 2^-31 no decision point lies, and at or
+ * above 1 the estimate is 254 or more (255 past the packs' saturation), or negative for a
+ * negative x (0 there). */
+static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x) {
+    __m512i b = _mm512_castps_si512(x);
+    __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+    mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3fffffff));
+    __m512 y = _mm512_castsi512_ps(mag);
+    __m512i span = _mm512_srli_epi32(mag, 24); /* the low 4 bits: span 0 .. 15 */
+    __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[0]), y, _mm512_permutexvar_ps(span, Lz->l[1]));
+    __m512 t2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[2]), y, _mm512_permutexvar_ps(span, Lz->l[3]));
+    __m512 t = _mm512_min_ps(t1, t2);
+    t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(b), _mm512_set1_ps(neg_k), t);
+    return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+
+/* The codes of 64 values x[r] (16 each), in natural order: the estimate (saturated to
+ * [0, 255]), plus one where x reaches the decision point at the estimate (never at 255,
+ * whose entry is NaN, nor for a NaN x). */
+static inline __attribute__((always_inline)) __m512i codes64_z(const zo_lines_z* Lz, const zo_planes_z* T, float neg_k,
+                                                                const __m512 x[4], __m512i natural) {
+    __m512i e[4], t[4];
+    for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r]);
+    __m512i k = pack_z(e);
+    lookup64_z(T, k, t);
+    __mmask16 up[4];
+    for (int r = 0; r < 4; r++) up[r] = _mm512_cmp_ps_mask(x[r], _mm512_castsi512_ps(t[r]), _CMP_GE_OQ);
+    __mmask64 ups = _mm512_kunpackd(_mm512_kunpackw(up[3], up[2]), _mm512_kunpackw(up[1], up[0]));
+    __m512i codes = _mm512_permutexvar_epi8(natural, k);
+    return _mm512_mask_sub_epi8(codes, ups, codes, _mm512_set1_epi8(-1));
+}
+
+static inline __attribute__((always_inline)) void quantize_z(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
+    zo_planes_z T;
+    zo_lines_z Lz;
+    load_planes_z(&T, q->thr_planes);
+    for (int k = 0; k < 4; k++) Lz.l[k] = _mm512_loadu_ps(q->lines + 16 * k);
+    const __m512i order = from_lane_order_z();
+    __m512 iv = _mm512_set1_ps(inv);
+    int j = 0;
+    for (; j + 64 <= n; j += 64) {
+        __m512 x[4];
+        for (int r = 0; r < 4; r++) x[r] = _mm512_mul_ps(_mm512_load_ps(s + j + 16 * r), iv);
+        _mm512_storeu_si512(out + j, codes64_z(&Lz, &T, q->neg_k, x, order));
+    }
+    quantize_scalar(s + j, n - j, inv, q, out + j);
+}
+#else
 /* A 256-entry float table held in 16 registers (T[k]: entries 16k .. 16k + 15). */
 typedef struct {
     __m512 t[16];
@@ -739,33 +897,6 @@ static inline __attribute__((always_inline)) void dequant_z(const zo_qmap* q, co
     for (; j + 16 <= n; j += 16)
         _mm512_store_ps(s + j, lookup_z(&T, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + j)))));
     for (; j < n; j++) s[j] = q->values[codes[j]];
-}
-
-/* Pass 1 of an 8-bit block, elements [a, a + len): the scratch holds the map values of the
- * old codes and receives the new moments; the absmax. */
-static inline __attribute__((always_inline)) void block_z(const zo_cfg* c, void* const* P, int64_t a, int len,
-                                                          float am_m, float am_v, float* sm, float* sv,
-                                                          float* mx_m, float* mx_v) {
-    const int two = two_moments(c);
-    __m512 amm = _mm512_set1_ps(am_m), amv = _mm512_set1_ps(am_v);
-    __m512 xm = _mm512_setzero_ps(), xv = _mm512_setzero_ps();
-    int j = 0;
-    for (; j + 16 <= len; j += 16) {
-        int64_t i = a + j;
-        __m512 m = _mm512_mul_ps(_mm512_load_ps(sm + j), amm);
-        __m512 v = two ? _mm512_mul_ps(_mm512_load_ps(sv + j), amv) : _mm512_setzero_ps();
-        __m512 p = update_z(c, load_master_z(c, P, i), load_grad_z(P[P_GRAD], c->g_dtype, i), &m, &v);
-        store_master_z(c, P, i, p);
-        _mm512_store_ps(sm + j, m);
-        xm = max_z(xm, _mm512_abs_ps(m));
-        if (two) {
-            _mm512_store_ps(sv + j, v);
-            xv = max_z(xv, _mm512_abs_ps(v));
-        }
-    }
-    fold_max_z(xm, mx_m);
-    if (two) fold_max_z(xv, mx_v);
-    block_scalar(c, P, a + j, a + len, j, am_m, am_v, sm, sv, mx_m, mx_v);
 }
 
 /* The lookup's bucket index (returned) and x's mirrored bits within the bucket (*low). */
@@ -805,6 +936,8 @@ static inline __attribute__((always_inline)) void quantize_z(const float* s, int
     quantize_scalar(s + n16, n - n16, inv, q, out + n16);
 }
 
+#endif
+
 static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* c, void* const* P, int64_t off, int64_t n,
                                                                   int phase, int64_t blk) {
     float sm[ZO_BLOCK] __attribute__((aligned(64)));
@@ -834,6 +967,7 @@ static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* 
 
 #define ZO_DENSE dense_range_z
 #define ZO_QUANTIZED quantized_row_z
+#define ZO_QUANTIZE quantize_z
 #else
 #define ZO_VEC_PATH "avx2"
 #endif
@@ -889,6 +1023,7 @@ static inline __attribute__((always_inline)) void quantized_row(const zo_cfg* c,
 #ifndef ZO_DENSE
 #define ZO_DENSE dense_range
 #define ZO_QUANTIZED quantized_row
+#define ZO_QUANTIZE quantize_range
 #endif
 
 /* One row with the kind fixed: the local copies (whose address never escapes) let the
@@ -975,4 +1110,28 @@ int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const in
 /* Codes of n values under map q (tests compare the lookup with the binding's rule). */
 void zo_optim_quantize(const float* x, int64_t n, const zo_qmap* q, uint8_t* out) {
     for (int64_t i = 0; i < n; i++) out[i] = quantize1(x[i], q);
+}
+
+/* How many of the fp32 bit patterns first .. first + count - 1 (mod 2^32) this path's block
+ * quantizer codes differently from quantize1, the reference (tests, and the exhaustive check
+ * in docs/optimizer_states.md). */
+int64_t zo_optim_code_mismatches(const zo_qmap* q, int64_t first, int64_t count, int num_threads) {
+    const int64_t chunks = (count + ZO_BLOCK - 1) / ZO_BLOCK;
+    int64_t bad = 0;
+#ifdef _OPENMP
+    int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : bad)
+#else
+    (void)num_threads;
+#endif
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        float x[ZO_BLOCK] __attribute__((aligned(64)));
+        uint8_t got[ZO_BLOCK];
+        int64_t a = ch * ZO_BLOCK;
+        int n = count - a < ZO_BLOCK ? (int)(count - a) : ZO_BLOCK;
+        for (int j = 0; j < n; j++) x[j] = u2f((uint32_t)(first + a + j));
+        ZO_QUANTIZE(x, n, 1.0f, q, got); /* x * 1 is x (a signaling NaN turns quiet: same code) */
+        for (int j = 0; j < n; j++) bad += got[j] != quantize1(x[j], q);
+    }
+    return bad;
 }

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import kernel as K
+from . import quant
 from .hyper import NUM_SCALARS, StepHyper, fold_scalars
 from .layout import ROW_FIELDS
 from .native import KernelBuildError, cache_dir, compiler
@@ -29,7 +30,7 @@ from .state import ShardState
 logger = logging.getLogger(__name__)
 
 KERNEL_NAME = "cpu_optim"
-ABI_VERSION = 1
+ABI_VERSION = 2
 NUM_PTRS = 10
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KINDS = {
@@ -50,6 +51,10 @@ class QMap(ctypes.Structure):
         ("lut", ctypes.c_void_p),
         ("shift", ctypes.c_int32),
         ("buckets", ctypes.c_int32),
+        ("value_planes", ctypes.c_void_p),
+        ("thr_planes", ctypes.c_void_p),
+        ("lines", ctypes.c_void_p),
+        ("neg_k", ctypes.c_float),
     ]
 
 
@@ -65,8 +70,20 @@ class _Maps:
         values = np.ascontiguousarray(dynamic_map(signed).numpy())
         lut, shift, buckets = lookup_table(signed)
         lut = np.ascontiguousarray(lut)
-        self.arrays += [values, lut]
-        return QMap(values.ctypes.data, lut.ctypes.data, shift, buckets)
+        vplanes = np.ascontiguousarray(quant.byte_planes(values))
+        tplanes = np.ascontiguousarray(quant.byte_planes(quant.threshold_words(signed)))
+        lines = np.ascontiguousarray(quant.span_lines(signed))
+        self.arrays += [values, lut, vplanes, tplanes, lines]
+        return QMap(
+            values.ctypes.data,
+            lut.ctypes.data,
+            shift,
+            buckets,
+            vplanes.ctypes.data,
+            tplanes.ctypes.data,
+            lines.ctypes.data,
+            quant.negative_offset(signed),
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_optim_omp.argtypes = [p, p, i64, p, p, p, i64, p, p, i32]
     lib.zo_optim_quantize.restype = None
     lib.zo_optim_quantize.argtypes = [p, i64, p, p]
+    lib.zo_optim_code_mismatches.restype = i64
+    lib.zo_optim_code_mismatches.argtypes = [p, i64, i64, i32]
 
 
 def load_optim_kernel(isa: str | None = None) -> OptimKernel:
@@ -227,3 +246,14 @@ def native_quantize(k: OptimKernel, x: torch.Tensor, signed: bool) -> torch.Tens
         x.data_ptr(), x.numel(), ctypes.byref(q.signed if signed else q.unsigned), out.data_ptr()
     )
     return out
+
+
+def code_mismatches(
+    k: OptimKernel, signed: bool, first: int = 0, count: int = 1 << 32, threads: int = 1
+) -> int:
+    """How many fp32 bit patterns ``first .. first + count - 1`` the path's block quantizer
+    codes differently from the scalar reference rule (0 over all 2**32 is the exhaustive
+    check of docs/optimizer_states.md)."""
+    q = maps()
+    qm = ctypes.byref(q.signed if signed else q.unsigned)
+    return int(k.lib.zo_optim_code_mismatches(qm, first, count, max(1, threads)))

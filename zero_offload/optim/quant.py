@@ -183,3 +183,61 @@ def _try_lut(t: np.ndarray, shift: int) -> np.ndarray | None:
         thr[has] = (low if sign == 0 else low_mask - low)[has]
         out[sign * buckets : (sign + 1) * buckets] = ((base << 20) | thr).astype(np.uint32)
     return out
+
+
+# The AVX-512 quantizer's tables (kernels/cpu_optim.c, quantize_z). Within decade i of the
+# map (|x| in [0.1, 1] * 10**(i - 6)) the code rises linearly in |x|, so a line per decade,
+# lowered by half a code, gives an estimate at most one below the code (the decision points
+# sit at whole codes, or 0.2 of a code above the lines' meeting point between decades). A
+# span of two octaves of |x| meets at most two decades; the lower of their two lines is the
+# estimate there. One compare with the decision point at the estimate corrects it.
+_SPAN0 = 48  # (fp32 exponent >> 1) of 2**-31: |x| is clamped to [2**-31, 1], 16 spans
+
+
+def _decades(signed: bool) -> list[tuple[float, int, int]]:
+    """(scale, entries, code of the first positive entry) per decade, ascending."""
+    out, code = [], MAP_SIZE // 2 if signed else 1
+    for i in range(_MAX_EXPONENT_BITS):
+        count = 2**i if signed else 2 ** (i + 1)
+        out.append((10.0 ** (i - (_MAX_EXPONENT_BITS - 1)), count, code))
+        code += count
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def span_lines(signed: bool) -> np.ndarray:
+    """float32[4, 16]: slope and offset of two lines (code units, half a code lowered) per
+    span of |x| (its fp32 exponent >> 1); the estimate is floor(the lower line)."""
+    dec = _decades(signed)
+
+    def decade(y: float) -> int:
+        return max(0, min(len(dec) - 1, sum(1 for s, _, _ in dec if y >= s)))
+
+    out = np.zeros((4, 16), dtype=np.float64)
+    for e in range(16):
+        lo = 2.0 ** (2 * (e + _SPAN0) - 127)
+        hi = float(np.nextafter(np.float32(4 * lo), np.float32(0))) if e < 15 else 1.0
+        for j, y in enumerate((lo, hi)):
+            scale, count, base = dec[decade(y)]
+            out[2 * j, e] = count / (0.9 * scale)
+            out[2 * j + 1, e] = base - 0.1 * count / 0.9 - 0.5
+    return out.astype(np.float32)
+
+
+def negative_offset(signed: bool) -> float:
+    """A negative x's estimate is floor(this - the line's value at |x|): the signed map's
+    negatives mirror its positives about code 127; the unsigned map's estimate is 0."""
+    return float(MAP_SIZE - 2) if signed else -1.0e4
+
+
+def byte_planes(words: np.ndarray) -> np.ndarray:
+    """uint8[4, 256]: byte j (little end first) of each of 256 32-bit words."""
+    w = np.ascontiguousarray(words).view(np.uint32)
+    assert w.size == MAP_SIZE
+    return np.stack([(w >> (8 * j)) & 0xFF for j in range(4)]).astype(np.uint8)
+
+
+def threshold_words(signed: bool) -> np.ndarray:
+    """The 255 decision points and a NaN (never passed) at 255, as fp32."""
+    nan = np.full(1, np.nan, dtype=np.float32)
+    return np.concatenate([_thresholds_np(signed), nan]).astype(np.float32)
