@@ -156,9 +156,9 @@ def test_a_parameter_without_gradient_drops_the_pass(tmp_path, waits):
     assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
 
 
-def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
-    """The disk fails the pass's first write (a full disk, say): the step drops the pass
-    and steps every sub-group itself."""
+def _train_with_a_fault(tmp_path, fault) -> tuple[list[int], zo.Engine]:
+    """``_train``'s plain loop with ``fault(engine)`` called before step 1's backward; the
+    sub-groups each step adopted, and the engine, which must equal a run without the pass."""
     ref = _engine(tmp_path / "ref", early=False)
     _train(ref, "plain")
     engine = _engine(tmp_path / "early", early=True)
@@ -168,14 +168,25 @@ def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
         x, y = batch("gpt", 4, gen)
         loss = loss_fn("gpt", engine(x), y)
         if step == 1:
-            engine.swappers[0].engine.backend = FaultBackend("write", errno_=errno.ENOSPC, times=1)
+            fault(engine)
         engine.backward(loss)
         engine.step()
         adopted.append(engine.last_step_timings.early_groups)
-    assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
     assert_bit_equal(training_state(engine), training_state(ref))
-    engine.close()
     ref.close()
+    return adopted, engine
+
+
+def test_a_failed_write_during_backward_costs_nothing_but_time(tmp_path, waits):
+    """The disk fails the pass's first write (a full disk, say): the step drops the pass
+    and steps every sub-group itself."""
+
+    def fail_a_write(engine: zo.Engine) -> None:
+        engine.swappers[0].engine.backend = FaultBackend("write", errno_=errno.ENOSPC, times=1)
+
+    adopted, engine = _train_with_a_fault(tmp_path, fail_a_write)
+    assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] > 0
+    engine.close()
 
 
 class _RoomForValuesOnly:
@@ -193,26 +204,18 @@ def test_a_disk_too_full_for_the_new_state_costs_nothing_but_time(tmp_path, wait
     """The pass writes a sub-group's new values, then finds no room for its new state: the
     step drops the pass and steps every sub-group in the files it has. (The refused file's
     buffer was lost once, and the step's read-ahead waited for it until ``acquire_timeout``.)"""
-    ref = _engine(tmp_path / "ref", early=False)
-    _train(ref, "plain")
-    engine = _engine(tmp_path / "early", early=True)
-    gen = torch.Generator().manual_seed(1)
-    adopted = []
-    for step in range(STEPS):
-        x, y = batch("gpt", 4, gen)
-        loss = loss_fn("gpt", engine(x), y)
-        if step == 1:
-            (swapper,) = [s for s in engine.swappers if any(s.rank_dir.glob("*adam*"))]
-            swapper.acquire_timeout = 5.0  # a lost buffer fails the test rather than waits
-            swapper._folder.disk = _RoomForValuesOnly()
-        engine.backward(loss)
-        engine.step()
-        adopted.append(engine.last_step_timings.early_groups)
+    swappers = []
+
+    def fill_the_disk(engine: zo.Engine) -> None:
+        (swapper,) = [s for s in engine.swappers if any(s.rank_dir.glob("*adam*"))]
+        swapper.acquire_timeout = 5.0  # a lost buffer fails the test rather than waits
+        swapper._folder.disk = _RoomForValuesOnly()
+        swappers.append(swapper)
+
+    adopted, engine = _train_with_a_fault(tmp_path, fill_the_disk)
     assert adopted[0] > 0 and adopted[1] == 0 and adopted[2] == 0
-    assert_bit_equal(training_state(engine), training_state(ref))
-    assert swapper.pool.available == swapper.pool.count
+    assert swappers[0].pool.available == swappers[0].pool.count
     engine.close()
-    ref.close()
 
 
 def test_dropped_passes_leave_no_files_and_no_thread(tmp_path, waits):
