@@ -39,8 +39,6 @@ from .keys import KeyEntry, Keys, direct_ok
 __all__ = ["Tier", "Swapper"]
 
 
-
-
 class Swapper:
     """Swap named tensor shards between device/host memory and files on NVMe.
 

@@ -135,8 +135,16 @@ def _spec(work: Path, **kw: Any) -> dict[str, Any]:
     return spec
 
 
+# Steps the reference runs past ``--steps``: a trial's process trains on until its signal
+# lands, and on a loaded host the campaign reads its "step N" lines late, so the signal (and
+# the save it causes) may come several steps after the one the trial aimed at.
+LAG_STEPS = 8
+
+
 def reference(work: Path, world: int, steps: int) -> Path:
-    """An uninterrupted run's training state after every step, per rank."""
+    """An uninterrupted run's training state after every step, per rank (``steps`` and
+    :data:`LAG_STEPS` more)."""
+    steps += LAG_STEPS
     record = work / f"reference-w{world}"
     if record.is_dir() and (record / f"{steps}.0.pt").exists():
         return record
@@ -160,7 +168,8 @@ def _equal(record: Path, step: int, out: str, world: int) -> bool:
 def _resume(trial: Trial, work: Path, record: Path, world: int, steps: int, **kw: Any) -> None:
     """A new process loads the checkpoint and trains two steps; compared with the record."""
     out = str(work / "resumed.pt")
-    run = _Run(_spec(work, resume=True, until=steps, out=out, **kw), world)
+    last = steps + LAG_STEPS  # the reference's last step
+    run = _Run(_spec(work, resume=True, until=last, out=out, **kw), world)
     line = run.line()
     codes, outs, err = run.finish()
     if not line.startswith("resumed ") or any(codes):
@@ -168,6 +177,9 @@ def _resume(trial: Trial, work: Path, record: Path, world: int, steps: int, **kw
         return
     trial.saved_at = int(line.split()[1])
     ended = int(outs[0].strip().splitlines()[-1].split()[1])
+    if ended > last:
+        trial.why = f"saved at step {trial.saved_at}, past the reference's {last}: read too late"
+        return
     trial.equal = _equal(record, ended, out, world)
 
 
