@@ -218,22 +218,7 @@ class HostState(Updater):
 
     def load_native(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`native_tensors` saved by a run of the same policy and layout."""
-        mine = self.native_tensors()
-        if set(tensors) != set(mine):
-            raise CheckpointError(
-                f"the stored optimizer state has arrays {sorted(tensors)}, "
-                f"{self.policy.describe()} keeps {sorted(mine)}"
-            )
-        for name, t in mine.items():
-            src = tensors[name]
-            if src.dtype != t.dtype or src.numel() != t.numel():
-                raise CheckpointError(
-                    f"the stored optimizer state {name!r} is {src.dtype} x {src.numel()}, "
-                    f"this rank keeps {t.dtype} x {t.numel()} (another layout)"
-                )
-        for name, t in mine.items():
-            if t.data_ptr() != tensors[name].data_ptr():
-                t.copy_(tensors[name].reshape(-1))
+        restore_native(self.native_tensors(), tensors, self.policy)
 
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         """The compute-dtype values the kernel writes for run elements [lo, hi): a bf16
@@ -277,6 +262,28 @@ class HostState(Updater):
             unpin(self.master)
         if self.owns_out:
             unpin(self.out)
+
+
+def restore_native(
+    mine: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], policy: StatePolicy
+) -> None:
+    """Copy the stored arrays ``tensors`` into this rank's ``mine`` (by ShardState name),
+    refusing another policy's arrays or another layout's sizes before anything changes."""
+    if set(tensors) != set(mine):
+        raise CheckpointError(
+            f"the stored optimizer state has arrays {sorted(tensors)}, "
+            f"{policy.describe()} keeps {sorted(mine)}"
+        )
+    for name, t in mine.items():
+        src = tensors[name]
+        if src.dtype != t.dtype or src.numel() != t.numel():
+            raise CheckpointError(
+                f"the stored optimizer state {name!r} is {src.dtype} x {src.numel()}, "
+                f"this rank keeps {t.dtype} x {t.numel()} (another layout)"
+            )
+    for name, t in mine.items():
+        if t.data_ptr() != tensors[name].data_ptr():
+            t.copy_(tensors[name].reshape(-1))
 
 
 def run_layout(policy: StatePolicy, units: Sequence[UnitPlan], rank: int) -> StateLayout:

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ...config import ZeroConfig
 from ...device.threads import ThreadBudget
-from ...errors import CheckpointError, ConfigError, IncompleteStepError
+from ...errors import ConfigError, IncompleteStepError
 from ...memory.ledger import MemoryReport
 from ...optim import CPUOptimizer, ShardState, StateLayout, StepHyper
 from ...optim import step as optim_step
@@ -42,7 +42,7 @@ from ...swap.buffers import HostBuffer
 from ...swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ...swap.swapper import Swapper
 from ..api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
-from ..host_state import SECTION_OF
+from ..host_state import SECTION_OF, restore_native
 from ..updater import Updater
 from .io_clock import IoClock
 from .sizing import OptimizerSplit, optimizer_split
@@ -377,20 +377,7 @@ class NvmeState(Updater):
     def load_native(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`native_tensors` saved by a run of the same policy and layout."""
         whole = ShardState.zeros(self.layout.span())
-        mine = dict(whole.tensors())
-        if set(tensors) != set(mine):
-            raise CheckpointError(
-                f"the stored optimizer state has arrays {sorted(tensors)}, "
-                f"{self.policy.describe()} keeps {sorted(mine)}"
-            )
-        for name, t in mine.items():
-            src = tensors[name]
-            if src.dtype != t.dtype or src.numel() != t.numel():
-                raise CheckpointError(
-                    f"the stored optimizer state {name!r} is {src.dtype} x {src.numel()}, "
-                    f"this rank keeps {t.dtype} x {t.numel()} (another layout)"
-                )
-            t.copy_(src.reshape(-1))
+        restore_native(dict(whole.tensors()), tensors, self.policy)
         for i, span in enumerate(self.spans):
             part = dict(whole.narrow(span).tensors())
             if i < self.host_groups:
