@@ -16,7 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from .hyper import StepHyper
-from .native.adam_kernel import MIN_ELEMS_PER_THREAD, adam_update, default_num_threads
+from .native.adam_kernel import adam_update, kernel_threads
 from .native.optim_kernel import get_optim_kernel, native_step
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
 from .state import ShardState
@@ -110,11 +110,7 @@ def step(
     base = state.span.lo if index_base is None else int(index_base)
     k = get_optim_kernel()
     if k is not None:
-        threads = default_num_threads() if num_threads is None else int(num_threads)
-        if threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
-        rc = native_step(k, state, grad, hyper, out, threads, base)
+        rc = native_step(k, state, grad, hyper, out, kernel_threads(num_threads, n), base)
         if rc == 0:
             return
         # the kernel validates before touching memory: nothing was updated

@@ -16,7 +16,6 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 from typing import TypedDict
 
 import numpy as np
@@ -26,7 +25,15 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from ...errors import IsaUnavailable, KernelBuildError
-from .build import ISAS, NativeKernel, build_kernel, check_path, chosen_kernel, kernel_isa
+from .build import (
+    ISAS,
+    NativeKernel,
+    build_kernel,
+    check_path,
+    chosen_kernel,
+    kernel_isa,
+    run_in_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,15 @@ def default_num_threads() -> int:
     """Physical cores: the step is memory bound and SMT siblings share the same bandwidth.
     (Read once: psutil scans sysfs on every call, ~2 ms, and every step asks.)"""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def kernel_threads(num_threads: int | None, n: int) -> int:
+    """Threads for one kernel call over ``n`` elements: ``num_threads`` (default
+    :func:`default_num_threads`), fewer where each would get under ``MIN_ELEMS_PER_THREAD``."""
+    threads = default_num_threads() if num_threads is None else int(num_threads)
+    if threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    return max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -237,12 +253,7 @@ def native_update(
     def work(j: int) -> None:
         codes[j] = k.lib.zo_adam_range(*args, ranges[j][0], ranges[j][1], *scalars)
 
-    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, len(ranges))]
-    for w in workers:
-        w.start()
-    work(0)
-    for w in workers:
-        w.join()
+    run_in_parts(work, len(ranges))
     return max(codes, key=abs)
 
 
@@ -336,10 +347,7 @@ def adam_update(
         return
     k = get_kernel()
     if k is not None:
-        threads = default_num_threads() if num_threads is None else int(num_threads)
-        if threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
+        threads = kernel_threads(num_threads, n)
         rc = native_update(k, param, grad, exp_avg, exp_avg_sq, out, adam_scalars(**hyper), threads)
         if rc == 0:
             return

@@ -31,6 +31,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -240,3 +241,15 @@ def chosen_kernel(
             raise type(got)(f"{ENV_MODE}=required but the kernel failed to build: {got}")
         return None
     return got
+
+
+def run_in_parts(work: Callable[[int], None], parts: int) -> None:
+    """``work(j)`` for every part j, each on a thread of its own but the first, which runs on
+    the caller's: a kernel built without OpenMP is called on disjoint ranges, without the
+    GIL."""
+    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, parts)]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import threading
 
 import numpy as np
 import torch
@@ -31,7 +30,14 @@ from ..quant import (
 )
 from ..rounding import STREAMS, stream_seed
 from ..state import ShardState
-from .build import NativeKernel, build_kernel, check_path, chosen_kernel, kernel_isa
+from .build import (
+    NativeKernel,
+    build_kernel,
+    check_path,
+    chosen_kernel,
+    kernel_isa,
+    run_in_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -212,12 +218,7 @@ def native_step(
     def work(j: int) -> None:
         codes[j] = k.lib.zo_optim_rows(ptrs, rows_p, parts[j][0], parts[j][1], *common)
 
-    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, len(parts))]
-    for w in workers:
-        w.start()
-    work(0)
-    for w in workers:
-        w.join()
+    run_in_parts(work, len(parts))
     return max(codes, key=abs)
 
 
