@@ -19,9 +19,10 @@ import pytest
 import torch
 from adam_reference import Float32Bound
 
-from zero_offload.optim import CPUAdam, CPUAdamW, adam_update, native
-from zero_offload.optim import kernel as K
+from zero_offload.optim import CPUAdam, CPUAdamW, adam_update
 from zero_offload.optim.native import KernelBuildError
+from zero_offload.optim.native import adam_kernel as K
+from zero_offload.optim.native import build as native
 
 SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
 HYPERS = [
@@ -341,13 +342,13 @@ def test_isa_choice_is_validated(monkeypatch, caplog, fresh_kernel_cache) -> Non
     with pytest.raises(ValueError, match="ZERO_OFFLOAD_ISA='sse9' is not one of"):
         K.get_kernel()
     # A path the CPU lacks: on a machine that is not x86, avx512 cannot be built.
-    monkeypatch.setattr(K, "_X86", False)
+    monkeypatch.setattr(native, "X86", False)
     monkeypatch.setenv("ZERO_OFFLOAD_ISA", "avx512")
     monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "required")
     with pytest.raises(K.IsaUnavailable, match="ZERO_OFFLOAD_ISA=avx512"):
         K.get_kernel()
     monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "auto")
-    with caplog.at_level(logging.WARNING, logger="zero_offload.optim.kernel"):
+    with caplog.at_level(logging.WARNING, logger="zero_offload.optim.native.adam_kernel"):
         assert K.get_kernel() is None  # auto: warned, and torch does the update
     assert "falling back" in caplog.text and "avx512" in caplog.text
 
@@ -431,7 +432,7 @@ def test_fallback_gives_same_results(
         monkeypatch.setenv("ZERO_OFFLOAD_KERNELS", "auto")
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         monkeypatch.setenv("ZERO_OFFLOAD_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="zero_offload.optim.kernel"):
+    with caplog.at_level(logging.WARNING, logger="zero_offload.optim.native.adam_kernel"):
         assert K.get_kernel() is None
         for adamw in (True, False):
             _assert_exact_math(*_run_pair(1023, HYPERS[1], adamw))

@@ -10,17 +10,13 @@ import itertools
 import pytest
 import torch
 
-from zero_offload.errors import KernelBuildError
+from zero_offload.errors import IsaUnavailable, KernelBuildError
 from zero_offload.optim import (
     ShardState,
     StateLayout,
     StatePolicy,
     StepHyper,
     quant,
-)
-from zero_offload.optim import kernel as K
-from zero_offload.optim import (
-    optim_kernel as OK,
 )
 from zero_offload.optim.cpu_optim import (
     CPUAdagrad,
@@ -29,7 +25,8 @@ from zero_offload.optim.cpu_optim import (
     CPULion8bit,
     CPUOptimizer,
 )
-from zero_offload.optim.kernel import IsaUnavailable
+from zero_offload.optim.native import build
+from zero_offload.optim.native import optim_kernel as OK
 from zero_offload.optim.torch_step import torch_step
 from zero_offload.partition import build_layout
 
@@ -388,7 +385,7 @@ def test_avx512_path_compiles_where_it_cannot_run(source, tmp_path) -> None:
     from zero_offload.optim.native import compiler, kernels_dir
 
     cc = compiler()
-    if shutil.which(cc[0]) is None or not K._X86:
+    if shutil.which(cc[0]) is None or not build.X86:
         pytest.skip("needs an x86-64 C compiler")
     cmd = cc + [
         "-fsyntax-only",

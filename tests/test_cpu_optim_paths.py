@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from zero_offload.errors import KernelBuildError
+from zero_offload.errors import IsaUnavailable, KernelBuildError
 from zero_offload.optim import ShardState, StateLayout, StatePolicy, StepHyper, quant
-from zero_offload.optim import optim_kernel as OK
-from zero_offload.optim.kernel import IsaUnavailable
+from zero_offload.optim.native import optim_kernel as OK
 from zero_offload.partition import build_layout
 
 POLICIES = [

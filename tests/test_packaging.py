@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Runs against the installed copy only (cwd and sys.path hold no source tree).
 CHECK = """
 import sys, torch, zero_offload
-from zero_offload.optim import kernel as K
+from zero_offload.optim.native import adam_kernel as K
 assert zero_offload.__file__.startswith(sys.argv[1]), zero_offload.__file__
 k = K.get_kernel()  # ZERO_OFFLOAD_KERNELS=required: a missing source or failed build raises
 assert k is not None

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from zero_offload.errors import KernelBuildError
-from zero_offload.optim import optim_kernel as OK
-from zero_offload.optim.kernel import IsaUnavailable
+from zero_offload.errors import IsaUnavailable, KernelBuildError
+from zero_offload.optim.native import optim_kernel as OK
 
 ONE = 0x3F800000
 TINY = 0x33800000  # 2**-24: every decision point is above it
@@ -16,7 +15,7 @@ SIGN = 0x80000000
 EDGES = (0, ONE, 0x7F800000, 0x7FC00000)  # zero, one, infinity, the default NaN
 
 
-def _kernel(isa: str) -> OK.OptimKernel:
+def _kernel(isa: str) -> OK.NativeKernel:
     try:
         return OK.load_optim_kernel(isa)
     except IsaUnavailable:

@@ -10,8 +10,8 @@ from zero_offload.optim.cpu_optim import (
     CPUOptimizer,
 )
 from zero_offload.optim.hyper import StepHyper
-from zero_offload.optim.kernel import adam_update, default_num_threads, kernel_status
 from zero_offload.optim.layout import Piece, Span, StateLayout
+from zero_offload.optim.native import adam_update, default_num_threads, kernel_status
 from zero_offload.optim.policy import MasterPrecision, MomentPrecision, OptimizerKind, StatePolicy
 from zero_offload.optim.state import MomentState, ShardState, buffer_bytes
 from zero_offload.optim.step import step

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from zero_offload.optim.kernel import adam_update, check_tensors
+from .native.adam_kernel import adam_update, check_tensors
 
 logger = logging.getLogger(__name__)
 

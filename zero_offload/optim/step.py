@@ -3,8 +3,9 @@
 ``step(state, grad, hyper)`` is what the engine's updaters and the optimizer classes call:
 the state tensors are the caller's (host shard, NVMe pipeline buffer), nothing is copied,
 and the update runs in one pass in the C kernel when it is built, else in torch
-(:mod:`.torch_step`). fp32 Adam(W) goes to the original Adam kernel (:func:`.kernel.adam_update`),
-so the default configuration computes exactly what it always has.
+(:mod:`.torch_step`). fp32 Adam(W) goes to the original Adam kernel
+(:func:`.native.adam_kernel.adam_update`), so the default configuration computes exactly what
+it always has.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import logging
 import torch
 from torch.profiler import record_function
 
-from . import kernel as K
 from .hyper import StepHyper
-from .optim_kernel import get_optim_kernel, native_step
+from .native.adam_kernel import adam_update, kernel_threads
+from .native.optim_kernel import get_optim_kernel, native_step
 from .policy import MasterPrecision, MomentPrecision, OptimizerKind
 from .state import ShardState
 from .torch_step import torch_step
@@ -89,7 +90,7 @@ def step(
         return  # nothing to do, or a rehearsal's fake tensor (no values, nothing allocated)
     if _fp32_adam(state) and (out is None or out.dtype != torch.float32):
         m, v = state.moments["exp_avg"].values, state.moments["exp_avg_sq"].values
-        K.adam_update(
+        adam_update(
             state.master,
             grad,
             m,
@@ -109,11 +110,7 @@ def step(
     base = state.span.lo if index_base is None else int(index_base)
     k = get_optim_kernel()
     if k is not None:
-        threads = K.default_num_threads() if num_threads is None else int(num_threads)
-        if threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        threads = max(1, min(threads, n // K.MIN_ELEMS_PER_THREAD))
-        rc = native_step(k, state, grad, hyper, out, threads, base)
+        rc = native_step(k, state, grad, hyper, out, kernel_threads(num_threads, n), base)
         if rc == 0:
             return
         # the kernel validates before touching memory: nothing was updated

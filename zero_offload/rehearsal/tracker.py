@@ -67,7 +67,7 @@ _MODULE_KINDS = {
     "zero_offload.params.order": COMM,
     "zero_offload.update.updaters": OPTIMIZER,
     "zero_offload.update.nvme.adam": OPTIMIZER,
-    "zero_offload.optim.kernel": OPTIMIZER,
+    "zero_offload.optim.native.adam_kernel": OPTIMIZER,
     "zero_offload.optim.cpu_adam": OPTIMIZER,
     "zero_offload.rehearsal.simulate": COMM,  # host-device copies through the streams
     "zero_offload.engine.engine": None,  # the model runs under it: decided by the phase

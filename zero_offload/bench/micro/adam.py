@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from zero_offload.optim import kernel as K
-from zero_offload.optim.native import KernelBuildError, load_library
+from zero_offload.optim.native import KernelBuildError, build, load_library
+from zero_offload.optim.native import adam_kernel as K
 
 from .adam_states import POLICIES, Variant, state_variants
 
@@ -118,7 +118,7 @@ def _variants(n: int, threads: int, states: str = "none") -> list[Variant]:
 
     out: list[Variant] = []
     try:
-        tl = load_library("adam_traffic", K.KERNEL_FLAGS + K.OPENMP_FLAGS)
+        tl = load_library("adam_traffic", build.KERNEL_FLAGS + build.OPENMP_FLAGS)
         tl.zo_traffic_omp.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
         ptrs = [t.data_ptr() for t in (p, m, v, g32)]
         out.append(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...optim import kernel as K
+from ...optim.native import adam_kernel as K
 from ...planning.step_time.hardware import PROBE_EFFICIENCY, Rates
 from .io import disk_baseline
 

@@ -1,3 +1,4 @@
 """``offload_optimizer="nvme"``: the optimizer state in files, stepped sub-group by sub-group
-as a read / compute / write pipeline (``adam``, ``state``), sized to the host budget
-(``sizing``), and stepped early during backward (``early``)."""
+through one read / compute / write pipeline (``pipeline``) by ``adam`` (fp32 AdamW) and
+``state`` (every other state policy), sized to the host budget (``sizing``), and stepped
+early during backward (``early``)."""

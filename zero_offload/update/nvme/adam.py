@@ -2,21 +2,12 @@
 
 The rank-flat state is cut into sub-groups (sized to the shard and the host budget by
 :mod:`.sizing`, at most ``sub_group_size`` parameters); sub-group k's [master | m | v]
-is one file. A step reads group k+1 while the CPU Adam updates group k in its host buffer
-and group k−1 is written back, so the disk and the CPU work at the same time.
+is one file, stepped by :class:`~.adam_step.AdamStep` through the read / compute / write
+pipeline of :mod:`.pipeline`, which also says what a failed step leaves.
 
 ``offload_optimizer_fraction`` keeps the leading sub-groups' state in host memory instead
-(:func:`.sizing.optimizer_split`). A step starts reading the first sub-group in files,
-then steps the host ones while that read is in flight: the host part hides the disk's latency
-rather than adding a phase. Every sub-group runs the same kernel on the same elements, so
-where a sub-group lives changes no bit.
-
-A step is all-or-nothing from the caller's view. The step counter moves only once every
-sub-group is written back. A step that fails before any sub-group changed leaves the state
-as it was (a retry runs the same update). One that fails after that has changed some
-sub-groups and not others: their files are dropped, and every later step or state read raises
-:class:`IncompleteStepError` until the whole state is loaded again (``load_checkpoint`` or
-``optimizer.load_state_dict``).
+(:func:`.sizing.optimizer_split`). Every sub-group runs the same kernel on the same elements,
+so where a sub-group lives changes no bit.
 
 The fp32 gradient shard stays in host memory when it fits the host budget beside the
 pipeline buffers. When it does not, gradients go to files too
@@ -27,8 +18,6 @@ sub-group's back beside its state.
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import Future
 from typing import Iterator
 
 import torch
@@ -57,9 +46,10 @@ from ..api import (
     whole_range,
 )
 from ..updater import Updater
-from .early import EarlyUpdate, next_key, out_key
+from .adam_step import AdamStep
+from .early import EarlyUpdate
 from .group_step import GroupStep
-from .io_clock import IoClock
+from .pipeline import SubGroupPipeline
 from .sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
@@ -150,15 +140,9 @@ class NvmeAdam(Updater):
         self.out_itemsize = torch.empty(0, dtype=dtype).element_size()
         self.steps = 0
         self.last_timings = StepTimings()
-        # sub-groups whose files a failed step left undefined (dropped); empty when sound
-        self._stale: set[int] = set()
-        self._stale_cause = ""
+        self.pipeline = SubGroupPipeline(self.bounds, self.host_groups)
         self._loading: tuple[int, HostBuffer] | None = None
-        # sub-groups of the running update stepped during backward (:mod:`.early`),
-        # and the pass of this window's backward while it runs
-        self._replay: set[int] = set()
-        self.early: EarlyUpdate | None = None
-        self.io_clock = IoClock()
+        self.early: EarlyUpdate | None = None  # the pass of this window's backward, running
         log.info(
             "NVMe optimizer state: %d sub-groups of %d params (%d in host memory), %d host "
             "buffers of %.1f MiB%s",
@@ -174,7 +158,7 @@ class NvmeAdam(Updater):
     def state_key(i: int) -> str:
         return f"adam.{i}"
 
-    def _host(self, i: int) -> torch.Tensor | None:
+    def host_view(self, i: int) -> torch.Tensor | None:
         """Sub-group i's [master | m | v] as a (3, n) view when it lives in host memory."""
         if i >= self.host_groups:
             return None
@@ -195,7 +179,7 @@ class NvmeAdam(Updater):
         values = (master, exp_avg, exp_avg_sq)
         for i, a, b in split_range(offset, offset + master.numel(), self.group):
             lo, hi = self.bounds[i]
-            resident = self._host(i)
+            resident = self.host_view(i)
             if resident is not None:  # in host memory: copied in place, moments default to 0
                 for row, src in enumerate(values):
                     part = resident[row, a - lo : b - lo]
@@ -204,7 +188,7 @@ class NvmeAdam(Updater):
                     else:
                         part.copy_(src[a - offset : b - offset])
                 if b == hi:
-                    self._stale.discard(i)
+                    self.pipeline.loaded(i)
                 continue
             if self._loading is None:
                 buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
@@ -221,34 +205,9 @@ class NvmeAdam(Updater):
                 finally:
                     self.swapper.pool.release(buf)
                     self._loading = None
-                self._stale.discard(i)
+                self.pipeline.loaded(i)
 
     # -- the step -------------------------------------------------------------------------
-    def _read(self, i: int, timings: StepTimings) -> tuple[Future | None, Future | None]:
-        """Start reading sub-group i's state (None when it is in host memory) and its
-        gradients (None when they are in host memory)."""
-        lo, hi = self.bounds[i]
-        state = grad = None
-        if i in self._replay:  # stepped during backward: only its new values are read
-            timings.bytes_read += self.out_itemsize * (hi - lo)
-            return self.io_clock.timed(self.swapper.prefetch(out_key(i)), "read_s", timings), None
-        if i >= self.host_groups:
-            timings.bytes_read += 12 * (hi - lo)
-            state = self.io_clock.timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
-        if self.disk_grads is not None:
-            timings.bytes_read += self.disk_grads.stored_bytes(i)
-            grad = self.io_clock.timed(self.disk_grads.prefetch(i), "read_s", timings)
-        return state, grad
-
-    def _release(self, i: int) -> None:
-        if i in self._replay:
-            self.swapper.discard(out_key(i), at_once=False)  # read once
-            return
-        if i >= self.host_groups:
-            self.swapper.release(self.state_key(i))
-        if self.disk_grads is not None:
-            self.disk_grads.release(i)
-
     def update(
         self,
         grads: torch.Tensor | None,
@@ -262,7 +221,7 @@ class NvmeAdam(Updater):
         ``ranges``: what to step, with which step count (None: everything). ``targets``:
         where new compute-dtype values go (the kernel writes them there). ``early``: the
         pass of :meth:`start_early` in this window, adopted or dropped here. All or nothing:
-        see the module's docstring."""
+        see :mod:`.pipeline`."""
         for _ in self.update_in_steps(grads, factor, sink, ranges, targets, early):
             pass
 
@@ -280,15 +239,17 @@ class NvmeAdam(Updater):
         work (the next forward) while the disk reads and writes the next sub-groups. The
         soundness check and the hyperparameters are taken now: an lr scheduler stepped
         before the iteration ends changes the next update, not this one."""
-        if early is not None and self._stale:
+        if early is not None and not self.pipeline.sound:
             early.drop()
-        self._check_sound("step")
+        self.pipeline.ensure_sound("step")
         step = self.steps + 1
         hyper = adam_hyperparameters(self.optimizer, step)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
         done = [] if early is None else early.check(grads, hyper, ranges, factor)
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
-        return self._stepped_groups(grads, factor, sink, hyper, ranges, targets, done)
+        return self._stepped_groups(
+            AdamStep(self, grads, factor, sink, hyper, ranges, targets, set(done))
+        )
 
     def start_early(
         self,
@@ -300,9 +261,9 @@ class NvmeAdam(Updater):
         """Start stepping the sub-groups in files during the final backward, as their
         gradients land in ``grads`` (:mod:`.early`); None where it cannot run: the
         gradients are in files, or no sub-group is, or the state is unsound."""
-        if grads is None or self.disk_grads is not None or self._stale or is_fake(grads):
+        if grads is None or self.disk_grads is not None or is_fake(grads):
             return None  # (a rehearsal's fake gradients have no values to step)
-        if self.host_groups >= len(self.bounds):
+        if not self.pipeline.sound or self.host_groups >= len(self.bounds):
             return None
         step = self.steps + 1
         self.early = EarlyUpdate(
@@ -326,204 +287,26 @@ class NvmeAdam(Updater):
         if self.early is not None:
             self.early.drop()
 
-    def _stepped_groups(
-        self,
-        grads: torch.Tensor | None,
-        factor: float,
-        sink: Sink,
-        hyper: dict,
-        ranges: list[StepRange],
-        targets: Targets | None,
-        early_done: list[int],
-    ) -> Iterator[int]:
-        changed: list[int] = []  # sub-groups whose state changed in memory
-        try:
-            self._replay = set(early_done)  # their new state takes over as they are replayed
-            yield from self._pipeline(grads, factor, sink, hyper, changed, ranges, targets)
-        except BaseException as exc:
-            self._abort(exc, changed)
-            raise
-        finally:
-            self._replay = set()
+    def _stepped_groups(self, run: AdamStep) -> Iterator[int]:
+        lookahead = self.swapper.pool.count >= self.BUFFERS and (
+            self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS
+        )
+        self.last_timings = yield from self.pipeline.run(run, lookahead)
         self.steps += 1
-        self.last_timings.early_groups = len(early_done)
+        self.last_timings.early_groups = len(run.replay)
 
     def ensure_sound(self, what: str) -> None:
         """Raise :class:`IncompleteStepError` when an earlier step left the state partly
         updated (the engine asks before anything that would read or build on it)."""
-        self._check_sound(what)
-
-    def _check_sound(self, what: str) -> None:
-        if self._stale:
-            raise IncompleteStepError(
-                f"cannot {what}: an earlier optimizer step failed halfway ({self._stale_cause})"
-                f" and left the NVMe optimizer state partly updated; restore a saved state "
-                f"first with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)"
-            )
-
-    def _abort(self, exc: BaseException, changed: list[int]) -> None:
-        """After a failed step: wait for the requests still in flight and give the buffers
-        back. Nothing changed: the state is as before. Otherwise its files are dropped and
-        the optimizer refuses to run until the state is loaded again."""
-        if changed:
-            self._stale = set(range(len(self.bounds)))
-            self._stale_cause = (
-                "the engine closed while it ran under the forward"
-                if isinstance(exc, GeneratorExit)
-                else f"{type(exc).__name__}: {exc}"
-            )
-        self.io_clock.wait_idle()
-        for i in range(len(self.bounds)):
-            try:
-                if i in self._replay:  # the new state too, where it did not take over
-                    self.swapper.discard(out_key(i))
-                    self.swapper.discard(next_key(i))
-                if i >= self.host_groups and changed:
-                    self.swapper.discard(self.state_key(i))  # frees the disk too (ENOSPC)
-                elif i >= self.host_groups:
-                    self.swapper.release(self.state_key(i))
-                if self.disk_grads is not None:
-                    self.disk_grads.release(i)
-            except OSError as err:  # the disk may be gone; the state is marked already
-                log.warning("cleaning up after the failed step: %s", err)
-        if not changed:
-            log.warning(
-                "optimizer step failed before any state changed (%s); the state is "
-                "as before the step",
-                exc,
-            )
-            return
-        if isinstance(exc, GeneratorExit):  # no caller to raise to: the engine closes
-            log.warning(
-                "an optimizer update running under the forward was dropped after %d of %d "
-                "sub-groups (the engine closed during an exception)",
-                len(changed),
-                len(self.bounds),
-            )
-            return
-        if not isinstance(exc, Exception):  # Ctrl-C, an exit: it goes on as it is
-            log.warning(
-                "optimizer step interrupted (%s) after updating %d of %d NVMe sub-groups; "
-                "the partly updated state must be loaded again",
-                type(exc).__name__,
-                len(changed),
-                len(self.bounds),
-            )
-            return
-        log.error(
-            "optimizer step failed after updating %d of %d sub-groups (%s); the state "
-            "must be loaded again",
-            len(changed),
-            len(self.bounds),
-            self._stale_cause,
-        )
-        raise IncompleteStepError(
-            f"the optimizer step failed after updating {len(changed)} of {len(self.bounds)} "
-            f"NVMe sub-groups ({self._stale_cause}); the partly updated state was dropped. "
-            "Restore a saved state with engine.load_checkpoint(...) (or "
-            "engine.optimizer.load_state_dict) before stepping again"
-        ) from exc
-
-    def _pipeline(
-        self,
-        grads: torch.Tensor | None,
-        factor: float,
-        sink: Sink,
-        hyper: dict,
-        changed: list[int],
-        ranges: list[StepRange],
-        targets: Targets | None = None,
-    ) -> Iterator[int]:
-        """Read, update and write back every sub-group, stepping ``ranges``; each sub-group
-        whose state is about to change is appended to ``changed``, and its end is yielded
-        once its new values went to ``sink``. Ends once all are on disk. Host-resident
-        sub-groups come first and are stepped while the first read from disk is in flight."""
-        timings = StepTimings()
-        start = time.perf_counter()
-        last = len(self.bounds) - 1
-        if last < 0:  # nothing trains (every parameter frozen)
-            self.last_timings = timings
-            return
-        lookahead = self.swapper.pool.count >= self.BUFFERS and (
-            self.disk_grads is None or self.disk_grads.buffers >= self.BUFFERS
-        )
-        first_disk = self.host_groups  # reading it overlaps the host sub-groups' compute
-        pending = self._read(first_disk, timings) if first_disk <= last else None
-        writes: dict[int, Future] = {}  # sub-group -> its write-back
-
-        def release(j: int) -> None:
-            """Give sub-group j's buffers back once its write-back is done; a failed one
-            fails the step now, before the pipeline runs short of buffers it keeps."""
-            write = writes.get(j)
-            if write is not None:
-                write.result()
-            self._release(j)
-
-        for i, (lo, hi) in enumerate(self.bounds):
-            resident = self._host(i)
-            if resident is not None:
-                grad_read = self._read(i, timings)[1] if self.disk_grads is not None else None
-                if grad_read is not None:
-                    grad = grad_read.result()
-                else:
-                    assert grads is not None  # not in files: the host shard was passed
-                    grad = grads[lo:hi]
-                changed.append(i)
-                self.group_step.step(
-                    resident, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
-                )
-                self._release(i)
-                yield hi
-                continue
-            assert pending is not None and pending[0] is not None
-            if i in self._replay:  # stepped during backward: hand on its new values
-                values = pending[0].result()
-                if lookahead and i < last:
-                    pending = self._read(i + 1, timings)
-                self.swapper.take_over(self.state_key(i), next_key(i))  # raises: unchanged
-                changed.append(i)  # from here on, its new state is the state
-                self.group_step.replay(values, lo, hi, sink, timings, targets)
-            else:
-                assert pending[0] is not None  # in files: its state is read
-                state = pending[0].result().view(3, hi - lo)
-                if pending[1] is not None:  # read from the gradient files
-                    grad = pending[1].result()
-                else:
-                    assert grads is not None  # not in files: the host shard was passed
-                    grad = grads[lo:hi]
-                if lookahead and i < last:
-                    pending = self._read(i + 1, timings)
-                changed.append(i)  # from here on, sub-group i (and its gradients) change
-                self.group_step.step(
-                    state, grad, lo, hi, factor, ranges, hyper, sink, timings, targets
-                )
-                timings.bytes_written += 12 * (hi - lo)
-                writes[i] = self.io_clock.timed(
-                    self.swapper.swap_out(self.state_key(i), state.reshape(-1)),
-                    "write_s",
-                    timings,
-                )
-            if i > first_disk:
-                release(i - 1)
-            if not lookahead and i < last:
-                release(i)
-                pending = self._read(i + 1, timings)
-            yield hi
-        if first_disk <= last:
-            release(last)
-        self.io_clock.wait_idle()  # completion callbacks may still be running
-        for write in writes.values():
-            write.result()  # a failed write-back fails the step
-        timings.wall_s = time.perf_counter() - start
-        self.last_timings = timings
+        self.pipeline.ensure_sound(what)
 
     # -- state out ------------------------------------------------------------------------
     def iter_state(self) -> Iterator[StateChunk]:
         """Each sub-group read from its file (a pool buffer: used before the next is read)."""
-        self._check_sound("read the optimizer state")
+        self.pipeline.ensure_sound("read the optimizer state")
         self._drop_early()
         for i, (lo, hi) in enumerate(self.bounds):
-            resident = self._host(i)
+            resident = self.host_view(i)
             if resident is not None:
                 yield lo, hi, resident[0], resident[1], resident[2]
                 continue

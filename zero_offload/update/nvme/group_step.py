@@ -3,19 +3,24 @@
 The kernel steps a sub-group's (3, n) [master | m | v] where it was read (a pipeline buffer,
 or host memory for the leading sub-groups). Its new compute-dtype values go straight into
 their place in the parameter store when the caller names one (``targets``), the rest into a
-buffer of one sub-group; in fp32 the master itself is what the sink receives."""
+buffer of one sub-group; in fp32 the master itself is what the sink receives
+(:class:`GroupStep`). Any other state policy's sub-group is stepped the same way, its arrays
+where they were read (:class:`StateGroupStep`)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
+from ...optim import ShardState, StateLayout, StepHyper
+from ...optim import step as optim_step
 from ..api import Sink, StepRange, StepTimings, Targets
 from ..range_step import adam_over_ranges
 
-__all__ = ["GroupStep"]
+__all__ = ["GroupStep", "StateGroupStep"]
 
 
 class GroupStep:
@@ -91,3 +96,56 @@ class GroupStep:
                 yield at, a, self.out[at - lo : a - lo]
             yield a, b, view
             at = b
+
+
+class StateGroupStep:
+    """Steps a state policy's sub-groups (:class:`ShardState` views of their buffers) and
+    hands their new values to a sink. ``out``: the compute-dtype values of one sub-group
+    (empty where the fp32 master is them)."""
+
+    def __init__(self, layout: StateLayout, out: torch.Tensor) -> None:
+        self.layout = layout
+        self.out = out
+
+    def step(
+        self,
+        state: ShardState,
+        grads: torch.Tensor,
+        base: StepHyper,
+        ranges: list[StepRange],
+        sink: Sink,
+        timings: StepTimings,
+        num_threads: int | None,
+    ) -> None:
+        """The ranges' elements of one sub-group, with the rank-flat ``grads``; the rest
+        keep their state and get the values their master stands for."""
+        s = state.span
+        out = self.out[: s.hi - s.lo] if self.out.numel() else None
+        t0 = time.perf_counter()
+        done = s.lo
+        for lo, hi, count, decays in ranges:
+            lo, hi = max(lo, s.lo), min(hi, s.hi)
+            if lo >= hi:
+                continue
+            self._copy_master(state, out, done, lo)
+            hyper = replace(base, step=count, weight_decay=base.weight_decay if decays else 0.0)
+            optim_step(
+                state.narrow(self.layout.span(lo, hi)),
+                grads[lo:hi].to("cpu"),
+                hyper,
+                out=None if out is None else out[lo - s.lo : hi - s.lo],
+                num_threads=num_threads,
+            )
+            done = hi
+        self._copy_master(state, out, done, s.hi)
+        timings.compute_s += time.perf_counter() - t0
+        sink(s.lo, s.hi, state.master if out is None else out)
+
+    def _copy_master(self, state: ShardState, out: torch.Tensor | None, a: int, b: int) -> None:
+        if out is None or a >= b:
+            return
+        s = state.span
+        master = state.master[a - s.lo : b - s.lo]
+        if master.dtype != out.dtype:
+            master = state.narrow(self.layout.span(a, b)).master_fp32()
+        out[a - s.lo : b - s.lo].copy_(master)

@@ -1,16 +1,21 @@
-"""What a pass during backward needs of the NVMe optimizer it runs beside, so that
-:class:`~.early.EarlyUpdate` and :class:`~.adam.NvmeAdam` need not import each other.
+"""What a pass during backward and one update's step need of the NVMe optimizer they run
+for, so that :class:`~.early.EarlyUpdate`, :class:`~.adam_step.AdamStep` and
+:class:`~.adam.NvmeAdam` need not import each other.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from ...device.threads import ThreadBudget
+from ...grads.disk import DiskGrads
 from ...swap.swapper import Swapper
 from .group_step import GroupStep
+from .pipeline import SubGroupPipeline
 
-__all__ = ["SubGroupFiles"]
+__all__ = ["AdamFiles", "SubGroupFiles"]
 
 
 class SubGroupFiles(Protocol):
@@ -31,4 +36,16 @@ class SubGroupFiles(Protocol):
 
     def early_ended(self, early: object) -> None:
         """The pass ``early`` has stopped: the optimizer no longer holds it."""
+        ...
+
+
+class AdamFiles(SubGroupFiles, Protocol):
+    """What one update's :class:`~.adam_step.AdamStep` needs of :class:`~.adam.NvmeAdam`."""
+
+    disk_grads: DiskGrads | None  # the gradient shard in files (None: in host memory)
+    out_itemsize: int  # bytes a parameter of the new values stored during backward
+    pipeline: SubGroupPipeline
+
+    def host_view(self, i: int) -> torch.Tensor | None:
+        """Sub-group ``i``'s (3, n) [master | m | v] where it lives in host memory."""
         ...

@@ -8,9 +8,9 @@ k's state (master, compensation, moments as values / absmax / side arrays, see
 of its span: the disk moves what the policy keeps, not 12 bytes a parameter. A step reads
 sub-group k+1 while the kernel steps sub-group k where it was read
 (:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as HostState steps its
-ranges) and sub-group k-1 is written back. The leading sub-groups stay in host memory
-(``offload_optimizer_fraction``, the one rule of :mod:`.sizing`). Every sub-group runs the same
-kernel on the same elements as HostState, so the tier changes no bit.
+ranges) and sub-group k-1 is written back (:mod:`.pipeline`). The leading sub-groups stay in
+host memory (``offload_optimizer_fraction``, the one rule of :mod:`.sizing`). Every sub-group
+runs the same kernel on the same elements as HostState, so the tier changes no bit.
 
 The concatenated sub-group arrays are the run's arrays, so :meth:`native_tensors` is what
 HostState keeps and checkpoints move between the two. fp32 AdamW stays with
@@ -21,9 +21,7 @@ steps at ``step()`` instead, the same bits).
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
@@ -31,10 +29,9 @@ import torch.nn as nn
 
 from ...config import ZeroConfig
 from ...device.threads import ThreadBudget
-from ...errors import ConfigError, IncompleteStepError
+from ...errors import ConfigError
 from ...memory.ledger import MemoryReport
 from ...optim import CPUOptimizer, ShardState, StateLayout, StepHyper
-from ...optim import step as optim_step
 from ...optim.policy import MasterPrecision
 from ...optim.state import buffer_bytes
 from ...swap.budget import host_memory_budget
@@ -44,8 +41,9 @@ from ...swap.swapper import Swapper
 from ..api import Sink, StateChunk, StepRange, StepTimings, Targets, whole_range
 from ..host_state import SECTION_OF, restore_native
 from ..updater import Updater
-from .io_clock import IoClock
-from .sizing import OptimizerSplit, optimizer_split
+from .group_step import StateGroupStep
+from .pipeline import Reads, SubGroupPipeline
+from .sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
 
 if TYPE_CHECKING:
     from .early import EarlyUpdate
@@ -130,18 +128,19 @@ class NvmeState(Updater):
         # new compute-dtype values of one sub-group, unless the fp32 master is them
         needs_out = not (self.policy.master is MasterPrecision.FP32 and dtype == torch.float32)
         widest = max((hi - lo for lo, hi in self.bounds), default=0)
-        self.out = host_empty(widest if needs_out else 0, dtype, crosses_pcie=True)
+        self.group_step = StateGroupStep(
+            layout, host_empty(widest if needs_out else 0, dtype, crosses_pcie=True)
+        )
         self.steps = 0
         self.last_timings = StepTimings()
-        self.io_clock = IoClock()
-        self._stale = ""  # why the files are partly stepped ("" when sound)
+        self.pipeline = SubGroupPipeline(self.bounds, self.host_groups)
         self._loading: tuple[int, ShardState, HostBuffer] | None = None
 
     @staticmethod
     def state_key(i: int) -> str:
         return f"state.{i}"
 
-    def _state(self, i: int, data: torch.Tensor) -> ShardState:
+    def group_state(self, i: int, data: torch.Tensor) -> ShardState:
         """Sub-group i's arrays as views of ``data``, the bytes of its file."""
         return ShardState.from_buffer(self.spans[i], data.view(torch.uint8).reshape(-1))
 
@@ -177,14 +176,14 @@ class NvmeState(Updater):
             if b == hi and i >= self.host_groups:
                 self._write_loaded(i)
             if b == hi:
-                self._stale = ""
+                self.pipeline.loaded(i)
 
     def _start_loading(self, i: int) -> None:
         """A zeroed pool buffer for sub-group i's file (zeros: moments 0, absmax 0)."""
         buf = self.swapper.pool.acquire(timeout=self.swapper.acquire_timeout)
         data = buf.view(torch.uint8, (buffer_bytes(self.spans[i]),))
         data.zero_()
-        self._loading = (i, self._state(i, data), buf)
+        self._loading = (i, self.group_state(i, data), buf)
 
     def _write_loaded(self, i: int) -> None:
         assert self._loading is not None
@@ -219,7 +218,7 @@ class NvmeState(Updater):
     ) -> Iterator[int]:
         """:meth:`update` one sub-group per iteration, yielding the end of the elements
         handed to ``sink`` so far (``overlap_step`` runs the next forward between them).
-        The hyperparameters are taken now."""
+        The hyperparameters are taken now. All or nothing: see :mod:`.pipeline`."""
         assert early is None, "no pass during backward: start_early gave none"
         self.ensure_sound("step")
         assert grads is not None
@@ -227,115 +226,15 @@ class NvmeState(Updater):
         hyper = StepHyper.from_group(self.optimizer.param_groups[0], step, factor)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
         self.optimizer.step()  # no .grad: changes nothing; tells lr schedulers a step ran
-        return self._stepped(grads, sink, hyper, ranges)
+        return self._stepped(_StateStep(self, grads, sink, hyper, ranges))
 
-    def _stepped(
-        self, grads: torch.Tensor, sink: Sink, hyper: StepHyper, ranges: list[StepRange]
-    ) -> Iterator[int]:
-        changed = False
-        try:
-            for end, changing in self._pipeline(grads, sink, hyper, ranges):
-                changed |= changing
-                yield end
-        except BaseException as exc:
-            self.io_clock.wait_idle()
-            for i in range(self.host_groups, len(self.bounds)):
-                try:
-                    self.swapper.release(self.state_key(i))
-                except OSError:
-                    pass  # the disk may be gone; the state is marked below
-            if changed:
-                self._stale = f"{type(exc).__name__}: {exc}"
-            raise
+    def _stepped(self, run: _StateStep) -> Iterator[int]:
+        lookahead = self.swapper.pool.count >= PIPELINE_BUFFERS
+        self.last_timings = yield from self.pipeline.run(run, lookahead)
         self.steps += 1
 
-    def _pipeline(
-        self, grads: torch.Tensor, sink: Sink, hyper: StepHyper, ranges: list[StepRange]
-    ) -> Iterator[tuple[int, bool]]:
-        timings, start = StepTimings(), time.perf_counter()
-        last = len(self.bounds) - 1
-        first = self.host_groups
-        pending = self._read(first, timings) if first <= last else None
-        writes: dict[int, Future] = {}
-        for i, (lo, hi) in enumerate(self.bounds):
-            data = None
-            if i < first:
-                state = self.resident[i]
-            else:
-                assert pending is not None
-                data = pending.result()
-                state = self._state(i, data)
-                if i < last:
-                    pending = self._read(i + 1, timings)
-            t0 = time.perf_counter()
-            out = self.out[: hi - lo] if self.out.numel() else None
-            self._step_group(state, grads, hyper, ranges, out)
-            timings.compute_s += time.perf_counter() - t0
-            sink(lo, hi, state.master if out is None else out)
-            if data is not None:
-                timings.bytes_written += buffer_bytes(self.spans[i])
-                writes[i] = self.io_clock.timed(
-                    self.swapper.swap_out(self.state_key(i), data), "write_s", timings
-                )
-                if i > first:
-                    writes[i - 1].result()
-                    self.swapper.release(self.state_key(i - 1))
-            yield hi, True
-        if first <= last:
-            writes[last].result()
-            self.swapper.release(self.state_key(last))
-        self.io_clock.wait_idle()
-        timings.wall_s = time.perf_counter() - start
-        self.last_timings = timings
-
-    def _read(self, i: int, timings: StepTimings) -> Future:
-        timings.bytes_read += buffer_bytes(self.spans[i])
-        return self.io_clock.timed(self.swapper.prefetch(self.state_key(i)), "read_s", timings)
-
-    def _step_group(
-        self,
-        state: ShardState,
-        grads: torch.Tensor,
-        base: StepHyper,
-        ranges: list[StepRange],
-        out: torch.Tensor | None,
-    ) -> None:
-        """The ranges' elements of one sub-group; the rest keep their state and get the
-        values their master stands for."""
-        s = state.span
-        done = s.lo
-        for lo, hi, count, decays in ranges:
-            lo, hi = max(lo, s.lo), min(hi, s.hi)
-            if lo >= hi:
-                continue
-            self._copy_master(state, out, done, lo)
-            hyper = replace(base, step=count, weight_decay=base.weight_decay if decays else 0.0)
-            optim_step(
-                state.narrow(self.layout.span(lo, hi)),
-                grads[lo:hi].to("cpu"),
-                hyper,
-                out=None if out is None else out[lo - s.lo : hi - s.lo],
-                num_threads=self.optimizer.num_threads,
-            )
-            done = hi
-        self._copy_master(state, out, done, s.hi)
-
-    def _copy_master(self, state: ShardState, out: torch.Tensor | None, a: int, b: int) -> None:
-        if out is None or a >= b:
-            return
-        s = state.span
-        master = state.master[a - s.lo : b - s.lo]
-        if master.dtype != out.dtype:
-            master = state.narrow(self.layout.span(a, b)).master_fp32()
-        out[a - s.lo : b - s.lo].copy_(master)
-
     def ensure_sound(self, what: str) -> None:
-        if self._stale:
-            raise IncompleteStepError(
-                f"cannot {what}: an earlier optimizer step failed halfway ({self._stale}) and "
-                "left the NVMe optimizer state partly updated; restore a saved state first "
-                "with engine.load_checkpoint(...) (or engine.optimizer.load_state_dict)"
-            )
+        self.pipeline.ensure_sound(what)
 
     # -- state out ------------------------------------------------------------------------
     def _groups(self, lo: int = 0, hi: int | None = None) -> Iterator[tuple[int, ShardState]]:
@@ -351,7 +250,7 @@ class NvmeState(Updater):
                 continue
             buf = self.swapper.swap_in(self.state_key(i)).result()
             try:
-                yield i, self._state(i, buf)
+                yield i, self.group_state(i, buf)
             finally:
                 self.swapper.release(self.state_key(i))
 
@@ -389,7 +288,8 @@ class NvmeState(Updater):
             for name, t in self._loading[1].tensors():
                 t.copy_(part[name])
             self._write_loaded(i)
-        self._stale = ""
+        for i in range(len(self.bounds)):
+            self.pipeline.loaded(i)
 
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         """The compute-dtype values the kernel writes for run elements [lo, hi) (a unit's
@@ -413,14 +313,71 @@ class NvmeState(Updater):
     def add_to(self, report: MemoryReport) -> None:
         on_disk = sum(buffer_bytes(s) for s in self.spans[self.host_groups :])
         held = sum(t.numel() * t.element_size() for s in self.resident for _, t in s.tensors())
+        out = self.group_step.out
         report.add("nvme", "optimizer", on_disk)
         report.add(
             "host",
             "optimizer",
-            self.swapper.host_buffer_nbytes + self.out.numel() * self.out.element_size() + held,
-            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(self.out),
+            self.swapper.host_buffer_nbytes + out.numel() * out.element_size() + held,
+            pinned=self.swapper.pool.pinned_nbytes + pinned_nbytes(out),
         )
 
     def close(self) -> None:
-        unpin(self.out)
+        unpin(self.group_step.out)
         self.swapper.close()
+
+
+class _StateStep:
+    """One update's sub-groups as :class:`~.pipeline.SubGroupPipeline` steps them: a
+    sub-group's file is read into a pool buffer, its arrays are stepped there
+    (:func:`zero_offload.optim.step` over the ranges) and the buffer is written back."""
+
+    def __init__(
+        self,
+        owner: NvmeState,
+        grads: torch.Tensor,
+        sink: Sink,
+        hyper: StepHyper,
+        ranges: list[StepRange],
+    ) -> None:
+        self.owner, self.grads, self.sink = owner, grads, sink
+        self.hyper, self.ranges = hyper, ranges
+
+    def read_group(self, i: int, timings: StepTimings) -> Reads:
+        owner = self.owner
+        if i < owner.host_groups:
+            return ()
+        timings.bytes_read += buffer_bytes(owner.spans[i])
+        read = owner.swapper.prefetch(owner.state_key(i))
+        return (owner.pipeline.io_clock.timed(read, "read_s", timings),)
+
+    def step_group(self, i: int, got: list, timings: StepTimings) -> Future | None:
+        owner = self.owner
+        data = got[0] if got else None
+        state = owner.resident[i] if data is None else owner.group_state(i, data)
+        owner.pipeline.changing(i)
+        owner.group_step.step(
+            state,
+            self.grads,
+            self.hyper,
+            self.ranges,
+            self.sink,
+            timings,
+            owner.optimizer.num_threads,
+        )
+        if data is None:
+            return None
+        timings.bytes_written += buffer_bytes(owner.spans[i])
+        write = owner.swapper.swap_out(owner.state_key(i), data)
+        return owner.pipeline.io_clock.timed(write, "write_s", timings)
+
+    def release_group(self, i: int) -> None:
+        if i >= self.owner.host_groups:
+            self.owner.swapper.release(self.owner.state_key(i))
+
+    def drop_group(self, i: int, changed: bool) -> None:
+        owner = self.owner
+        if i >= owner.host_groups and changed:
+            owner.swapper.discard(owner.state_key(i))  # frees the disk too (ENOSPC)
+        elif i >= owner.host_groups:
+            owner.swapper.release(owner.state_key(i))

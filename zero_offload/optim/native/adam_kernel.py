@@ -5,16 +5,9 @@ Why a functional API: the engine updates flat fp32 master shards whose m and v m
 NVMe swap buffers rather than in ``optimizer.state``, so it calls :func:`adam_update` on
 tensors it owns. The optimizer classes are thin wrappers over the same call.
 
-The kernel is compiled on first use (``zero_offload.optim.native``). Without a compiler, or when
-the build fails, one warning is logged and torch's fused CPU Adam(W) does the update (same
-math, same results within a few ulp). ``ZERO_OFFLOAD_KERNELS``: ``auto`` (default), ``off``
-(always torch), ``required`` (a failed build raises ``KernelBuildError``).
-
-``ZERO_OFFLOAD_ISA`` picks the kernel's code path: ``auto`` (default: the best this CPU has),
-``avx512``, ``avx2`` or ``scalar``. Each is built from ``-march=native`` minus instruction
-sets (never plus), so a path the CPU lacks cannot be built; asking for it is an
-:class:`IsaUnavailable` error (in ``auto`` mode: a warning and torch). All paths give
-bit-identical results; the choice exists to test each one and to compare their speed.
+The kernel is compiled on first use, on the code path ``ZERO_OFFLOAD_ISA`` asks for
+(:mod:`.build`). Without a compiler, or when the build fails, one warning is logged and
+torch's fused CPU Adam(W) does the update (same math, same results within a few ulp).
 """
 
 from __future__ import annotations
@@ -23,9 +16,6 @@ import ctypes
 import functools
 import logging
 import os
-import platform
-import threading
-from dataclasses import dataclass
 from typing import TypedDict
 
 import numpy as np
@@ -34,21 +24,24 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from zero_offload.errors import IsaUnavailable
-from zero_offload.optim.native import KernelBuildError, cache_dir, compiler, load_library
+from ...errors import IsaUnavailable, KernelBuildError
+from .build import (
+    ISAS,
+    NativeKernel,
+    build_kernel,
+    check_path,
+    chosen_kernel,
+    kernel_isa,
+    run_in_parts,
+)
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ISAS", "IsaUnavailable", "adam_update", "default_num_threads", "kernel_status"]
+
 KERNEL_NAME = "cpu_adam"
-KERNEL_FLAGS: tuple[str, ...] = ("-ffp-contract=off", "-fno-math-errno")
-OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
 ABI_VERSION = 3
 NUM_HP = 11
-ENV_MODE = "ZERO_OFFLOAD_KERNELS"
-MODES = ("auto", "off", "required")
-ENV_ISA = "ZERO_OFFLOAD_ISA"
-ISAS = ("auto", "avx512", "avx2", "scalar")
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Below this many elements per thread, extra threads cost more than they bring.
 MIN_ELEMS_PER_THREAD = 1 << 16
 ALIGN_ELEMS = 64
@@ -70,48 +63,20 @@ class AdamHyper(TypedDict):
     grad_scale: float  # the gradients' factor (unscale, clip), applied in fp32 by the kernel
 
 
-@dataclass(frozen=True)
-class NativeKernel:
-    """A loaded kernel library and what it was built with."""
-
-    lib: ctypes.CDLL
-    openmp: bool
-    vec_path: str
-
-
-def kernel_mode() -> str:
-    """``ZERO_OFFLOAD_KERNELS``, validated."""
-    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{ENV_MODE}={mode!r} is not one of {', '.join(MODES)}")
-    return mode
-
-
-def kernel_isa(isa: str | None = None) -> str:
-    """The code path asked for: ``isa`` or else ``ZERO_OFFLOAD_ISA``, validated."""
-    value = os.environ.get(ENV_ISA, "auto") if isa is None else isa
-    value = value.strip().lower() or "auto"
-    if value not in ISAS:
-        raise ValueError(f"{ENV_ISA}={value!r} is not one of {', '.join(ISAS)}")
-    return value
-
-
-def isa_flags(isa: str) -> tuple[str, ...]:
-    """Flags after ``-march=native`` that select a path. They only take instruction sets
-    away, so a build never contains one the CPU lacks (which would crash, not fail)."""
-    if isa == "avx2":
-        return ("-mno-avx512f",)  # drops every AVX-512 subset: the portable loop, in AVX2
-    if isa == "scalar":
-        x86 = ("-mno-avx", "-mno-fma", "-mno-f16c") if _X86 else ()
-        return x86 + ("-fno-tree-vectorize", "-DZO_SCALAR")
-    return ()
-
-
 @functools.lru_cache(maxsize=1)
 def default_num_threads() -> int:
     """Physical cores: the step is memory bound and SMT siblings share the same bandwidth.
     (Read once: psutil scans sysfs on every call, ~2 ms, and every step asks.)"""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def kernel_threads(num_threads: int | None, n: int) -> int:
+    """Threads for one kernel call over ``n`` elements: ``num_threads`` (default
+    :func:`default_num_threads`), fewer where each would get under ``MIN_ELEMS_PER_THREAD``."""
+    threads = default_num_threads() if num_threads is None else int(num_threads)
+    if threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    return max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -127,17 +92,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_adam_omp.argtypes = [ptr, ptr, i32, ptr, ptr, ptr, i32, i64, hp, i32, i32]
 
 
-def build_kernel(name: str = KERNEL_NAME, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (or find cached) and load a kernel library; OpenMP if the toolchain links it."""
-    try:
-        return load_library(name, KERNEL_FLAGS + extra_flags + OPENMP_FLAGS)
-    except KernelBuildError as exc:
-        if "no C compiler" in str(exc):
-            raise
-        logger.info("building %s with OpenMP failed, trying without: %s", name, exc)
-        return load_library(name, KERNEL_FLAGS + extra_flags)
-
-
 def load_kernel(isa: str | None = None) -> NativeKernel:
     """Build (or find cached) and load the Adam kernel for one code path, uncached.
 
@@ -145,12 +99,7 @@ def load_kernel(isa: str | None = None) -> NativeKernel:
     :class:`KernelBuildError` when there is no compiler or the build fails.
     """
     isa = kernel_isa(isa)
-    if isa in ("avx512", "avx2") and not _X86:
-        raise IsaUnavailable(
-            f"{ENV_ISA}={isa}: an x86-64 path, and this CPU is "
-            f"{platform.machine()}; use auto or scalar"
-        )
-    lib = build_kernel(KERNEL_NAME, isa_flags(isa))
+    lib = build_kernel(KERNEL_NAME, isa)
     try:
         _declare(lib)
         abi = lib.zo_abi_version(), lib.zo_num_hp()
@@ -162,13 +111,7 @@ def load_kernel(isa: str | None = None) -> NativeKernel:
             "kernels/ and the binding come from different versions "
             "(reinstall zero_offload)"
         )
-    native = NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode())
-    if isa != "auto" and native.vec_path != isa:
-        raise IsaUnavailable(
-            f"{ENV_ISA}={isa}: this CPU (or compiler) has no {isa} path; -march=native "
-            f"builds the {native.vec_path!r} path here (use auto)"
-        )
-    return native
+    return check_path(isa, NativeKernel(lib, bool(lib.zo_has_openmp()), lib.zo_vec_path().decode()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,15 +137,7 @@ def _load_cached(cc: str, cache: str, isa: str) -> NativeKernel | KernelBuildErr
 def get_kernel(isa: str | None = None) -> NativeKernel | None:
     """The native kernel for ``isa`` (default ``ZERO_OFFLOAD_ISA``), or None when disabled
     or unavailable (``ZERO_OFFLOAD_KERNELS=required`` raises the build's error instead)."""
-    mode = kernel_mode()
-    if mode == "off":
-        return None
-    got = _load_cached(" ".join(compiler()), str(cache_dir()), kernel_isa(isa))
-    if isinstance(got, KernelBuildError):
-        if mode == "required":
-            raise type(got)(f"{ENV_MODE}=required but the kernel failed to build: {got}")
-        return None
-    return got
+    return chosen_kernel(_load_cached, isa)
 
 
 def kernel_status() -> str:
@@ -318,12 +253,7 @@ def native_update(
     def work(j: int) -> None:
         codes[j] = k.lib.zo_adam_range(*args, ranges[j][0], ranges[j][1], *scalars)
 
-    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, len(ranges))]
-    for w in workers:
-        w.start()
-    work(0)
-    for w in workers:
-        w.join()
+    run_in_parts(work, len(ranges))
     return max(codes, key=abs)
 
 
@@ -417,10 +347,7 @@ def adam_update(
         return
     k = get_kernel()
     if k is not None:
-        threads = default_num_threads() if num_threads is None else int(num_threads)
-        if threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        threads = max(1, min(threads, n // MIN_ELEMS_PER_THREAD))
+        threads = kernel_threads(num_threads, n)
         rc = native_update(k, param, grad, exp_avg, exp_avg_sq, out, adam_scalars(**hyper), threads)
         if rc == 0:
             return

@@ -1,9 +1,10 @@
 """ctypes binding of ``kernels/cpu_optim.c``: the step for every optimizer kind and state
 precision over a span's work rows.
 
-Built, cached, checked and chosen like the Adam kernel (:mod:`.kernel`: the same
-``ZERO_OFFLOAD_KERNELS`` and ``ZERO_OFFLOAD_ISA`` switches, the same ABI check); without a
-compiler :func:`get_optim_kernel` returns None and the step runs in torch.
+Built, cached, checked and chosen like the Adam kernel (:mod:`.build`: the same
+``ZERO_OFFLOAD_KERNELS`` and ``ZERO_OFFLOAD_ISA`` switches; the same ABI check as
+:mod:`.adam_kernel`); without a compiler :func:`get_optim_kernel` returns None and the step
+runs in torch.
 """
 
 from __future__ import annotations
@@ -11,21 +12,32 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import kernel as K
-from . import quant
-from .hyper import NUM_SCALARS, StepHyper, fold_scalars
-from .layout import ROW_FIELDS
-from .native import KernelBuildError, cache_dir, compiler
-from .policy import MasterPrecision, MomentPrecision, OptimizerKind
-from .quant import dynamic_map, lookup_table
-from .rounding import STREAMS, stream_seed
-from .state import ShardState
+from ...errors import KernelBuildError
+from ..hyper import NUM_SCALARS, StepHyper, fold_scalars
+from ..layout import ROW_FIELDS
+from ..policy import MasterPrecision, MomentPrecision, OptimizerKind
+from ..quant import (
+    byte_planes,
+    dynamic_map,
+    lookup_table,
+    negative_offset,
+    span_lines,
+    threshold_words,
+)
+from ..rounding import STREAMS, stream_seed
+from ..state import ShardState
+from .build import (
+    NativeKernel,
+    build_kernel,
+    check_path,
+    chosen_kernel,
+    kernel_isa,
+    run_in_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +82,9 @@ class _Maps:
         values = np.ascontiguousarray(dynamic_map(signed).numpy())
         lut, shift, buckets = lookup_table(signed)
         lut = np.ascontiguousarray(lut)
-        vplanes = np.ascontiguousarray(quant.byte_planes(values))
-        tplanes = np.ascontiguousarray(quant.byte_planes(quant.threshold_words(signed)))
-        lines = np.ascontiguousarray(quant.span_lines(signed))
+        vplanes = np.ascontiguousarray(byte_planes(values))
+        tplanes = np.ascontiguousarray(byte_planes(threshold_words(signed)))
+        lines = np.ascontiguousarray(span_lines(signed))
         self.arrays += [values, lut, vplanes, tplanes, lines]
         return QMap(
             values.ctypes.data,
@@ -82,20 +94,13 @@ class _Maps:
             vplanes.ctypes.data,
             tplanes.ctypes.data,
             lines.ctypes.data,
-            quant.negative_offset(signed),
+            negative_offset(signed),
         )
 
 
 @functools.lru_cache(maxsize=1)
 def maps() -> _Maps:
     return _Maps()
-
-
-@dataclass(frozen=True)
-class OptimKernel:
-    lib: ctypes.CDLL
-    openmp: bool
-    vec_path: str
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -114,13 +119,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.zo_optim_code_mismatches.argtypes = [p, i64, i64, i32]
 
 
-def load_optim_kernel(isa: str | None = None) -> OptimKernel:
+def load_optim_kernel(isa: str | None = None) -> NativeKernel:
     """Build (or find cached) and load the kernel for one code path, uncached; raises as
-    :func:`.kernel.load_kernel` does."""
-    isa = K.kernel_isa(isa)
-    if isa in ("avx512", "avx2") and not K._X86:
-        raise K.IsaUnavailable(f"{K.ENV_ISA}={isa}: an x86-64 path; use auto or scalar")
-    lib = K.build_kernel(KERNEL_NAME, K.isa_flags(isa))
+    :func:`.adam_kernel.load_kernel` does."""
+    isa = kernel_isa(isa)
+    lib = build_kernel(KERNEL_NAME, isa)
     try:
         _declare(lib)
         abi = (lib.zo_optim_abi_version(), lib.zo_optim_num_scalars(), lib.zo_optim_num_ptrs())
@@ -132,17 +135,12 @@ def load_optim_kernel(isa: str | None = None) -> OptimKernel:
             f"{(ABI_VERSION, NUM_SCALARS, NUM_PTRS)}: kernels/ and the binding come from "
             "different versions (reinstall zero_offload)"
         )
-    native = OptimKernel(lib, bool(lib.zo_optim_has_openmp()), lib.zo_optim_vec_path().decode())
-    if isa != "auto" and native.vec_path != isa:
-        raise K.IsaUnavailable(
-            f"{K.ENV_ISA}={isa}: this CPU (or compiler) has no {isa} path; -march=native "
-            f"builds the {native.vec_path!r} path here (use auto)"
-        )
-    return native
+    native = NativeKernel(lib, bool(lib.zo_optim_has_openmp()), lib.zo_optim_vec_path().decode())
+    return check_path(isa, native)
 
 
 @functools.lru_cache(maxsize=None)
-def _load_cached(cc: str, cache: str, isa: str) -> OptimKernel | KernelBuildError:
+def _load_cached(cc: str, cache: str, isa: str) -> NativeKernel | KernelBuildError:
     try:
         native = load_optim_kernel(isa)
     except (KernelBuildError, OSError) as exc:
@@ -152,18 +150,10 @@ def _load_cached(cc: str, cache: str, isa: str) -> OptimKernel | KernelBuildErro
     return native
 
 
-def get_optim_kernel(isa: str | None = None) -> OptimKernel | None:
+def get_optim_kernel(isa: str | None = None) -> NativeKernel | None:
     """The kernel for ``isa`` (default ``ZERO_OFFLOAD_ISA``), or None when disabled or
     unavailable (``ZERO_OFFLOAD_KERNELS=required`` raises instead)."""
-    mode = K.kernel_mode()
-    if mode == "off":
-        return None
-    got = _load_cached(" ".join(compiler()), str(cache_dir()), K.kernel_isa(isa))
-    if isinstance(got, KernelBuildError):
-        if mode == "required":
-            raise type(got)(f"{K.ENV_MODE}=required but the kernel failed to build: {got}")
-        return None
-    return got
+    return chosen_kernel(_load_cached, isa)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -171,7 +161,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def native_step(
-    k: OptimKernel,
+    k: NativeKernel,
     state: ShardState,
     grad: torch.Tensor,
     hyper: StepHyper,
@@ -228,16 +218,11 @@ def native_step(
     def work(j: int) -> None:
         codes[j] = k.lib.zo_optim_rows(ptrs, rows_p, parts[j][0], parts[j][1], *common)
 
-    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, len(parts))]
-    for w in workers:
-        w.start()
-    work(0)
-    for w in workers:
-        w.join()
+    run_in_parts(work, len(parts))
     return max(codes, key=abs)
 
 
-def native_quantize(k: OptimKernel, x: torch.Tensor, signed: bool) -> torch.Tensor:
+def native_quantize(k: NativeKernel, x: torch.Tensor, signed: bool) -> torch.Tensor:
     """The kernel's codes for fp32 values ``x`` (already normalized by their absmax)."""
     x = x.contiguous().float()
     out = torch.empty(x.numel(), dtype=torch.uint8)
@@ -249,7 +234,7 @@ def native_quantize(k: OptimKernel, x: torch.Tensor, signed: bool) -> torch.Tens
 
 
 def code_mismatches(
-    k: OptimKernel, signed: bool, first: int = 0, count: int = 1 << 32, threads: int = 1
+    k: NativeKernel, signed: bool, first: int = 0, count: int = 1 << 32, threads: int = 1
 ) -> int:
     """How many fp32 bit patterns ``first .. first + count - 1`` the path's block quantizer
     codes differently from the scalar reference rule (0 over all 2**32 is the exhaustive

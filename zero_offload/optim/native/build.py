@@ -1,4 +1,5 @@
-"""Compile the C kernels in ``kernels/`` on first use and load them with ctypes.
+"""Compile the C kernels in ``kernels/`` on first use, load them with ctypes, and choose
+which of their code paths runs.
 
 Why: the kernels are built for the exact CPU they run on (``-march=native``), so they cannot
 ship prebuilt. A build is cached per user under a name keyed by the source, the flags, the
@@ -9,6 +10,13 @@ are safe.
 Environment:
     ``CC``: the C compiler (default ``cc``).
     ``ZERO_OFFLOAD_CACHE``: the cache folder (default ``~/.cache/zero_offload``).
+    ``ZERO_OFFLOAD_KERNELS``: ``auto`` (default: torch where a kernel does not build),
+    ``off`` (always torch), ``required`` (a failed build raises ``KernelBuildError``).
+    ``ZERO_OFFLOAD_ISA``: the code path, ``auto`` (default: the best this CPU has),
+    ``avx512``, ``avx2`` or ``scalar``. Each is built from ``-march=native`` minus
+    instruction sets (never plus), so a path the CPU lacks cannot be built; asking for it is
+    an :class:`IsaUnavailable` error (in ``auto`` mode: a warning and torch). All paths give
+    bit-identical results; the choice exists to test each one and to compare their speed.
 """
 
 from __future__ import annotations
@@ -18,26 +26,45 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from ..errors import KernelBuildError
+from ...errors import IsaUnavailable, KernelBuildError
 
 logger = logging.getLogger(__name__)
 
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
+KERNEL_FLAGS: tuple[str, ...] = ("-ffp-contract=off", "-fno-math-errno")
+OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
+ENV_MODE = "ZERO_OFFLOAD_KERNELS"
+MODES = ("auto", "off", "required")
+ENV_ISA = "ZERO_OFFLOAD_ISA"
+ISAS = ("auto", "avx512", "avx2", "scalar")
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """A loaded kernel library and what it was built with."""
+
+    lib: ctypes.CDLL
+    openmp: bool
+    vec_path: str
 
 
 def kernels_dir() -> Path:
     """Where the C sources live: ``kernels/`` beside the package in a source tree (a checkout
     on ``sys.path`` or installed in editable mode), else the data package
     ``zero_offload._kernels`` that the wheel ships them as."""
-    source = Path(__file__).resolve().parents[2] / "kernels"
+    source = Path(__file__).resolve().parents[3] / "kernels"
     if (source / "cpu_adam.c").is_file():
         return source
     spec = importlib.util.find_spec("zero_offload._kernels")
@@ -76,8 +103,6 @@ def _cpu_signature() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        import platform
-
         return platform.machine() + platform.processor()
     keep = []
     for line in text.splitlines():
@@ -142,3 +167,89 @@ def load_library(name: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelBuildError(f"built kernel {path} does not load: {exc}") from exc
+
+
+def kernel_mode() -> str:
+    """``ZERO_OFFLOAD_KERNELS``, validated."""
+    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def kernel_isa(isa: str | None = None) -> str:
+    """The code path asked for: ``isa`` or else ``ZERO_OFFLOAD_ISA``, validated."""
+    value = os.environ.get(ENV_ISA, "auto") if isa is None else isa
+    value = value.strip().lower() or "auto"
+    if value not in ISAS:
+        raise ValueError(f"{ENV_ISA}={value!r} is not one of {', '.join(ISAS)}")
+    return value
+
+
+def isa_flags(isa: str) -> tuple[str, ...]:
+    """Flags after ``-march=native`` that select a path. They only take instruction sets
+    away, so a build never contains one the CPU lacks (which would crash, not fail)."""
+    if isa == "avx2":
+        return ("-mno-avx512f",)  # drops every AVX-512 subset: the portable loop, in AVX2
+    if isa == "scalar":
+        x86 = ("-mno-avx", "-mno-fma", "-mno-f16c") if X86 else ()
+        return x86 + ("-fno-tree-vectorize", "-DZO_SCALAR")
+    return ()
+
+
+def build_kernel(name: str, isa: str) -> ctypes.CDLL:
+    """Build (or find cached) and load kernel ``name`` for code path ``isa`` (validated by
+    :func:`kernel_isa`); OpenMP if the toolchain links it. Raises :class:`IsaUnavailable`
+    for an x86-64 path on another CPU."""
+    if isa in ("avx512", "avx2") and not X86:
+        raise IsaUnavailable(
+            f"{ENV_ISA}={isa}: an x86-64 path, and this CPU is "
+            f"{platform.machine()}; use auto or scalar"
+        )
+    flags = KERNEL_FLAGS + isa_flags(isa)
+    try:
+        return load_library(name, flags + OPENMP_FLAGS)
+    except KernelBuildError as exc:
+        if "no C compiler" in str(exc):
+            raise
+        logger.info("building %s with OpenMP failed, trying without: %s", name, exc)
+        return load_library(name, flags)
+
+
+def check_path(isa: str, native: NativeKernel) -> NativeKernel:
+    """``native`` when it runs the path asked for (any, for ``auto``)."""
+    if isa != "auto" and native.vec_path != isa:
+        raise IsaUnavailable(
+            f"{ENV_ISA}={isa}: this CPU (or compiler) has no {isa} path; -march=native "
+            f"builds the {native.vec_path!r} path here (use auto)"
+        )
+    return native
+
+
+def chosen_kernel(
+    load: Callable[[str, str, str], NativeKernel | KernelBuildError], isa: str | None
+) -> NativeKernel | None:
+    """The kernel ``load`` (cached by compiler, cache folder and path) gives for ``isa``
+    (default ``ZERO_OFFLOAD_ISA``), or None when disabled or unavailable
+    (``ZERO_OFFLOAD_KERNELS=required`` raises the build's error instead)."""
+    mode = kernel_mode()
+    if mode == "off":
+        return None
+    got = load(" ".join(compiler()), str(cache_dir()), kernel_isa(isa))
+    if isinstance(got, KernelBuildError):
+        if mode == "required":
+            raise type(got)(f"{ENV_MODE}=required but the kernel failed to build: {got}")
+        return None
+    return got
+
+
+def run_in_parts(work: Callable[[int], None], parts: int) -> None:
+    """``work(j)`` for every part j, each on a thread of its own but the first, which runs on
+    the caller's: a kernel built without OpenMP is called on disjoint ranges, without the
+    GIL."""
+    workers = [threading.Thread(target=work, args=(j,)) for j in range(1, parts)]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join()
