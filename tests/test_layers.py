@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP
+from support.models import MLP
 
 import zero_offload
 import zero_offload as zo
