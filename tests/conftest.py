@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from swap_faults import mounted_tmpfs
+from support.swap_faults import mounted_tmpfs
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 import transformers
-from distributed import finish_torchrun_worker
+from support.distributed import finish_torchrun_worker
 from transformers import Trainer, TrainingArguments
 
 from zero_offload.integrations.hf import ZeroOffloadTrainer, deepspeed_schedule

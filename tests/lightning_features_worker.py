@@ -25,7 +25,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from distributed import finish_torchrun_worker
 from lightning.pytorch.loggers import CSVLogger
-from models import batch, loss_fn, make
+from support.distributed import finish_torchrun_worker
+from support.models import batch, loss_fn, make
 
 import zero_offload.integrations.lightning  # noqa: F401  (registers the strategy names)
 from zero_offload.integrations.lightning import ZeroOffloadStrategy

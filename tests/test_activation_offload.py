@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers
-from distributed import run_ranks
+from support.distributed import run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import zero_offload as zo

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 import torch
-from models import TinyGPT
 from safetensors.torch import save_file
+from support.models import TinyGPT
 
 import zero_offload as zo
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
+from support.distributed import run_ranks
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError
@@ -243,7 +243,7 @@ KILLER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import zero_offload as zo
     import zero_offload.checkpoint.save as save
-    from models import TinyGPT
+    from support.models import TinyGPT
     torch.manual_seed(0)
     engine = zo.initialize(TinyGPT(), stage=2)
     engine.save_checkpoint({root!r}, tag="first")
@@ -458,7 +458,7 @@ KILL_BETWEEN_RENAMES = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     import zero_offload as zo
-    from models import TinyGPT
+    from support.models import TinyGPT
     torch.manual_seed(0)
     engine = zo.initialize(TinyGPT(), stage=2)
     real = os.replace

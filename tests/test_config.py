@@ -3,7 +3,7 @@ import typing
 
 import pytest
 import torch
-from models import MLP, batch, loss_fn
+from support.models import MLP, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.config import (

@@ -2,7 +2,7 @@
 scalar), low-precision paths, state, fallback, errors.
 
 Results are compared with torch's Adam(W) run in float64, within a bound derived from float32
-rounding (tests/adam_reference.py), not with torch's float32 result under a fixed tolerance:
+rounding (tests/support/adam_reference.py), not with torch's float32 result under a fixed tolerance:
 correct float32 implementations differ by CPU-dependent ulps. torch's own float32 run is held
 to the same bound, so the bound is not fitted to the kernel.
 """
@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from adam_reference import Float32Bound
+from support.adam_reference import Float32Bound
 
 from zero_offload.optim import CPUAdam, CPUAdamW, adam_update
 from zero_offload.optim.native import KernelBuildError

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
-from equivalence import training_state
-from models import TinyGPT, batch, loss_fn
+from support.distributed import run_ranks
+from support.equivalence import training_state
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
 from safetensors.torch import load_file
+from support.distributed import run_ranks
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swap_faults import FaultBackend
+from support.swap_faults import FaultBackend
 
 from zero_offload.errors import SwapIOError
 from zero_offload.grads.disk import DiskGrads

@@ -17,7 +17,7 @@ import logging
 
 import pytest
 import torch
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.cli import main

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.deepspeed_config import lr_scheduler, translate

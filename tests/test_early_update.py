@@ -13,10 +13,10 @@ import threading
 
 import pytest
 import torch
-from distributed import run_ranks
-from equivalence import assert_bit_equal, training_state
-from models import TinyGPT, batch, loss_fn
-from swap_faults import FaultBackend
+from support.distributed import run_ranks
+from support.equivalence import assert_bit_equal, training_state
+from support.models import TinyGPT, batch, loss_fn
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap.folder import FILES

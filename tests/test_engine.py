@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from models import MLP, TinyGPT, batch, loss_fn
+from support.models import MLP, TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 

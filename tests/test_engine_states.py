@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-import states_cases as S
 import torch
-from distributed import run_ranks
+from support import states_cases as S
+from support.distributed import run_ranks
 
 from zero_offload.errors import ConfigError
 
@@ -112,7 +112,7 @@ def test_the_ledger_counts_the_smaller_state():
     """8-bit moments with a bf16_sr master: the host holds what the layout says (master 2
     bytes, each moment a code per element and an fp32 absmax per 256-element block, 4 more
     bytes for elements of tensors under 4096), where fp32 AdamW holds 12 bytes each."""
-    import state_ckpt_cases as C
+    from support import state_ckpt_cases as C
 
     from zero_offload.optim import StateLayout
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import functools
 
-import equivalence
-import models
 import pytest
-from distributed import run_ranks
+from support import equivalence, models
+from support.distributed import run_ranks
 
 from zero_offload.partition import SHARD_ALIGN
 

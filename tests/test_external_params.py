@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from distributed import run_ranks
+from support.distributed import run_ranks
 
 import zero_offload as zo
 

@@ -10,8 +10,8 @@ import copy
 
 import pytest
 import torch
-from equivalence import CLIP, GLOBAL_BATCH, LR, WD, compare, reference
-from models import batch, loss_fn, make
+from support.equivalence import CLIP, GLOBAL_BATCH, LR, WD, compare, reference
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 

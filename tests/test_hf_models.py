@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from distributed import run_ranks  # noqa: E402
-from equivalence import CLIP, LR, WD, master_step  # noqa: E402
+from support.distributed import run_ranks  # noqa: E402
+from support.equivalence import CLIP, LR, WD, master_step  # noqa: E402
 
 import zero_offload as zo  # noqa: E402
 

@@ -25,8 +25,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from support.torchrun_cases import case_ids, per_world
 from test_ds_config import HF_ZERO2, HF_ZERO3_NVME
-from torchrun_cases import case_ids, per_world
 
 pytestmark = pytest.mark.multiprocess
 

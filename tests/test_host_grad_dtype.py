@@ -5,10 +5,10 @@ accumulation, several backwards before one step, late pieces), so sums stay fp32
 
 from __future__ import annotations
 
-import equivalence
 import pytest
 import torch
-from models import batch, loss_fn, make
+from support import equivalence
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from swap_faults import FaultBackend
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.device.streams import Streams

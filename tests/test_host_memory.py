@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.grads.reducer import reductions_alive

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from children import REPO
+from support.children import REPO
 
 
 def _campaign(tmp_path, *args: str) -> subprocess.CompletedProcess:

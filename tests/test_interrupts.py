@@ -15,8 +15,8 @@ import threading
 
 import pytest
 import torch
-from equivalence import assert_bit_equal, training_state
-from models import TinyGPT, batch, loss_fn
+from support.equivalence import assert_bit_equal, training_state
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.update.nvme.group_step import GroupStep

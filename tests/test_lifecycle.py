@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from models import MLP, batch, loss_fn
+from support.models import MLP, batch, loss_fn
 
 import zero_offload as zo
 
@@ -54,7 +54,7 @@ def test_closed_model_holds_trained_values_and_trains_again_as_if_fresh(tmp_path
     result = _run(
         f"""
         import copy, torch, zero_offload as zo
-        from models import TinyGPT, batch, loss_fn
+        from support.models import TinyGPT, batch, loss_fn
         kw = dict({tier!r}, lr=1e-2, nvme_path={str(tmp_path)!r})
         def steps(engine, n):
             for i in range(n):
@@ -136,7 +136,7 @@ def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error(tmp_pat
     result = _run(
         """
         import torch, zero_offload as zo
-        from models import MLP
+        from support.models import MLP
         model = MLP()
         engine = zo.initialize(model, stage=3)
         try:

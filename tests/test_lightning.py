@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from torchrun_cases import case_ids, per_world
+from support.torchrun_cases import case_ids, per_world
 
 pytestmark = pytest.mark.multiprocess
 

@@ -19,9 +19,9 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from support.torchrun_cases import launch
 from test_ds_recipes import RECIPES
 from test_ds_recipes import _expected as expected
-from torchrun_cases import launch
 
 pytestmark = pytest.mark.multiprocess
 

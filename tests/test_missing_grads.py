@@ -12,7 +12,7 @@ import errno
 import pytest
 import torch
 import torch.nn as nn
-from swap_faults import FaultBackend
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.errors import SwapIOError

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from distributed import run_ranks
 from safetensors.torch import save_file
+from support.distributed import run_ranks
 
 import zero_offload as zo
 

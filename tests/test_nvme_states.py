@@ -11,11 +11,11 @@ import functools
 import tempfile
 
 import pytest
-import state_ckpt_cases as C
-import states_cases as S
 import torch
 import torch.nn as nn
-from distributed import run_ranks
+from support import state_ckpt_cases as C
+from support import states_cases as S
+from support.distributed import run_ranks
 
 import zero_offload as zo
 from zero_offload.errors import ConfigError

@@ -9,12 +9,12 @@ import os
 import tempfile
 from pathlib import Path
 
-import equivalence
 import pytest
 import torch
-from distributed import run_ranks
-from models import MLP, batch, loss_fn
-from swap_faults import FaultBackend
+from support import equivalence
+from support.distributed import run_ranks
+from support.models import MLP, batch, loss_fn
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap import SwapIOError, SwapSpaceError

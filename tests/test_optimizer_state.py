@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 
-import equivalence
 import pytest
 import torch
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
+from support import equivalence
+from support.distributed import run_ranks
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 

@@ -11,10 +11,10 @@ import errno
 
 import pytest
 import torch
-from distributed import run_ranks
-from equivalence import assert_bit_equal, training_state
-from models import batch, loss_fn, make
-from swap_faults import FaultBackend
+from support.distributed import run_ranks
+from support.equivalence import assert_bit_equal, training_state
+from support.models import batch, loss_fn, make
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap.buffers import pool_footprint

@@ -8,12 +8,12 @@ import functools
 import os
 import tempfile
 
-import equivalence
 import pytest
 import torch
 import torch.nn as nn
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
+from support import equivalence
+from support.distributed import run_ranks
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap.swapper import Tier

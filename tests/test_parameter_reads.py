@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from distributed import run_ranks
-from models import MLP, batch, loss_fn
+from support.distributed import run_ranks
+from support.models import MLP, batch, loss_fn
 
 import zero_offload as zo
 
@@ -55,7 +55,7 @@ def test_a_released_parameter_read_raises_a_clear_error_and_reads_right_when_gat
         f"""
         import torch, zero_offload as zo
         from zero_offload.params.released import ParameterNotGatheredError
-        from models import TinyGPT, batch, loss_fn
+        from support.models import TinyGPT, batch, loss_fn
         torch.manual_seed(0)
         model = TinyGPT()
         engine = zo.initialize(model, stage=3, lr=1e-2, offload_param={offload_param!r},

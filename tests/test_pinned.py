@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap import pinned

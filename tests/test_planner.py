@@ -11,7 +11,7 @@ from collections import namedtuple
 
 import pytest
 import torch
-from distributed import run_ranks
+from support.distributed import run_ranks
 
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch

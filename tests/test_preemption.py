@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from children import next_line, start_python
+from support.children import next_line, start_python
 
 T = 180  # seconds for a child to import torch and train on a loaded machine
 
@@ -21,7 +21,7 @@ LOOP = """
 import json, signal, sys, torch
 sys.path.insert(0, "tests")
 import zero_offload as zo
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 mode, ckpt, nvme, until, out = sys.argv[1:6]
 kwargs = json.loads(sys.argv[6])

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from children import next_line, start_python
+from support.children import next_line, start_python
 
 T = 900  # seconds per child: Trainer and Lightning imports on a loaded machine
 
@@ -84,7 +84,7 @@ FIT = """
 import sys, time, torch, lightning as L
 sys.path.insert(0, "tests")
 from lightning_worker import LitGPT
-from models import batch
+from support.models import batch
 from zero_offload.integrations.lightning import ZeroOffloadStrategy
 
 root, nvme, steps, resume, state = sys.argv[1:6]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from distributed import run_ranks
+from support.distributed import run_ranks
 
 import zero_offload as zo
 from zero_offload.params.order import DivergentForwardError

@@ -8,9 +8,9 @@ another policy is refused, naming both and the fix, or converted on request;
 from __future__ import annotations
 
 import pytest
-import state_ckpt_cases as C
 import torch
-from distributed import run_ranks
+from support import state_ckpt_cases as C
+from support.distributed import run_ranks
 
 from zero_offload import CheckpointError, consolidate_checkpoint
 from zero_offload.optim import quant

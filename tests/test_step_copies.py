@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 from torch.profiler import profile
 
 import zero_offload as zo

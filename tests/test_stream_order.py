@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 from zero_offload.config import build_config
 from zero_offload.device.streams import Streams

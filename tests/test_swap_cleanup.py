@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from children import next_line, start_python
+from support.children import next_line, start_python
 
 from zero_offload.swap.runs import OWNER_FILE
 from zero_offload.swap.swapper import Swapper

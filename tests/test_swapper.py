@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swap_faults import FaultBackend, mounted_tmpfs
+from support.swap_faults import FaultBackend, mounted_tmpfs
 
 from zero_offload.errors import SwapIOError, SwapSpaceError
 from zero_offload.swap.buffers import BufferPool, HostBuffer

@@ -22,7 +22,7 @@ PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent
 WORKER = """
     import os, sys, threading, torch, torch.distributed as dist
     import zero_offload as zo
-    from models import TinyGPT, batch, loss_fn
+    from support.models import TinyGPT, batch, loss_fn
 
     def native_threads():
         return [open(f"/proc/self/task/{t}/comm").read().strip()

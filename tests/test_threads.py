@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.device import threads as T

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-from distributed import run_ranks
-from models import TinyGPT, batch, loss_fn
+from support.distributed import run_ranks
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap.io import OsBackend

@@ -209,7 +209,7 @@ def test_lightning_strategy_trains_two_steps(optimizer, leaves_no_process_group)
         make_optimizer, precision = bnb.optim.AdamW8bit, "8bit"
     else:
         make_optimizer, precision = torch.optim.AdamW, "fp32"
-    from models import batch, loss_fn, make
+    from support.models import batch, loss_fn, make
 
     from zero_offload.integrations.lightning import ZeroOffloadStrategy
 

@@ -138,7 +138,7 @@ def test_sft_trainer_matches_plain_sft_trainer(plain, tmp_path, case):
 
 @pytest.mark.multiprocess
 def test_sft_trainer_stage3_on_two_ranks(tmp_path):
-    from torchrun_cases import launch
+    from support.torchrun_cases import launch
 
     case = dict(stage=3, offload_optimizer="cpu", offload_param="cpu")
     (r,) = launch(Path(__file__).with_name("trl_worker.py"), 2, tmp_path, [case])

@@ -11,7 +11,7 @@ import sys
 
 import torch
 import trl
-from distributed import finish_torchrun_worker
+from support.distributed import finish_torchrun_worker
 from test_trl import LR, model, train
 
 from zero_offload.integrations.hf import zero_offload_trainer

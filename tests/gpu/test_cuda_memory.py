@@ -25,7 +25,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 

@@ -19,12 +19,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import equivalence
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from models import batch, loss_fn, make
+from support import equivalence
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 from zero_offload.swap import HostBuffer, Swapper, Tier

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the models
-from models import batch, loss_fn, make
+from support.models import batch, loss_fn, make
 
 import zero_offload as zo
 

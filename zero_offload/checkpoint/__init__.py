@@ -1,8 +1,7 @@
 """Save, resume exactly, consolidate: sharded checkpoints with offloaded state included; resume
 from DeepSpeed ZeRO and DCP (FSDP2) checkpoints, and export to DCP."""
 
-from .consolidate import consolidate_checkpoint
-from .convert import import_deepspeed
+from .convert import consolidate_checkpoint, import_deepspeed
 from .dcp_export import export_dcp
 from .format import CheckpointError
 from .load import load_checkpoint

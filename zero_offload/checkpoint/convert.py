@@ -1,4 +1,6 @@
-"""Import: a DeepSpeed ZeRO checkpoint (any :class:`~.source.Source` that knows which tensors
+"""Checkpoints converted without an engine.
+
+Import: a DeepSpeed ZeRO checkpoint (any :class:`~.source.Source` that knows which tensors
 are parameters) written as this library's checkpoint format, which then loads at any world
 size and stage and consolidates without DeepSpeed's reader. (A DCP folder cannot say which of
 its tensors are frozen parameters and which buffers without the model: load it with
@@ -8,6 +10,11 @@ The output is one rank file holding every parameter end to end (one unit, one sh
 in pieces of at most ``chunk`` elements per section: memory is three such pieces whatever the
 model's size. The same atomic protocol as ``save``: a ``.<tag>.partial`` folder, the manifest
 last, then the tag and ``latest``.
+
+Consolidate: one ordinary full-precision state dict from a checkpoint of this library, no
+converter needed. It reads only the master section of each rank file, straight into the output
+tensors, one parameter at a time: memory is one fp32 copy of the parameters (what the output
+is) and nothing of the optimizer state.
 """
 
 from __future__ import annotations
@@ -31,12 +38,21 @@ from .format import (
     UnitRecord,
     fsync_dir,
     section_offset,
+    verify_rank_file,
     write_atomically,
 )
-from .source import Source
-from .tags import LATEST, check_tag, commit_tag, recover_tag
+from .source import OwnSource, Source
+from .tags import (
+    LATEST,
+    check_tag,
+    checkpoint_root,
+    commit_tag,
+    recover_tag,
+    resolve_tag,
+    tag_folder,
+)
 
-__all__ = ["write_checkpoint", "import_deepspeed"]
+__all__ = ["write_checkpoint", "import_deepspeed", "consolidate_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +155,59 @@ def import_deepspeed(
         return write_checkpoint(source, out, source.tag, source.stage, dtype)
     finally:
         source.close()
+
+
+def _save(state: dict[str, torch.Tensor], aliases: dict[str, str], out: Path) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        full = dict(state)
+        full.update({alias: state[name] for alias, name in aliases.items()})
+        torch.save(full, out)  # shared storage for tied names, as torch.save keeps it
+        return
+    # safetensors stores no shared tensors: tied names go in the metadata instead
+    save_file(state, str(out), metadata={f"alias:{a}": n for a, n in aliases.items()})
+
+
+def consolidate_checkpoint(
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    out: str | os.PathLike | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters (and module buffers) under their original names. With ``out``,
+    also written there: safetensors when installed (tied names in its metadata), else
+    ``torch.save``. ``verify``: check every rank file's size and checksums first.
+    ``directory``: the folder given to ``save_checkpoint``, or a Hugging Face Trainer
+    checkpoint folder holding one (``checkpoint-N``), or the Trainer's ``output_dir`` (its
+    newest ``checkpoint-N``)."""
+    root = checkpoint_root(Path(directory))
+    source = OwnSource(tag_folder(root, resolve_tag(root, tag)))
+    manifest = source.manifest
+    state: dict[str, torch.Tensor] = {}
+    try:
+        if verify:
+            for record in manifest.ranks:
+                verify_rank_file(source.where / record.file, record)
+        progress = Progress(
+            f"consolidating checkpoint {source.where}",
+            sum(slot.numel for unit in manifest.units for slot in unit.slots),
+            "parameters",
+            logger=log,
+        )
+        try:
+            for unit in manifest.units:
+                for slot in unit.slots:
+                    tensor = torch.empty(slot.numel, dtype=torch.float32)
+                    source.read(slot.name, 0, slot.numel, [tensor, None, None])
+                    state[slot.name] = tensor.view(slot.shape)
+                    progress.update(slot.numel)
+        finally:
+            progress.close()
+        state.update(source.extra(0)[0].get("buffers", {}))
+    finally:
+        source.close()
+    if out is not None:
+        _save(state, manifest.aliases, Path(out))
+    state.update({alias: state[name] for alias, name in manifest.aliases.items()})
+    return state

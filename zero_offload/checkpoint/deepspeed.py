@@ -33,6 +33,7 @@ import torch
 
 from ..partition import split_range
 from ..policies import Stage
+from .deepspeed_state import training_state
 from .format import CheckpointError, refusal_reason
 
 __all__ = ["find_deepspeed", "DeepSpeedSource", "load_deepspeed_file"]
@@ -323,10 +324,27 @@ class DeepSpeedSource:
             if array is not None:
                 array[at : at + count].copy_(self.rank(r).section(k, s)[lo : lo + count])
 
-    def extra(self, rank: int) -> tuple[dict[str, Any], bool]:
-        from .deepspeed_state import training_state
+    def _param_steps(self) -> dict[str, int]:
+        """Each trainable parameter's Adam step count: its group's (stages 1-2) or
+        sub-group's (stage 3)."""
+        r0 = self.rank(0)
+        steps = list(r0.steps)
+        if r0.param_groups and not any(steps):  # optimizers that keep the count in the group
+            steps = [int(g.get("step", 0)) for g in r0.param_groups for _ in g["params"]]
+        out = {}
+        for name, where in self._where.items():
+            if where[0] == "flat":
+                out[name] = steps[where[1]]
+            elif where[0] == "part":
+                starts = self._starts
+                k = max(i for i in range(len(starts) - 1) if starts[i] <= where[1])
+                out[name] = steps[k]
+        return out
 
-        return training_state(self), False
+    def extra(self, rank: int) -> tuple[dict[str, Any], bool]:
+        r0 = self.rank(0)
+        state = training_state(self.model, r0.osd, r0.param_groups, self._param_steps(), self.where)
+        return state, False
 
     def close(self) -> None:
         self._ranks.clear()

@@ -6,49 +6,29 @@ in its own files, which the Trainer restores itself."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from .format import CheckpointError
 from .source import one_param_group
-
-if TYPE_CHECKING:
-    from .deepspeed import DeepSpeedSource
 
 __all__ = ["training_state"]
 
 log = logging.getLogger(__name__)
 
 
-def _param_steps(src: "DeepSpeedSource") -> dict[str, int]:
-    """Each trainable parameter's Adam step count: its group's (stages 1-2) or sub-group's."""
-    r0 = src.rank(0)
-    steps = list(r0.steps)
-    if r0.param_groups and not any(steps):  # optimizers that keep the count in the group
-        steps = [int(g.get("step", 0)) for g in r0.param_groups for _ in g["params"]]
-    out = {}
-    for name, where in src._where.items():
-        if where[0] == "flat":
-            out[name] = steps[where[1]]
-        elif where[0] == "part":
-            starts = src._starts
-            k = max(i for i in range(len(starts) - 1) if starts[i] <= where[1])
-            out[name] = steps[k]
-    return out
-
-
-def _hyperparameters(src: "DeepSpeedSource") -> list[dict[str, Any]]:
-    groups = src.rank(0).param_groups
+def _hyperparameters(groups: list[dict[str, Any]] | None, where: Path) -> list[dict[str, Any]]:
     if not groups:
         log.warning(
             "%s: the optimizer state has no param groups (DeepSpeed's elastic layout): lr, "
             "betas, eps and weight decay stay as the engine was configured",
-            src.where,
+            where,
         )
-    return one_param_group(groups or [], src.where)
+    return one_param_group(groups or [], where)
 
 
-def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
-    record = src.rank(0).osd.get("loss_scaler")
+def _loss_scaler(model: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any] | None:
+    record = optimizer.get("loss_scaler")
     if record is None or not getattr(record, "dynamic", False):
         return None  # static scale (bf16, fp32): nothing for a dynamic scaler to resume
     cur_iter = int(getattr(record, "cur_iter", 0))
@@ -56,7 +36,7 @@ def _loss_scaler(src: "DeepSpeedSource") -> dict[str, Any] | None:
     out = {
         "scale": float(record.cur_scale),
         "good_steps": max(0, cur_iter - last_overflow - 1),
-        "skipped_steps": int(src.model.get("skipped_steps", 0)),
+        "skipped_steps": int(model.get("skipped_steps", 0)),
     }
     if getattr(record, "cur_hysteresis", None) is not None:  # overflows left before halving
         out["hysteresis_left"] = int(record.cur_hysteresis)
@@ -77,22 +57,29 @@ def _scheduler(state: Any, groups: list[dict[str, Any]]) -> Any:
     return state
 
 
-def training_state(src: "DeepSpeedSource") -> dict[str, Any]:
-    model = src.model
-    steps = _param_steps(src)
+def training_state(
+    model: dict[str, Any],
+    optimizer: dict[str, Any],
+    param_groups: list[dict[str, Any]] | None,
+    steps: dict[str, int],
+    where: Path,
+) -> dict[str, Any]:
+    """The extra state of a DeepSpeed save from its model states file (``model``), rank 0's
+    optimizer state dict and param groups, and each trainable parameter's Adam step count."""
     adam_steps = max(steps.values(), default=0)
     ds_steps = int(model.get("global_steps", 0))
-    gas = int(src.config.get("gradient_accumulation_steps", 1) or 1)
+    config = model.get("ds_config") or {}
+    gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     buffer_names = set(model.get("buffer_names") or ())
     module = model.get("module") or {}
-    groups = _hyperparameters(src)
+    groups = _hyperparameters(param_groups, where)
     return {
         "micro_steps": ds_steps * gas,
         # DeepSpeed counts the steps skipped on fp16 overflow too; the engine counts applied ones
         "global_steps": ds_steps - int(model.get("skipped_steps", 0)),
         "optimizer_steps": adam_steps,
         "param_groups": groups,
-        "loss_scaler": _loss_scaler(src),
+        "loss_scaler": _loss_scaler(model, optimizer),
         "missed_updates": {n: adam_steps - k for n, k in steps.items() if k != adam_steps},
         "lr_scheduler": _scheduler(model.get("lr_scheduler"), groups),
         "buffers": {n: t for n, t in module.items() if n in buffer_names},

@@ -15,7 +15,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,20 +24,18 @@ from ..optim.policy import StatePolicy
 from ..params.units import persistent_buffers
 from ..progress import Progress
 from . import dcp, deepspeed
+from .checkpointable import Checkpointable
 from .format import CheckpointError, Manifest, load_plain, native_file, verify_rank_file
 from .save import unit_records
 from .source import OwnSource, Source, match_names
 from .tags import resolve_tag, tag_folder
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 __all__ = ["load_checkpoint", "open_source"]
 
 log = logging.getLogger(__name__)
 
 
-def _verify(engine: "Engine", folder: Path, manifest: Manifest) -> None:
+def _verify(engine: Checkpointable, folder: Path, manifest: Manifest) -> None:
     """Ranks check the stored files round-robin, then agree that all are sound."""
     comm = engine.comm
     error = None
@@ -77,7 +75,7 @@ def _set_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def _restore_extra(engine: "Engine", source: Source, lr_scheduler: Any) -> None:
+def _restore_extra(engine: Checkpointable, source: Source, lr_scheduler: Any) -> None:
     extra, own = source.extra(engine.comm.rank)
     engine.load_training_state(extra)
     if (
@@ -99,7 +97,7 @@ def _restore_extra(engine: "Engine", source: Source, lr_scheduler: Any) -> None:
             buffer.copy_(stored[name])
 
 
-def _tied_names(engine: "Engine") -> dict[str, list[str]]:
+def _tied_names(engine: Checkpointable) -> dict[str, list[str]]:
     """Stored name -> the other names of the same (tied) parameter."""
     stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
     out: dict[str, list[str]] = {}
@@ -109,7 +107,7 @@ def _tied_names(engine: "Engine") -> dict[str, list[str]]:
     return out
 
 
-def _check_policy(engine: "Engine", source: Source, convert_state: bool) -> bool:
+def _check_policy(engine: Checkpointable, source: Source, convert_state: bool) -> bool:
     """Whether the stored native state restores as it is (same policy, world size and
     units); a policy other than the engine's raises unless ``convert_state``."""
     saved = source.manifest.policy if isinstance(source, OwnSource) else StatePolicy()
@@ -143,7 +141,7 @@ def _check_policy(engine: "Engine", source: Source, convert_state: bool) -> bool
 
 
 def restore(
-    engine: "Engine", source: Source, lr_scheduler: Any = None, convert_state: bool = False
+    engine: Checkpointable, source: Source, lr_scheduler: Any = None, convert_state: bool = False
 ) -> None:
     """Fill every unit of ``engine`` from ``source``, then the counters. Collective."""
     exact = _check_policy(engine, source, convert_state)
@@ -182,7 +180,7 @@ def restore(
 
 
 def load_checkpoint(
-    engine: "Engine",
+    engine: Checkpointable,
     directory: str | os.PathLike,
     tag: str | None = None,
     lr_scheduler: Any = None,

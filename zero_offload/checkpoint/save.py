@@ -16,7 +16,7 @@ import os
 import random
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ import torch
 from ..errors import SwapIOError
 from ..params.units import persistent_buffers
 from ..progress import Progress
+from .checkpointable import Checkpointable
 from .format import (
     MANIFEST,
     CheckpointError,
@@ -39,9 +40,6 @@ from .format import (
 )
 from .tags import LATEST, check_tag, commit_tag, recover_tag
 
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
-
 __all__ = ["save_checkpoint", "unit_records"]
 
 log = logging.getLogger(__name__)
@@ -55,7 +53,7 @@ def _crc_zeros(nbytes: int, crc: int) -> int:
     return crc
 
 
-def _write_state(engine: "Engine", path: Path) -> RankRecord:
+def _write_state(engine: Checkpointable, path: Path) -> RankRecord:
     """Stream [master | exp_avg | exp_avg_sq] into ``path``; CRC32 per section. Zero
     moments (frozen units) are not written: the file is sparse there and reads as zeros."""
     numel = engine.shard_numel
@@ -101,7 +99,7 @@ def _numpy_rng() -> tuple:
     return name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached
 
 
-def _extra_state(engine: "Engine", lr_scheduler: Any) -> dict:
+def _extra_state(engine: Checkpointable, lr_scheduler: Any) -> dict:
     extra: dict[str, Any] = {
         **engine.training_state(),
         "rng": {
@@ -158,7 +156,7 @@ def _check_plain(extra: dict) -> None:
             ) from exc
 
 
-def unit_records(engine: "Engine") -> list[UnitRecord]:
+def unit_records(engine: Checkpointable) -> list[UnitRecord]:
     """The engine's units as the manifest records them."""
     return [
         UnitRecord(
@@ -171,7 +169,7 @@ def unit_records(engine: "Engine") -> list[UnitRecord]:
     ]
 
 
-def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
+def _manifest(engine: Checkpointable, ranks: list[RankRecord]) -> Manifest:
     units = unit_records(engine)
     stored = {id(p): name for u in engine.units for p, name in zip(u.params, u.names)}
     aliases = {
@@ -192,7 +190,10 @@ def _manifest(engine: "Engine", ranks: list[RankRecord]) -> Manifest:
 
 
 def save_checkpoint(
-    engine: "Engine", directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
+    engine: Checkpointable,
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    lr_scheduler: Any = None,
 ) -> Path:
     """Write this rank's shards and (rank 0) the manifest; returns ``DIR/<tag>``.
     Collective: every rank must call it."""

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..checkpoint.consolidate import consolidate_checkpoint
+from ..checkpoint.convert import consolidate_checkpoint
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.tags import checkpoint_root
 

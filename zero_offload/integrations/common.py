@@ -1,4 +1,5 @@
-"""What every trainer integration hands its trainer: the engine as a torch optimizer."""
+"""What every trainer integration hands its trainer: the engine as a torch optimizer, and its
+last step's stats as log entries (TensorBoard, W&B, CSV, ...)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from ..engine.engine import Engine
 
-__all__ = ["EngineOptimizer"]
+__all__ = ["EngineOptimizer", "step_stats"]
+
+STATS_PREFIX = "zero_offload/"
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -68,3 +71,13 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"EngineOptimizer(stage={self.engine.stage})"
+
+
+def step_stats(engine: Engine) -> dict[str, float]:
+    """``engine.last_step`` under ``zero_offload/`` names, and the gradient norm (before
+    clipping) under the ``grad_norm`` name trainers use."""
+    stats = dict(engine.last_step)
+    out = {STATS_PREFIX + k: v for k, v in stats.items()}
+    if "grad_norm" in stats:
+        out["grad_norm"] = stats["grad_norm"]
+    return out

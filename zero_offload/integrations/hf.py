@@ -53,12 +53,11 @@ from ..activations.tiled_loss import check_tiled_model
 from ..checkpoint.tags import TRAINER_SUBDIR
 from ..config import ConfigError
 from ..engine.engine import Engine, initialize
-from .common import EngineOptimizer
+from .common import EngineOptimizer, step_stats
 from .hf_keywords import deepspeed_schedule, engine_keywords
 from .hf_preemption import PreemptionCallback
 from .hf_tiled import tiled_loss_model
 from .preemption import check_trainer_preemption
-from .stats import step_stats
 
 __all__ = [
     "ZeroOffloadTrainer",

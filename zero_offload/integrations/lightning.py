@@ -33,23 +33,20 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from ..config import ConfigError, load_config
-from ..deepspeed_config import SCHEDULES, is_deepspeed, lr_scheduler, translate
+from ..config import ConfigError
 from ..engine.engine import Engine, initialize
-from ..policies import Stage
-from .common import EngineOptimizer
+from .common import EngineOptimizer, step_stats
+from .lightning_keywords import NVME_ENV, StrategyConfig, config_schedule
 from .lightning_optimizers import hyperparameters, retarget
 from .lightning_preemption import PreemptionCallback
 from .optimizers import POLICY_KEYS
 from .preemption import check_trainer_preemption
-from .stats import step_stats
 
 __all__ = ["ZeroOffloadStrategy"]
 
 log = logging.getLogger(__name__)
 
 LIGHTNING_STATE = "lightning.pt"  # Lightning's own checkpoint entries, beside the engine's
-NVME_ENV = "ZERO_OFFLOAD_NVME_PATH"  # nvme_path for the registered "..._nvme" names
 
 
 class ZeroOffloadStrategy(DDPStrategy):
@@ -78,110 +75,22 @@ class ZeroOffloadStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
         )
-        if keywords.get("nvme_path") == NVME_ENV:  # a registered name: the path comes from env
-            keywords["nvme_path"] = os.environ.get(NVME_ENV)
-            if not keywords["nvme_path"]:
-                raise ConfigError(
-                    f"this strategy keeps state on NVMe: set {NVME_ENV}="
-                    "/path/on/a/fast/disk, or pass ZeroOffloadStrategy("
-                    "nvme_path=...)"
-                )
-        self.zero_offload_config = config
-        self.zero_offload_keywords = keywords
+        self.zero_offload = StrategyConfig(config, keywords)
         self.engine: Engine | None = None
         self._final = False  # the backward running ends an accumulation window
 
     # -- building the engine ----------------------------------------------------------------
-    def _deepspeed(self) -> dict[str, Any] | None:
-        """The config when it is a DeepSpeed one."""
-        user = load_config(self.zero_offload_config)
-        return user if is_deepspeed(user) else None
-
-    def _stage(self) -> int:
-        if "stage" in self.zero_offload_keywords:
-            return int(self.zero_offload_keywords["stage"])
-        user = load_config(self.zero_offload_config)
-        if not is_deepspeed(user):
-            return int(user.get("stage", 0))
-        zero = user.get("zero_optimization", {})
-        stage = zero.get("stage", 0) if isinstance(zero, Mapping) else int(bool(zero))
-        return 0 if stage == "auto" else int(stage)
-
-    def _shards_params(self) -> bool:
-        """Whether the configured stage shards the parameters, read before the config is
-        built (an invalid stage is named by the config's check, later)."""
-        try:
-            return Stage(self._stage()).shards_params
-        except ValueError:
-            return False
-
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
         """Around ``configure_model``: at stage 3 its modules are built on the meta device,
         and the engine materializes them one unit at a time, each straight into its shards
         (``reset_parameters``, or the ``init_weights`` file): no rank ever holds the whole
         model. Other stages build it as usual."""
-        if self._shards_params():
+        if self.zero_offload.shards_params():
             with torch.device("meta"):
                 yield
         else:
             yield
-
-    def _auto_values(self, trainer: Any, hyper: Mapping[str, Any]) -> dict[str, Any]:
-        """What the Lightning Trainer knows for a DeepSpeed config's "auto" values (batch
-        sizes are the loaders': left unset)."""
-        precision = str(trainer.precision)
-        out: dict[str, Any] = {
-            "fp16.enabled": precision.startswith("16"),
-            "bf16.enabled": precision.startswith("bf16"),
-            "gradient_accumulation_steps": trainer.accumulate_grad_batches,
-            "gradient_clipping": trainer.gradient_clip_val or 0.0,
-            "train_batch_size": None,
-            "train_micro_batch_size_per_gpu": None,
-        }
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in hyper:
-                out[f"optimizer.params.{key}"] = hyper[key]
-        return out
-
-    def _keywords(self, trainer: Any, hyper: dict[str, Any]) -> dict[str, Any]:
-        """Keywords from the Trainer and ``configure_optimizers`` (``hyper``), then the
-        config (a DeepSpeed one read as Lightning's DeepSpeedStrategy reads it: an absent
-        ``gradient_clipping`` is ``gradient_clip_val``), then the keywords."""
-        kw = dict(hyper)
-        if trainer.gradient_clip_val:
-            if trainer.gradient_clip_algorithm not in (None, "norm"):
-                raise ConfigError(
-                    f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}:"
-                    " zero_offload clips by the global norm; use 'norm'"
-                )
-            kw["max_grad_norm"] = float(trainer.gradient_clip_val)
-        precision = str(trainer.precision)
-        if precision == "bf16-mixed":  # autocast runs the bf16 parameters on fp32 inputs
-            kw["dtype"] = torch.bfloat16
-        elif precision not in ("32-true", "32"):
-            raise ConfigError(
-                f"precision={precision!r}: use '32-true' or 'bf16-mixed' with ZeroOffloadStrategy"
-            )
-        user = load_config(self.zero_offload_config)
-        if is_deepspeed(user):
-            user = translate(
-                user,
-                self._auto_values(trainer, hyper),
-                trainer="ZeroOffloadStrategy",
-                defaults={"gradient_clipping": trainer.gradient_clip_val or 0.0},
-                world=self.world_size,
-            )
-        kw.update(user)
-        kw.update(self.zero_offload_keywords)
-        gas = kw.pop("gradient_accumulation_steps", trainer.accumulate_grad_batches)
-        if gas != trainer.accumulate_grad_batches:
-            raise ConfigError(
-                f"gradient_accumulation_steps={gas} in the zero_offload config "
-                f"but accumulate_grad_batches={trainer.accumulate_grad_batches}: "
-                "Lightning counts the micro-batches, so set it on the Trainer only"
-            )
-        return kw
 
     def _deepspeed_schedule(self, trainer: Any, config: Mapping[str, Any]) -> None:
         """The config's ``scheduler``, where ``configure_optimizers`` gave none (DeepSpeed
@@ -189,20 +98,11 @@ class ZeroOffloadStrategy(DDPStrategy):
         assert self.engine is not None
         if self.lr_scheduler_configs or "scheduler" not in config:
             return
-        resolve = {
-            "warmup_min_lr": 0,
-            "warmup_max_lr": self.engine.optimizer.param_groups[0]["lr"],
-            "total_num_steps": trainer.estimated_stepping_batches,
-        }
-        section = config["scheduler"]
-        for name, default in SCHEDULES.get(section.get("type"), {}).items():
-            auto = (section.get("params") or {}).get(name) == "auto"
-            if auto and name not in resolve and default is not None:  # Lightning has no warmup
-                log.info('DeepSpeed config: scheduler.params.%s is "auto": %r', name, default)
-                resolve[name] = default
-        schedule = lr_scheduler(self.optimizers[0], config, resolve)
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        schedule = config_schedule(
+            self.optimizers[0], config, lr, trainer.estimated_stepping_batches
+        )
         self.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step")]
-        log.info("DeepSpeed config: its %s schedule drives the learning rate", schedule.kind)
 
     def _keep_the_loaders_sampler(self, trainer: Any) -> None:
         """At world size 1, a loader keeps its own sampler, as under ``strategy="auto"``.
@@ -222,7 +122,7 @@ class ZeroOffloadStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self._keep_the_loaders_sampler(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.engine is None:
-            config = self._deepspeed()
+            config = self.zero_offload.deepspeed()
             user_opt = None
             if config is not None and "optimizer" in config:
                 # as Lightning's DeepSpeedStrategy: the config's optimizer (decaying every
@@ -244,7 +144,7 @@ class ZeroOffloadStrategy(DDPStrategy):
                 if user_opt is None:
                     raise ConfigError("configure_optimizers must return exactly one optimizer")
                 hyper = hyperparameters(user_opt, module)
-            kw = self._keywords(trainer, hyper)
+            kw = self.zero_offload.engine_keywords(trainer, hyper, self.world_size)
             self.engine = initialize(module, **kw)
             if check_trainer_preemption(self.engine, "ZeroOffloadStrategy"):
                 trainer.callbacks.append(PreemptionCallback(self.engine))
@@ -326,6 +226,7 @@ class ZeroOffloadStrategy(DDPStrategy):
     def _log_stats(self, trainer: Any) -> None:
         if not trainer.loggers or (trainer.global_step + 1) % trainer.log_every_n_steps:
             return
+        assert self.engine is not None  # optimizer_step runs after setup built it
         stats = step_stats(self.engine)
         for logger in trainer.loggers:
             logger.log_metrics(stats, step=trainer.global_step)

@@ -7,7 +7,7 @@ repository on its path, e.g.
 
 For each ZeRO stage (1, 2, 3) and world size (1, 2), and stage 3 on 2 ranks with the optimizer
 offloaded to the CPU (``s3w2-cpu``: ZeRO-Offload's DeepSpeedCPUAdam), it trains the tests' tiny GPT
-(``models.TinyGPT(width=16)``: tied embeddings, ``wpe.weight`` frozen, AdamW with a no-decay
+(``support.models.TinyGPT(width=16)``: tied embeddings, ``wpe.weight`` frozen, AdamW with a no-decay
 group for biases and norms, gradients clipped at ``CLIP`` on both sides) for ``SAVE_AT`` steps,
 saves a DeepSpeed checkpoint, trains ``CONTINUE`` more steps and records where DeepSpeed got to:
 
@@ -21,8 +21,9 @@ The ``hf`` case runs ``transformers.Trainer`` with ``TrainingArguments(deepspeed
 ``hf-dsched`` is the same with the config's own ``scheduler`` (WarmupDecayLR, run by DeepSpeed).
 
 The tests read only these files (CI has no DeepSpeed). Each rank of a world-2 case is a process
-of its own, joined by gloo; the data of every step is ``models.batch("gpt", GLOBAL_BATCH, ...)``
-split across the ranks, so any world size sees the same global batch.
+of its own, joined by gloo; the data of every step is
+``support.models.batch("gpt", GLOBAL_BATCH, ...)`` split across the ranks, so any world size
+sees the same global batch.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ FROZEN = "wpe.weight"
 
 def batch_for(step: int):
     import torch
-    from models import batch
+    from support.models import batch
 
     return batch("gpt", GLOBAL_BATCH, torch.Generator().manual_seed(100 + step))
 
@@ -98,8 +99,8 @@ def train_rank(rank: int, world: int, stage: int, offload: bool, port: int, out:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from models import TinyGPT
     from safetensors.torch import save_file
+    from support.models import TinyGPT
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")

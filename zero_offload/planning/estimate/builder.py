@@ -1,6 +1,6 @@
 """Which terms one configuration has: ``TermBuilder`` adds them group by group (parameters,
-gradients, the unit being built, optimizer state and its buffers), each size its owning
-component's sizing function or constant."""
+gradients, the unit being built, then the optimizer's, which ``optimizer_terms.OptimizerTerms``
+adds), each size its owning component's sizing function or constant."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from ...grads.host import STAGING_BUFFERS
 from ...grads.reducer import reductions_alive
 from ...memory.sizes import pool_bytes as _pool
-from ...optim.policy import MasterPrecision, StatePolicy
-from ...params.store import param_host_numel, param_pool_buffers, shards_in_host_memory
+from ...optim.policy import StatePolicy
+from ...params.store import param_host_numel, param_pool_buffers
 from ...params.units import unit_build_bytes
 from ...policies import Stage, Tier
-from ...update.updaters import GRAD_SLICE
+from .optimizer_terms import OptimizerTerms
 from .state import moment_bytes, per_param_text, state_names
 from .terms import (
     BUFFER,
@@ -253,152 +253,18 @@ class TermBuilder:
             ),
         )
 
-    def add_optimizer_state(self) -> None:
-        """The optimizer state (the policy's master and moments: fp32 master + Adam m + v
-        by default), of the trainable params only (with the optimizer on NVMe, the leading
-        sub-groups' state in host memory), and the fp32 gradient slice torch's fused AdamW
-        steps from."""
-        b, s_t, T, split, policy = self.b, self.layout.s_t, self.T, self.host.split, self.policy
-        if not self.optimizer_tier.offloaded and b != 4 and not self.on_cpu:
-            self.add(
-                "fp32 grad slice",
-                "device",
-                STEP,
-                BUFFER,
-                4 * min(s_t, GRAD_SLICE),
-                f"4 bytes × min({T}/N, {GRAD_SLICE}): torch's fused AdamW's fp32 gradients",
-            )
-        o_tier = self.optimizer_tier
-        on_nvme = split.nvme_numel if o_tier.on_nvme else s_t
-        rate = split.rate
-        per = per_param_text(rate)
-        if self._params_are_master():
-            self.add(
-                "optimizer state",
-                o_tier,
-                RESIDENT,
-                MODEL_STATE,
-                moment_bytes(policy, s_t, rate),
-                f"{per_param_text(rate - policy.master_bytes(1))}{T}/N: "
-                f"{state_names(policy, master=False)} (the fp32 params are the master)",
-            )
-        else:
-            self.add(
-                "optimizer state",
-                o_tier,
-                RESIDENT,
-                MODEL_STATE,
-                split.state_bytes(on_nvme),
-                f"{per}{T}/N: {state_names(policy)}"
-                if on_nvme == s_t
-                else f"{per} bytes × {split.nvme_fraction:.0%} of {T}/N: the sub-groups in files",
-            )
-        if on_nvme != s_t:
-            self.add(
-                "optimizer state (host part)",
-                "host",
-                RESIDENT,
-                MODEL_STATE,
-                split.host_state_bytes,
-                f"{per} bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
-                "the leading sub-groups, in host memory",
-            )
-
-    @property
-    def steps_in_backward(self) -> bool:
-        """The engine steps sub-groups in files during the final backward
-        (``update.nvme.early``): stages 2-3, the gradients in host memory."""
-        return (
-            self.step_during_backward
-            and self.sharding.reduces_during_backward
-            and self.optimizer_tier.on_nvme
-            and not self.grads_on_disk
-        )
-
-    def add_early_update(self) -> None:
-        """Stepping sub-groups in files during the final backward: their new state is
-        written beside the old until ``step()`` adopts it, their new values to files of
-        their own."""
-        if not self.steps_in_backward:
-            return
-        on_nvme, T = self.host.split.nvme_numel, self.T
-        self.add(
-            "optimizer state stepped in backward",
-            "nvme",
-            FORWARD_BACKWARD,
-            BUFFER,  # a second copy for a while, not more model state
-            self.host.split.nvme_state_bytes,
-            f"{per_param_text(self.host.split.rate)} bytes × the sub-groups in files "
-            f"of {T}/N: beside the old until step()",
-        )
-        self.add(
-            "values stepped in backward",
-            "nvme",
-            FORWARD_BACKWARD,
-            BUFFER,
-            self.b * on_nvme,
-            f"{self.b} bytes × the sub-groups in files of {T}/N: new params, written, read once",
-        )
-
-    def _params_are_master(self) -> bool:
-        """fp32 params beside the optimizer are its master (updaters.make_updater), when the
-        policy keeps an fp32 master."""
-        stage, param = self.sharding, self.param_tier
-        return (
-            self.policy.master is MasterPrecision.FP32
-            and not self.optimizer_tier.offloaded
-            and self.b == 4
-            and (
-                stage.all_reduces
-                or stage.shards_params
-                and (not param.offloaded or param.on_host and self.on_cpu)
-            )
-        )
-
-    def add_optimizer_buffers(self) -> None:
-        """The NVMe optimizer's swap buffers, or the CPU Adam's compute-dtype output."""
-        b, s_t, sizing = self.b, self.layout.s_t, self.host.split.sizing
-        if self.optimizer_tier.on_nvme:
-            count = sizing.buffers
-            self.add(
-                "optimizer swap buffers",
-                "host",
-                RESIDENT,
-                BUFFER,
-                self.host.split.pipeline_bytes,
-                f"{count} sub-groups × {per_param_text(self.host.split.rate)} bytes, "
-                "as the pool rounds them",
-            )
-            if self.grads_on_disk:
-                self.add(
-                    "grad swap buffers",
-                    "host",
-                    RESIDENT,
-                    BUFFER,
-                    sizing.grad_bytes(s_t),
-                    f"{count} sub-groups × 4 bytes, as the pool rounds them",
-                )
-            if sizing.out_bytes(b):
-                self.add(
-                    "param staging",
-                    "host",
-                    RESIDENT,
-                    BUFFER,
-                    sizing.out_bytes(b),
-                    f"{b} bytes × one sub-group: CPU Adam's output",
-                )
-        elif b != 4 and (self.optimizer_tier.on_host or self.on_cpu):
-            # The CPU Adam writes compute-dtype params into a buffer of its own unless stage
-            # 3's shards are themselves in host memory.
-            if not (
-                self.sharding.shards_params and shards_in_host_memory(self.param_tier, self.device)
-            ):
-                tier = Tier.HOST if self.optimizer_tier.on_host else Tier.DEVICE
-                self.add(
-                    "param staging",
-                    tier,
-                    RESIDENT,
-                    BUFFER,
-                    b * s_t,
-                    f"{b}{self.T}/N: CPU Adam's output",
-                )
+    def add_optimizer(self) -> None:
+        """The optimizer's state, its buffers and what stepping during backward adds."""
+        self.terms += OptimizerTerms(
+            policy=self.policy,
+            tier=self.optimizer_tier,
+            param_tier=self.param_tier,
+            sharding=self.sharding,
+            device=self.device,
+            b=self.b,
+            s_t=self.layout.s_t,
+            T=self.T,
+            split=self.host.split,
+            step_during_backward=self.step_during_backward,
+            grads_on_disk=self.grads_on_disk,
+        ).terms()

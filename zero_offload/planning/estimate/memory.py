@@ -225,9 +225,7 @@ def estimate_memory(
     build.add_params(prefetch_depth, offload_param_fraction)
     build.add_grads()
     build.add_unit_being_made()
-    build.add_optimizer_state()
-    build.add_optimizer_buffers()
-    build.add_early_update()
+    build.add_optimizer()
     if activation_bytes:
         build.add("activations", "device", FORWARD_BACKWARD, ACTIVATIONS, activation_bytes, "given")
     if activations is not None:

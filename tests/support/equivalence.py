@@ -7,9 +7,9 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
-from models import batch, loss_fn, make
 
 import zero_offload as zo
+from support.models import batch, loss_fn, make
 
 LR, WD, CLIP, STEPS, GLOBAL_BATCH = 1e-2, 0.1, 0.05, 5, 8
 

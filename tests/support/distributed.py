@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "zero_offload", "distributed", "models"]
+PRELOAD = ["torch", "torch.distributed", "zero_offload", "support.distributed", "support.models"]
 """What the fork server imports once for every rank it forks (a name that fails to import
 is skipped by multiprocessing)."""
 

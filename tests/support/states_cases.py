@@ -9,10 +9,10 @@ import copy
 
 import torch
 import torch.nn as nn
-from equivalence import master_step
-from models import batch, loss_fn, make
 
 import zero_offload as zo
+from support.equivalence import master_step
+from support.models import batch, loss_fn, make
 from zero_offload.optim import CPUAdamW8bit
 
 LR, WD, CLIP, STEPS, GLOBAL_BATCH = 1e-2, 0.1, 0.05, 5, 8

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from states_cases import GLOBAL_BATCH, LR, WD, _batch, _loss, make_model
 
 import zero_offload as zo
+from support.states_cases import GLOBAL_BATCH, LR, WD, _batch, _loss, make_model
 
 NAME = "wide"
 

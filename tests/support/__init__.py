@@ -1,0 +1,1 @@
+"""Helpers the tests share: models, spawned ranks, reference optimizers, fault injection."""
