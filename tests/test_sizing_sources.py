@@ -146,3 +146,23 @@ def test_nvme_terms_are_the_nvme_optimizers_pools(tmp_path: Path, limit_mib: int
         assert _term(e, "param staging") == out.numel() * out.element_size()
     finally:
         opt.close()
+
+
+def test_the_optimizer_states_bytes_per_element_is_one_named_constant() -> None:
+    """fp32 AdamW's 12 bytes an element (master, m, v) is ``ADAM_STATE_BYTES``, the default
+    policy's size; no code multiplies by a bare 12 (a change of layout would miss it). The
+    GPT shape rule (12 · width² weights a layer) is not a state size."""
+    from zero_offload.optim.policy import ADAM_STATE_BYTES, StatePolicy
+
+    assert StatePolicy().bytes_per_param == ADAM_STATE_BYTES == 12
+    package = Path(zo.__file__).resolve().parent
+    bare = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                for side in (node.left, node.right):
+                    if isinstance(side, ast.Constant) and side.value in (12, 12.0):
+                        if "width" in ast.unparse(node):
+                            continue
+                        bare.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert bare == []

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import SwapIOError
+from ..optim.policy import ADAM_STATE_BYTES
 from ..params.units import persistent_buffers
 from ..progress import Progress
 from .checkpointable import Checkpointable
@@ -61,12 +62,16 @@ def _write_state(engine: Checkpointable, path: Path) -> RankRecord:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     progress = Progress(
-        f"saving checkpoint {path.parent}", 12 * numel, "B", show=engine.comm.rank == 0, logger=log
+        f"saving checkpoint {path.parent}",
+        ADAM_STATE_BYTES * numel,
+        "B",
+        show=engine.comm.rank == 0,
+        logger=log,
     )
     try:
         for lo, arrays in engine.state_chunks():
             length = arrays[0].numel()
-            progress.update(12 * length)
+            progress.update(ADAM_STATE_BYTES * length)
             for section, values in enumerate(arrays):
                 if values is None:
                     crcs[section] = _crc_zeros(4 * length, crcs[section])

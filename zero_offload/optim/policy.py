@@ -26,6 +26,7 @@ from typing import TypeVar
 
 __all__ = [
     "ABSMAX_BYTES",
+    "ADAM_STATE_BYTES",
     "BF16_BYTES",
     "BLOCK",
     "CODE_BYTES",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 FP32_BYTES = 4
+ADAM_STATE_BYTES = 3 * FP32_BYTES
+"""fp32 AdamW's state per element: the master, ``exp_avg`` and ``exp_avg_sq`` (the default
+policy's ``bytes_per_param``; the NVMe pipeline's files and buffers are sized by it)."""
 BF16_BYTES = 2
 CODE_BYTES = 1  # one 8-bit code per element of a quantized moment
 ABSMAX_BYTES = 4  # one fp32 absmax per block of a quantized moment
@@ -140,7 +144,7 @@ _ALIASES = {
 
 @dataclass(frozen=True)
 class StatePolicy:
-    """The optimizer's kind and state precisions. Defaults: fp32 AdamW (12 bytes/param)."""
+    """The optimizer's kind and state precisions. Defaults: fp32 AdamW (``ADAM_STATE_BYTES``)."""
 
     kind: OptimizerKind = OptimizerKind.ADAMW
     moments: MomentPrecision = MomentPrecision.FP32

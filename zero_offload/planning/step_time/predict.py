@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...memory.sizes import dtype_bytes
+from ...optim.policy import ADAM_STATE_BYTES
 from ..estimate.activations import DecoderShape
 from ..estimate.memory import MemoryEstimate
 from .hardware import Rates
@@ -76,7 +77,7 @@ class Workload:
     overlap_step: bool = False
     step_during_backward: bool = False
     tokens: int = 0  # per rank per step
-    state_bytes: float = 12.0  # optimizer state bytes per parameter
+    state_bytes: float = ADAM_STATE_BYTES  # optimizer state bytes per parameter
     offload_optimizer: str = "none"
     nvme_fraction: float | None = None
 
@@ -159,7 +160,7 @@ def workload(
     checkpointing: bool = False,
     overlap_step: bool = True,
     step_during_backward: bool = True,
-    state_bytes: float = 12.0,
+    state_bytes: float = ADAM_STATE_BYTES,
     attention_flops: float = 0.0,
 ) -> Workload:
     """One rank's step of the configuration ``e`` describes, ``tokens`` tokens a micro-batch.

@@ -30,6 +30,7 @@ from ...errors import BufferBudgetError, IncompleteStepError
 from ...grads.disk import DiskGrads
 from ...memory.ledger import MemoryReport
 from ...optim import CPUAdam
+from ...optim.policy import ADAM_STATE_BYTES
 from ...partition import chunks, split_range
 from ...swap.budget import host_memory_budget
 from ...swap.buffers import HostBuffer
@@ -97,11 +98,11 @@ class NvmeAdam(Updater):
         state_budget = budget - self.sizing.out_bytes(dtype_bytes) - self.sizing.grad_bytes(numel)
         self.swapper = Swapper(
             off.nvme_dir,
-            buffer_bytes=12 * self.group,
+            buffer_bytes=ADAM_STATE_BYTES * self.group,
             buffer_count=count,
             min_buffers=2,
             host_memory_limit=state_budget,
-            expected_bytes=12 * self.split.nvme_numel + 4 * on_disk * numel,
+            expected_bytes=ADAM_STATE_BYTES * self.split.nvme_numel + 4 * on_disk * numel,
             rank=rank,
             # the master crosses PCIe only as fp32 compute's new params
             pin=pins(crosses_pcie=dtype == torch.float32),
@@ -150,7 +151,7 @@ class NvmeAdam(Updater):
             self.group,
             self.host_groups,
             self.swapper.pool.count,
-            12 * self.group / 2**20,
+            ADAM_STATE_BYTES * self.group / 2**20,
             "; gradients on NVMe too" if on_disk else "",
         )
 
@@ -325,7 +326,7 @@ class NvmeAdam(Updater):
 
     def add_to(self, report: MemoryReport) -> None:
         out = self.group_step.out
-        report.add("nvme", "optimizer", 12 * self.split.nvme_numel)
+        report.add("nvme", "optimizer", ADAM_STATE_BYTES * self.split.nvme_numel)
         report.add(
             "host",
             "optimizer",

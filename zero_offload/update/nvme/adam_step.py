@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ...optim.policy import ADAM_STATE_BYTES
 from ..api import Sink, StepRange, StepTimings, Targets
 from .early import next_key, out_key
 from .groups import AdamFiles
@@ -48,7 +49,7 @@ class AdamStep:
             return timed(adam.swapper.prefetch(out_key(i)), "read_s", timings), None
         state = grad = None
         if i >= adam.host_groups:
-            timings.bytes_read += 12 * (hi - lo)
+            timings.bytes_read += ADAM_STATE_BYTES * (hi - lo)
             state = timed(adam.swapper.prefetch(adam.state_key(i)), "read_s", timings)
         if adam.disk_grads is not None:
             timings.bytes_read += adam.disk_grads.stored_bytes(i)
@@ -84,7 +85,7 @@ class AdamStep:
         )
         if resident is not None:
             return None
-        timings.bytes_written += 12 * (hi - lo)
+        timings.bytes_written += ADAM_STATE_BYTES * (hi - lo)
         write = adam.swapper.swap_out(adam.state_key(i), state.reshape(-1))
         return adam.pipeline.io_clock.timed(write, "write_s", timings)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...grads.disk import DiskGrads
+from ...optim.policy import ADAM_STATE_BYTES
 from ...swap.buffers import pool_footprint as _footprint
 
 __all__ = [
@@ -54,7 +55,7 @@ class NvmeSizing:
 
     def state_bytes(self) -> int:
         """The pipeline buffers of [master | m | v], as the pool rounds them."""
-        return self.buffers * _footprint(12 * self.group)
+        return self.buffers * _footprint(ADAM_STATE_BYTES * self.group)
 
     def out_bytes(self, dtype_bytes: int) -> int:
         """One sub-group's new parameters in the compute dtype (none in fp32: the master)."""
@@ -116,7 +117,7 @@ class OptimizerSplit:
 
     @property
     def host_state_bytes(self) -> int:
-        return 12 * self.host_numel
+        return ADAM_STATE_BYTES * self.host_numel
 
     def disk_bytes_per_step(self) -> int:
         """Bytes the optimizer moves to and from disk per step: [master | m | v] of the NVMe
@@ -135,9 +136,9 @@ def host_groups(numel: int, group: int, fraction: float | str | None, spare: int
     if fraction is None or groups == 0:
         return 0
     if fraction == "auto":
-        if spare >= 12 * numel:
+        if spare >= ADAM_STATE_BYTES * numel:
             return groups
-        return max(0, min(groups, int(spare) // (12 * group)))
+        return max(0, min(groups, int(spare) // (ADAM_STATE_BYTES * group)))
     target = (1.0 - float(fraction)) * numel  # elements in host memory, as asked
     below = min(groups, int(target // group))
     return min((below, min(groups, below + 1)), key=lambda k: abs(min(k * group, numel) - target))
