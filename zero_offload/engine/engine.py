@@ -29,9 +29,8 @@ from ..device.threads import ThreadBudget
 from ..interrupts import signals_held
 from ..memory.ledger import MemoryReport
 from ..params.units import FlatUnit, persistent_buffers
-from ..swap.budget import (
-    return_freed_memory,
-)
+from ..swap.budget import return_freed_memory
+from ..update.window import Phase
 from ..weak import weak_hook
 from . import export
 from .buffer_sync import broadcast_buffers
@@ -102,7 +101,7 @@ class Engine(EngineLifecycle, EngineState):
         self.grads, self.grad_queue = parts.grads, parts.grad_queue
         self.unit_states, self.gatherer = parts.unit_states, parts.gatherer
         self.reducer, self.activations = parts.reducer, parts.activations
-        self.stepper = parts.stepper
+        self.stepper, self.coordinator = parts.stepper, parts.coordinator
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
         self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
@@ -114,10 +113,8 @@ class Engine(EngineLifecycle, EngineState):
         self.global_steps = 0
         self._last_comm: dict = {}
         self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
-        self._first_boundary_passed = False  # see step(): its freed pages go back once
         self.clock = StepClock()
         self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
-        self._lending = False  # gathered_parameters(): forwards inside it open no window
         self._window = ForwardWindow(weak_hook(self._forward_context))
         # model(x) is engine(x): the window opens before the root's other pre-forward hooks
         self._leftovers.closers[:0] = self._window.hook_root(
@@ -136,7 +133,7 @@ class Engine(EngineLifecycle, EngineState):
     def _root_pre_forward(
         self, _module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
-        if self._closed or self._lending:
+        if self._closed or self.coordinator.lending:  # forwards read the lent values: no window
             return None
         self._window.before_root()
         return move_inputs(args, self.device, self.dtype), move_inputs(
@@ -150,7 +147,11 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open(settle=False)  # an update left running goes on unit by unit
         if self.config.broadcast_buffers and self._module.training:
             broadcast_buffers(self._module, self.comm)
-        with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
+        with (
+            self.coordinator.during(Phase.FORWARD),
+            forward_context(self.gatherer, self.activations),
+            self.clock.phase("forward"),
+        ):
             yield
 
     def forward_window(self) -> ContextManager[None]:
@@ -234,8 +235,11 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
+        with self.coordinator.during(Phase.BACKWARD):
+            self._backward(loss, self.is_accumulation_boundary if final is None else final)
+
+    def _backward(self, loss: torch.Tensor, final: bool) -> None:
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        final = self.is_accumulation_boundary if final is None else final
         self.reducer.begin_backward(final=final)
         self.stepper.begin_backward(final)
         self.reducer.on_landed = self.stepper.landing()
@@ -253,7 +257,7 @@ class Engine(EngineLifecycle, EngineState):
                 (loss * scale if scale != 1.0 else loss).backward()
                 self.reducer.end_backward()
         except BaseException:
-            self.stepper.drop_early()
+            self.coordinator.drop_early()
             raise
         finally:
             if self.gatherer:
@@ -285,16 +289,22 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
-        if not boundary:
-            self.stepper.drop_early()  # a backward passed final=True off the boundary
-            return False
+        with self.coordinator.during(Phase.STEP):
+            if not boundary:
+                self.coordinator.drop_early()  # a backward passed final=True off the boundary
+                return False
+            return self._update()
+
+    def _update(self) -> bool:
+        """The step at a boundary: reduce, update, record what it did."""
         with self.clock.phase("step"):
             flags = self.reducer.reduce_accumulated()
             applied = self.stepper.step(
                 flags, self.reducer.reduce_late, defer=weak_hook(self._end_deferred_update)
             )
-            if self.stepper.pending is None:
+            if self.coordinator.pending is None:
                 self._end_update()
+        self.coordinator.cleared()
         if applied:
             self.global_steps += 1
             if self.lr_scheduler is not None:
@@ -310,13 +320,12 @@ class Engine(EngineLifecycle, EngineState):
             self.gatherer.reset_peak()
         if self.activations is not None:
             self.activations.reset_peak()
-        if self.gatherer or not self._first_boundary_passed:
+        if self.gatherer or self.coordinator.boundaries == 1:
             # Stage 3: the pages of the units the backward released go back before the
             # reads ahead for the next step take fresh blocks, which would leave RSS
             # wandering with them. Any stage, once: the first step laid its blocks out while
             # glibc's mmap threshold was still rising (large blocks mapped apart), so the
             # next forward, whose blocks land in the heap, would not reuse its free pages.
-            self._first_boundary_passed = True
             return_freed_memory()
         if self.gatherer:
             self.gatherer.prefetch_first()
@@ -342,8 +351,9 @@ class Engine(EngineLifecycle, EngineState):
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self._check_open()
-        self.stepper.drop_early()
+        self.coordinator.drop_early()
         self.reducer.zero()
+        self.coordinator.cleared()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
     def save_checkpoint(

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..policies import Stage
+from ..update.window import Phase
 from .buffer_sync import broadcast_buffers
 from .handback import Leftovers, hand_back_parameters
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ..params.unit_state import UnitStates
     from ..params.units import FlatUnit
     from ..update.stepper import ShardStepper
+    from ..update.window import WindowCoordinator
     from .forward import ForwardWindow
 
 __all__ = ["EngineLifecycle"]
@@ -55,8 +57,8 @@ class EngineLifecycle:
     grad_queue: HostGradQueue | None
     _module: nn.Module
     _closed: bool
+    coordinator: WindowCoordinator
     _window: ForwardWindow
-    _lending: bool
     _finalizer: Callable[[], Any]
     _leftovers: Leftovers
 
@@ -70,7 +72,7 @@ class EngineLifecycle:
             )
         if settle:
             self._window.end_interrupted()  # a forward an interrupt left open ends first
-            self.stepper.settle()
+            self.coordinator.settle()
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
@@ -95,12 +97,8 @@ class EngineLifecycle:
                     "engine's model (pass model.parameters() or some of them)"
                 )
             units = [owner[id(p)] for p in wanted]
-        self._lending = True  # the model's forwards read the lent values: no window
-        try:
-            with self.gatherer.lend_values(units):
-                yield
-        finally:
-            self._lending = False
+        with self.coordinator.during(Phase.LENDING), self.gatherer.lend_values(units):
+            yield  # the model's forwards read the lent values: no window
 
     def close(self, hand_back: bool = True) -> None:
         """End the engine and give the model back: each parameter becomes a plain tensor of
@@ -123,9 +121,9 @@ class EngineLifecycle:
         unwinding = sys.exc_info()[0] is not None
         try:
             if unwinding:  # an update left under the forward is dropped, not finished
-                self.stepper.abandon()
+                self.coordinator.abandon()
             else:
-                self.stepper.settle()
+                self.coordinator.settle()
             if hand_back and not unwinding:
                 self._hand_back()
             self._leftovers.dropped_on_purpose = not hand_back and not unwinding

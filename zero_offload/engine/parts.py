@@ -28,6 +28,7 @@ from ..swap.budget import split_host_budget as split_budget
 from ..update.host_state import run_layout
 from ..update.stepper import ShardStepper
 from ..update.updaters import make_updater, params_are_master
+from ..update.window import WindowCoordinator
 from .buffer_sync import broadcast_buffers
 from .build import build_units
 from .handback import Leftovers
@@ -52,6 +53,7 @@ class Parts:
     reducer: GradReducer
     activations: ActivationOffload | None
     stepper: ShardStepper
+    coordinator: WindowCoordinator  # the phase the engine is in and the window the update runs in
 
 
 def split_host_budget(
@@ -221,6 +223,7 @@ def build_parts(
     )
     leftovers.closers[:0] = [reducer.remove_hooks] + ([gatherer.remove_hooks] if gatherer else [])
     activations = build_offload(config, model, units, streams, gatherer, activation_budget)
+    coordinator = WindowCoordinator()
     stepper = ShardStepper(
         units,
         config,
@@ -231,10 +234,11 @@ def build_parts(
         updater,
         param_store,
         streams,
+        coordinator,
     )
     # an update still running under a forward stops first, while its files are open;
     # the pinned staging buffers go last, once nothing copies from them any more
-    leftovers.closers.insert(0, stepper.abandon)
+    leftovers.closers.insert(0, coordinator.abandon)
     leftovers.closers += [stepper.sink.release_staging]
     if activations is not None:
         leftovers.closers.append(activations.close)
@@ -251,4 +255,5 @@ def build_parts(
         reducer,
         activations,
         stepper,
+        coordinator,
     )

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..update.api import StepTimings
     from ..update.nvme.sizing import OptimizerSplit
     from ..update.stepper import ShardStepper
+    from ..update.window import WindowCoordinator
 
 __all__ = ["EngineState"]
 
@@ -35,6 +36,7 @@ class EngineState:
     units: list[FlatUnit]
     reducer: GradReducer
     stepper: ShardStepper
+    coordinator: WindowCoordinator
     param_store: ParamStore | None
     grads: torch.Tensor | None
     activations: ActivationOffload | None
@@ -130,7 +132,7 @@ class EngineState:
     @property
     def optimizer_steps(self) -> int:
         """Updates applied to the optimizer state (Adam's bias-correction step)."""
-        self.stepper.settle()
+        self.coordinator.settle()
         return self.stepper.updater.steps
 
     @optimizer_steps.setter
@@ -181,7 +183,7 @@ class EngineState:
     @property
     def last_step_timings(self) -> StepTimings:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
-        self.stepper.settle()
+        self.coordinator.settle()
         return self.stepper.updater.last_timings
 
     @property
@@ -202,7 +204,7 @@ class EngineState:
         """While the last step's update runs under the forward (``overlap_step``): elements
         of this rank's shard whose new values are stored, and elements in all; None when no
         update is running."""
-        pending = self.stepper.pending
+        pending = self.coordinator.pending
         if pending is None:
             return None
         return pending.stored, sum(u.shard_numel for u in self.units if not u.frozen)

@@ -9,16 +9,16 @@ order its forward runs them), and the disk reads and writes of the next sub-grou
 while the forward computes. Each sub-group runs exactly the computation of the sequential
 step, so the results are equal bit for bit.
 
-A :class:`DeferredUpdate` wraps the updater's per-sub-group iteration; its owner, the
-:class:`~.stepper.ShardStepper`, runs it through a unit before the unit's shard is read, and
-to the end before anything else reads or changes the training state (the engine finishes it
-first in every method but the forward).
+A :class:`DeferredUpdate` wraps the updater's per-sub-group iteration; the engine's
+:class:`~.window.WindowCoordinator` holds it, the :class:`~.stepper.ShardStepper` runs it
+through a unit before the unit's shard is read, and the engine runs it to the end before
+anything else reads or changes the training state (in every method but the forward).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 from ..interrupts import signals_held
 
@@ -35,7 +35,7 @@ class DeferredUpdate:
 
     def __init__(
         self,
-        steps: Iterator[int],
+        steps: Generator[int, None, None],
         on_done: Callable[[], None],
         on_error: Callable[[], None],
     ) -> None:
@@ -80,10 +80,8 @@ class DeferredUpdate:
         if self.done:
             return
         self.done = True
-        close = getattr(self._steps, "close", None)
         try:
-            if close is not None:
-                close()
+            self._steps.close()
         except Exception as err:  # noqa: BLE001 - the engine is going away; say what was lost
             log.warning("closing with an overlapped optimizer step unfinished: %s", err)
         finally:

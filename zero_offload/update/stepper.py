@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Mapping
+from typing import Callable, Generator, Iterator, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -37,10 +37,10 @@ from ..params.units import FlatUnit
 from ..weak import weak_hook
 from .api import StepRange
 from .loss_scale import LossScaler
-from .nvme.early import EarlyUpdate
 from .overlap import DeferredUpdate
 from .sink import ParamSink
 from .updater import Updater
+from .window import UpdateWindow, WindowCoordinator
 
 __all__ = ["ShardStepper"]
 
@@ -63,6 +63,11 @@ def _decays(
     return [u.names[i] not in skip for u, i in slots]
 
 
+def _closable(steps: Iterator[int]) -> Generator[int, None, None]:
+    """``steps`` as a generator: closing it closes theirs, if they are one."""
+    yield from steps
+
+
 class ShardStepper:
     def __init__(
         self,
@@ -75,8 +80,12 @@ class ShardStepper:
         updater: Updater,
         params: ParamStore | None,
         streams: Streams,
+        coordinator: WindowCoordinator,
     ) -> None:
+        """``coordinator``: the engine's phase and update window, where the pass during backward
+        and the update left under the forward are held (``update.window``)."""
         self.units = units
+        self.coordinator = coordinator
         self.cfg = cfg
         self.comm = comm
         self.stage = cfg.sharding
@@ -121,9 +130,8 @@ class ShardStepper:
         self._skipped = [0] * len(slots)
         self._counts_before: tuple[list[int], dict | None] = (list(self._skipped), None)
         self._decays = _decays(units, slots, cfg.optimizer.no_decay)
-        # an update left running under the next forward (overlap_step), until it ends
-        self.pending: DeferredUpdate | None = None
-        # it can be: stepped sub-group by sub-group, and storing a unit needs no collective
+        # the update can run under the next forward (overlap_step): it is stepped
+        # sub-group by sub-group, and storing a unit needs no collective
         self._can_defer = (
             cfg.overlap_step
             and params is not None
@@ -131,9 +139,8 @@ class ShardStepper:
             and all(u.sharded_params for u in self._stepped)
         )
         # the final backward's pass over sub-groups whose gradients are complete, until the
-        # step adopts or drops it (``.early_update``): NVMe state, gradients in host memory,
-        # reduced during backward (stages 2-3), and a factor known before the norm (1.0)
-        self.early: EarlyUpdate | None = None
+        # step adopts or drops it (``update.nvme.early``): NVMe state, gradients in host
+        # memory, reduced during backward (stages 2-3), and a factor known before the norm
         self._can_step_early = (
             cfg.step_during_backward
             and self.stage.reduces_during_backward
@@ -182,9 +189,9 @@ class ShardStepper:
     def begin_backward(self, final: bool) -> None:
         """A backward starts: a pass of an earlier one is dropped; the final one of a window
         starts a new pass where it can run."""
-        self.drop_early()
+        self.coordinator.drop_early()
         if final and self._can_step_early:
-            self.early = self.updater.start_early(
+            early = self.updater.start_early(
                 # every parameter with a gradient, each at its own step count: what the
                 # step computes when that is so (it compares)
                 self.grads,
@@ -192,12 +199,14 @@ class ShardStepper:
                 self._update_ranges([True] * len(self._ranges)),
                 self.sink.starts,
             )
+            if early is not None:
+                self.coordinator.start_early(early)
 
     def landing(self) -> Callable[[FlatUnit], None] | None:
         """What the reducer calls once a unit's reduced gradients are in the host shard (a
         worker thread may): bound to this backward's pass, so that a late call from an
         earlier backward cannot reach it. None: no pass runs."""
-        early, position = self.early, self._position
+        early, position = self.coordinator.early, self._position
         if early is None:
             return None
 
@@ -206,12 +215,6 @@ class ShardStepper:
                 early.landed(position[unit.index])
 
         return landed
-
-    def drop_early(self) -> None:
-        """Stop the pass and drop what it wrote (its gradients went, or were never final)."""
-        early, self.early = self.early, None
-        if early is not None:
-            early.drop()
 
     def missed_updates(self) -> dict[str, int]:
         """Parameter name -> updates it was not stepped in (no gradient); nonzero ones only.
@@ -273,19 +276,16 @@ class ShardStepper:
 
         Unscaling and clipping fold into one factor that the updater applies as it reads the
         gradients: no pass over them here, and no fp32 copy of a low-precision shard."""
-        early, self.early = self.early, None
         try:
-            return self._step(flags, reduce_late, defer, early)
+            return self._step(flags, reduce_late, defer)
         finally:
-            if early is not None and not early.handed_over:
-                early.drop()
+            self.coordinator.drop_early()  # a pass that no update adopted
 
     def _step(
         self,
         flags: torch.Tensor | None,
         reduce_late: Callable[[list[bool]], None] | None,
         defer: Callable[[], None] | None,
-        early: EarlyUpdate | None,
     ) -> bool:
         self.streams.sync_h2d()  # host shards some copy still reads may be overwritten now
         # what a failed update puts back, so that a retry counts this step once
@@ -296,16 +296,15 @@ class ShardStepper:
         values = self._exchange(flags)
         sumsq = values[-1]
         had: list[bool] | None = None
-        arrived_late = False  # a pass during backward read sums that changed since: dropped
         if flags is not None:
             p = len(self._names)
             had = [v > 0 for v in values[:p]]
             late = [v > 0 for v in values[p:-1]]
-            arrived_late = any(late)
-            if arrived_late:
+            if any(late):
                 assert reduce_late is not None
-                if early is not None:  # it read sums that change now, and must not drive
-                    early.drop()  # the swapper beside the update
+                # a pass during backward read sums that change now, and must not drive the
+                # swapper beside the update
+                self.coordinator.drop_early()
                 reduce_late(late)  # rare (reentrant backward): the sums change, read again
                 sumsq = self._exchange(None)[-1]
             if not any(had):
@@ -328,17 +327,25 @@ class ShardStepper:
                 factor *= coef
         copied = self.sink.copied_bytes
         ranges = self._update_ranges(had)
+        deferred = defer is not None and self._can_defer
         # the pass of this window's backward: adopted or dropped by the updater
-        extra = {} if early is None or arrived_late else {"early": early}
-        if extra:
-            assert early is not None
-            early.handed_over = True
-        if defer is not None and self._can_defer:
-            steps = self.updater.update_in_steps(
-                self.grads, factor, self.sink.sink, ranges, self.sink.targets, **extra
-            )
-            self.pending = DeferredUpdate(
-                steps, lambda: self._update_done(copied, defer), self._update_failed
+        early = self.coordinator.begin_update(
+            UpdateWindow.UNDER_FORWARD if deferred else UpdateWindow.AT_STEP
+        )
+        extra = {} if early is None else {"early": early}
+        if deferred:
+            assert defer is not None
+            try:
+                steps = self.updater.update_in_steps(
+                    self.grads, factor, self.sink.sink, ranges, self.sink.targets, **extra
+                )
+            except BaseException:
+                self.coordinator.end_update()
+                raise
+            self.coordinator.defer(
+                DeferredUpdate(
+                    _closable(steps), lambda: self._update_done(copied, defer), self._update_failed
+                )
             )
             return True
         try:
@@ -348,6 +355,8 @@ class ShardStepper:
         except BaseException:
             self._update_failed()
             raise
+        finally:
+            self.coordinator.end_update()
         self._update_done(copied)
         return True
 
@@ -366,21 +375,10 @@ class ShardStepper:
             self.scaler.load_state_dict(scaler)
         self.sink.forget()
 
-    def settle(self) -> None:
-        """Run an update left under the forward (:attr:`pending`) to its end."""
-        pending = self.pending
-        if pending is None:
-            return
-        try:
-            pending.finish()
-        finally:
-            if pending.done:
-                self.pending = None
-
     def settle_through(self, unit: FlatUnit) -> None:
         """Before a unit's shard is read: step the pending update's sub-groups until the
         unit's new values are stored (frozen units have none)."""
-        pending = self.pending
+        pending = self.coordinator.pending
         if pending is None or unit.frozen:
             return
         try:
@@ -394,16 +392,7 @@ class ShardStepper:
                     break
                 pending.run_through(max(ends))
         finally:
-            if pending.done:
-                self.pending = None
-
-    def abandon(self) -> None:
-        """Drop an update still pending (closing while an exception propagates), and the
-        pass of a backward that no step adopted."""
-        self.drop_early()
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.abandon()
+            self.coordinator.pending_ran()
 
     @property
     def last_grad_norm(self) -> float | None:
