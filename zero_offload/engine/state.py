@@ -220,7 +220,7 @@ class EngineState:
         """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
         found = [
             self.stepper.updater.swapper,
-            getattr(self.param_store, "swapper", None),
+            None if self.param_store is None else self.param_store.swapper,
         ]
         return [s for s in found if s is not None]
 

@@ -95,7 +95,7 @@ class _ResidentAdam(Updater):
         """The optimizer's state for the master, created (zeros) if no step ran yet."""
         state = self.optimizer.state[self.param]
         if "exp_avg" not in state:
-            fused = getattr(self.optimizer, "defaults", {}).get("fused")
+            fused = self.optimizer.defaults.get("fused")
             state["step"] = torch.zeros(
                 (), dtype=torch.float32, device=self.master.device if fused else "cpu"
             )
