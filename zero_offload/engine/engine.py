@@ -33,17 +33,13 @@ from ..swap.budget import return_freed_memory
 from ..update.window import Phase
 from ..weak import weak_hook
 from . import export
-from .buffer_sync import broadcast_buffers
-from .forward import ForwardWindow
-from .handback import Leftovers, check_parameters
-from .inputs import move_inputs
-from .lifecycle import EngineLifecycle
+from .forward import ForwardWindow, broadcast_buffers, move_inputs
+from .lifecycle import EngineLifecycle, Leftovers, check_parameters
 from .optimizer_state import attach_state_dict
-from .parts import build_parts
+from .parts import Runtime, build_parts
 from .preemption import Preemption
-from .runtime import Runtime
 from .state import EngineState
-from .step_stats import StepClock, optimizer_stats, summarize
+from .step_stats import StepRecord
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
@@ -111,10 +107,7 @@ class Engine(EngineLifecycle, EngineState):
             self._leftovers.closers.append(self.preemption.close)
         self.micro_steps = 0
         self.global_steps = 0
-        self._last_comm: dict = {}
-        self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
-        self.clock = StepClock()
-        self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
+        self.record = StepRecord()  # what the last step did (engine.last_step)
         self._window = ForwardWindow(weak_hook(self._forward_context))
         # model(x) is engine(x): the window opens before the root's other pre-forward hooks
         self._leftovers.closers[:0] = self._window.hook_root(
@@ -150,7 +143,7 @@ class Engine(EngineLifecycle, EngineState):
         with (
             self.coordinator.during(Phase.FORWARD),
             forward_context(self.gatherer, self.activations),
-            self.clock.phase("forward"),
+            self.record.clock.phase("forward"),
         ):
             yield
 
@@ -253,7 +246,7 @@ class Engine(EngineLifecycle, EngineState):
             # them after the step would have that forward fault each of them in again.
             return_freed_memory()
         try:
-            with self.clock.phase("backward"):
+            with self.record.clock.phase("backward"):
                 (loss * scale if scale != 1.0 else loss).backward()
                 self.reducer.end_backward()
         except BaseException:
@@ -297,7 +290,7 @@ class Engine(EngineLifecycle, EngineState):
 
     def _update(self) -> bool:
         """The step at a boundary: reduce, update, record what it did."""
-        with self.clock.phase("step"):
+        with self.record.clock.phase("step"):
             flags = self.reducer.reduce_accumulated()
             applied = self.stepper.step(
                 flags, self.reducer.reduce_late, defer=weak_hook(self._end_deferred_update)
@@ -309,17 +302,7 @@ class Engine(EngineLifecycle, EngineState):
             self.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.last_step = summarize(self, applied, self.stepper.updater.last_timings)
-        self.clock.reset()
-        self._last_comm = self.comm.stats()
-        self.comm.reset_stats()
-        self.unit_states.reset_counts()
-        self.reducer.reset_counts()
-        if self.gatherer:
-            self._last_step_peak = self.gatherer.peak_gathered_bytes
-            self.gatherer.reset_peak()
-        if self.activations is not None:
-            self.activations.reset_peak()
+        self.record.step_ended(self, applied)
         if self.gatherer or self.coordinator.boundaries == 1:
             # Stage 3: the pages of the units the backward released go back before the
             # reads ahead for the next step take fresh blocks, which would leave RSS
@@ -340,7 +323,7 @@ class Engine(EngineLifecycle, EngineState):
     def _end_deferred_update(self) -> None:
         """The end of an update that ran under the forward (``overlap_step``)."""
         self._end_update()
-        self.last_step.update(optimizer_stats(self.stepper.updater.last_timings))
+        self.record.update_ended(self.stepper.updater.last_timings)
         return_freed_memory()  # what the update freed, before backward takes fresh blocks
 
     def finish_step(self) -> None:

@@ -11,21 +11,33 @@ instead (``engine.forward_window()``), and the forwards inside it only move thei
 An interrupt (``KeyboardInterrupt``, a signal handler's exception) skips post-forward hooks
 and would leave the window open: the next forward or engine call closes it first, as a
 forward that failed.
+
+Each forward's inputs move to the compute device keeping their containers' types
+(:func:`move_inputs`), and module buffers (BatchNorm running statistics and the like) follow
+rank 0 as with ``DistributedDataParallel``: copied to every rank at ``initialize`` and before
+each training forward (``broadcast_buffers=True``), one collective per dtype
+(:func:`broadcast_buffers`); exports read rank 0's values (:func:`rank0_values`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import enum
 import sys
+from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import Any, Callable, ContextManager, Iterator
 
+import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
+from ..comm import Comm
 from ..weak import weak_hook
 
-__all__ = ["ForwardWindow", "Opener"]
+__all__ = ["ForwardWindow", "Opener", "broadcast_buffers", "move_inputs", "rank0_values"]
 
 ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
 
@@ -112,3 +124,77 @@ class ForwardWindow:
         ``except`` when the forward raised, and then :meth:`after_root` has not run."""
         if self.opener is Opener.HOOK:
             self.close(sys.exc_info())
+
+
+def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``value`` with every tensor inside it on ``device`` (floating ones in ``dtype``)."""
+    if isinstance(value, torch.Tensor):
+        target = dtype if value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=target)
+    if isinstance(value, PackedSequence):  # batch_sizes stays on the host, as torch wants
+        target = dtype if value.data.is_floating_point() else value.data.dtype
+        # torch types PackedSequence.to as Tensor.to's first overload only (dtype, no device)
+        return value.to(device=device, dtype=target)  # type: ignore[call-arg]
+    if isinstance(value, (list, tuple)):
+        items = [move_inputs(v, device, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, tuple):
+            if hasattr(value, "_fields"):  # a namedtuple
+                return type(value)(*items)
+            return tuple(items) if type(value) is tuple else type(value)(items)
+        out = copy.copy(value)  # a list (subclass): same type, attributes kept
+        out[:] = items
+        return out
+    if isinstance(value, Mapping):
+        moved = {k: move_inputs(v, device, dtype) for k, v in value.items()}
+        if all(moved[k] is v for k, v in value.items()):
+            return value
+        if isinstance(value, MutableMapping):  # dict, defaultdict, OrderedDict, UserDict…
+            mutable = copy.copy(value)
+            for k, v in moved.items():
+                mutable[k] = v
+            return mutable
+        return moved  # a read-only mapping: a plain dict with the same items
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: move_inputs(getattr(value, f.name), device, dtype)
+            for f in dataclasses.fields(value)
+            if f.init and hasattr(value, f.name)
+        }
+        if all(changes[k] is getattr(value, k) for k in changes):
+            return value
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def rank0_values(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
+    """Rank 0's values of ``tensors`` (the same list on every rank), as new tensors."""
+    if comm.world_size == 1:
+        return [t.detach().clone() for t in tensors]
+    out: dict[int, torch.Tensor] = {}
+    for group in _by_dtype(tensors).values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            out[id(t)] = flat[offset : offset + t.numel()].view(t.shape).clone()
+            offset += t.numel()
+    return [out[id(t)] for t in tensors]
+
+
+def broadcast_buffers(model: nn.Module, comm: Comm) -> None:
+    """Every buffer of ``model`` takes rank 0's value, in place. Collective."""
+    if comm.world_size == 1:
+        return
+    buffers = [b for b in model.buffers() if b.numel()]
+    with torch.no_grad():
+        for b, value in zip(buffers, rank0_values(buffers, comm)):
+            b.copy_(value)

@@ -1,8 +1,15 @@
 """Building an engine's parts around the model, each from the ones it depends on: kept apart
-from the engine's training loop, which only drives them."""
+from the engine's training loop, which only drives them.
+
+What the parts run on besides the model and its configuration (:class:`Runtime`): the device's
+side streams, the worker that sums reduced gradient shards on the host and the device optimizer;
+``initialize`` takes the real ones, a rehearsal (``zero_offload.rehearsal``) passes simulated
+ones.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,13 +36,12 @@ from ..update.host_state import run_layout
 from ..update.stepper import ShardStepper
 from ..update.updaters import make_updater, params_are_master
 from ..update.window import WindowCoordinator
-from .buffer_sync import broadcast_buffers
 from .build import build_units
-from .handback import Leftovers
-from .runtime import Runtime
+from .forward import broadcast_buffers
+from .lifecycle import Leftovers
 from .weights import load_buffers, open_pretrained
 
-__all__ = ["Parts", "build_parts", "split_host_budget"]
+__all__ = ["Parts", "Runtime", "build_parts", "split_host_budget"]
 
 
 @dataclass
@@ -257,3 +263,15 @@ def build_parts(
         stepper,
         coordinator,
     )
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The machine-facing parts of one engine (each default is the real one)."""
+
+    # the side streams of the compute device (their calls run inline on a CPU device)
+    streams: Callable[[torch.device], Streams] = Streams
+    # runs the host-side gradient sums in order; None: a thread of the engine's own
+    host_worker: Callable[[], Executor] | None = None
+    # builds the optimizer of a device-resident master; None: torch's fused AdamW
+    device_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None

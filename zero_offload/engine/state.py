@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..update.nvme.sizing import OptimizerSplit
     from ..update.stepper import ShardStepper
     from ..update.window import WindowCoordinator
+    from .step_stats import StepRecord
 
 __all__ = ["EngineState"]
 
@@ -42,8 +43,7 @@ class EngineState:
     activations: ActivationOffload | None
     micro_steps: int
     global_steps: int
-    _last_comm: dict
-    _last_step_peak: int
+    record: StepRecord
 
     if TYPE_CHECKING:  # provided by the engine
 
@@ -228,9 +228,14 @@ class EngineState:
     @property
     def last_comm(self) -> dict:
         """Collective counters of the last step."""
-        return dict(self._last_comm)
+        return dict(self.record.comm)
 
     @property
     def last_step_peak(self) -> int:
         """Stage 3: the peak gathered parameter bytes of the last step."""
-        return self._last_step_peak
+        return self.record.peak
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """What the last step did: flat, loggable numbers (``engine.step_stats``)."""
+        return self.record.last
