@@ -32,9 +32,9 @@ from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, plan_units, trainable_numel
 from ..swap.budget import activation_host_share, host_memory_budget
 from ..swap.budget import split_host_budget as split_budget
+from ..update.factory import make_updater, params_are_master
 from ..update.host_state import run_layout
 from ..update.stepper import ShardStepper
-from ..update.updaters import make_updater, params_are_master
 from ..update.window import WindowCoordinator
 from .build import build_units
 from .forward import broadcast_buffers
