@@ -66,6 +66,7 @@ _MODULE_KINDS = {
     "zero_offload.update.api": OPTIMIZER,
     "zero_offload.params.order": COMM,
     "zero_offload.update.updaters": OPTIMIZER,
+    "zero_offload.update.factory": OPTIMIZER,
     "zero_offload.update.nvme.adam": OPTIMIZER,
     "zero_offload.optim.kernel": OPTIMIZER,
     "zero_offload.optim.cpu_adam": OPTIMIZER,
