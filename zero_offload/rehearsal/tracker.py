@@ -63,6 +63,7 @@ _MODULE_KINDS = {
     "zero_offload.params.store": PARAMS,
     "zero_offload.params.gather": GATHERED,
     "zero_offload.update.stepper": OPTIMIZER,
+    "zero_offload.update.grad_prep": OPTIMIZER,
     "zero_offload.update.api": OPTIMIZER,
     "zero_offload.params.order": COMM,
     "zero_offload.update.updaters": OPTIMIZER,
