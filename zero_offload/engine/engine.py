@@ -4,23 +4,21 @@
 into units (``params.units``), and wires three parts together: the gradient reducer
 (``grads.reducer``), the sharded optimizer (``update.stepper``) and, in stage 3, the parameter
 gatherer (``params.gather``). The model's own parameters become views into the units' flat
-buffers, so the user's module runs unchanged. Closing and lending parameters their values
-live in ``engine.lifecycle``, the accessors checkpoints and users read in
-``engine.state``.
+buffers, so the user's module runs unchanged. The model's calls through the engine live in
+``engine.forward``, closing and lending parameters their values in ``engine.lifecycle``, the
+accessors checkpoints and users read in ``engine.state``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
-from ..activations.wiring import forward_context
 from ..comm import Comm
 from ..config import ZeroConfig, build_config
 from ..deepspeed_config import schedule
@@ -33,7 +31,7 @@ from ..swap.budget import return_freed_memory
 from ..update.window import Phase
 from ..weak import weak_hook
 from . import export
-from .forward import ForwardWindow, broadcast_buffers, move_inputs
+from .forward import EngineForward, ForwardWindow
 from .lifecycle import EngineLifecycle, Leftovers, check_parameters
 from .optimizer_state import attach_state_dict
 from .parts import Runtime, build_parts
@@ -46,7 +44,7 @@ __all__ = ["Engine", "initialize", "persistent_buffers"]
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineLifecycle, EngineState):
+class Engine(EngineForward, EngineLifecycle, EngineState):
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(
@@ -123,37 +121,6 @@ class Engine(EngineLifecycle, EngineState):
             self.device,
         )
 
-    def _root_pre_forward(
-        self, _module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict] | None:
-        if self._closed or self.coordinator.lending:  # forwards read the lent values: no window
-            return None
-        self._window.before_root()
-        return move_inputs(args, self.device, self.dtype), move_inputs(
-            kwargs, self.device, self.dtype
-        )
-
-    @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
-        """What one forward window holds: the engine's checks, rank 0's buffers taken while
-        training, stage 3's gathers and the activations' hooks, the clock's forward phase."""
-        self._check_open(settle=False)  # an update left running goes on unit by unit
-        if self.config.broadcast_buffers and self._module.training:
-            broadcast_buffers(self._module, self.comm)
-        with (
-            self.coordinator.during(Phase.FORWARD),
-            forward_context(self.gatherer, self.activations),
-            self.record.clock.phase("forward"),
-        ):
-            yield
-
-    def forward_window(self) -> ContextManager[None]:
-        """One forward window around a trainer's step function, for step functions that call
-        submodules rather than the model (forwards inside it join it). ``engine(x)`` and
-        ``model(x)`` open their own window and need none."""
-        self._check_open(settle=False)
-        return self._window.explicit()
-
     def _host_grads_widened(self, grads: torch.Tensor) -> None:
         """The host gradient shard became fp32 (a second backward before a step)."""
         self.grads = self.stepper.grads = grads
@@ -196,29 +163,6 @@ class Engine(EngineLifecycle, EngineState):
     @property
     def is_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward on this rank's micro-batch (tensors inside any containers
-        go to the device, floating ones in the compute dtype). While training, every rank
-        first takes rank 0's buffers (``broadcast_buffers``). The same call as
-        ``model(*args, **kwargs)``: the root module's hooks do this (``engine/forward.py``)."""
-        self._check_open(settle=False)
-        return self._module(*args, **kwargs)
-
-    forward = __call__
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
-        model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
-        args = move_inputs(args, self.device, self.dtype)
-        kwargs = move_inputs(kwargs, self.device, self.dtype)
-        with self.forward_window():
-            return fn(*args, **kwargs)
-
-    def gathered(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """Inside :meth:`run`: ``module``'s parameters gathered for the block (stage 3; a
-        no-op otherwise), for code that reads them without calling the module."""
-        return self.gatherer.hold(module) if self.gatherer else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss

@@ -73,6 +73,7 @@ _MODULE_KINDS = {
     "zero_offload.optim.cpu_adam": OPTIMIZER,
     "zero_offload.rehearsal.simulate": COMM,  # host-device copies through the streams
     "zero_offload.engine.engine": None,  # the model runs under it: decided by the phase
+    "zero_offload.engine.forward": None,  # the engine's forward calls: the same
 }
 # ...except a gradient copy made inside an optimizer's update (the fp32 gradients of a step)
 _FUNCTION_KINDS = {("zero_offload.update.updaters", "update"): GRADS}
