@@ -30,10 +30,9 @@ from ..params.units import FlatUnit
 from ..weak import weak_hook
 from .grad_prep import GradPrep
 from .loss_scale import LossScaler
-from .overlap import DeferredUpdate
 from .sink import ParamSink
 from .updater import Updater
-from .window import UpdateWindow, WindowCoordinator
+from .window import DeferredUpdate, UpdateWindow, WindowCoordinator
 
 __all__ = ["ShardStepper"]
 
