@@ -63,11 +63,8 @@ class ShardStepper:
         self.units = units
         self.coordinator = coordinator
         self.cfg = cfg
-        self.comm = comm
         self.stage = cfg.sharding
         self.grads = grads  # None: the gradients are in files (NVMe optimizer, small budget)
-        self.device = device  # scalars for collectives live here (NCCL needs device tensors)
-        self.dtype = dtype
         self.updater = updater
         self.optimizer = updater.optimizer
         self.params = params
