@@ -100,7 +100,7 @@ def test_low_precision_states_train_like_fp32_adamw(world, case):
 def test_a_policy_on_an_accelerator_optimizer_is_refused():
     from zero_offload.config import build_config
     from zero_offload.optim import StateLayout
-    from zero_offload.update.updaters import make_updater
+    from zero_offload.update.factory import make_updater
 
     cfg = build_config(stage=1, optimizer_type="lion")
     layout = StateLayout.uniform(cfg.optimizer.policy, 8)

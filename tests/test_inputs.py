@@ -66,7 +66,7 @@ def test_containers_keep_their_type_and_tensors_take_the_compute_dtype(stage):
 
 
 def test_non_tensor_and_integer_inputs_pass_through_unchanged():
-    from zero_offload.engine.inputs import move_inputs
+    from zero_offload.engine.forward import move_inputs
 
     ids = torch.tensor([1, 2])
     value = {"ids": ids, "name": "a", "flags": (True, None)}

@@ -17,7 +17,7 @@ from support.models import TinyGPT, batch, loss_fn
 from zero_offload.config import build_config
 from zero_offload.device.streams import Streams
 from zero_offload.engine.engine import Engine
-from zero_offload.engine.runtime import Runtime
+from zero_offload.engine.parts import Runtime
 
 
 class LateEvent:

@@ -16,7 +16,7 @@ from ..params.units import FlatUnit, UnitPlan, make_unit, parameter_references
 from ..progress import Progress
 from ..swap.budget import FreedMemory, return_freed_memory
 from ..update.updater import Updater
-from .handback import Leftovers
+from .lifecycle import Leftovers
 from .weights import PretrainedWeights
 
 __all__ = ["build_units"]

@@ -4,23 +4,21 @@
 into units (``params.units``), and wires three parts together: the gradient reducer
 (``grads.reducer``), the sharded optimizer (``update.stepper``) and, in stage 3, the parameter
 gatherer (``params.gather``). The model's own parameters become views into the units' flat
-buffers, so the user's module runs unchanged. Closing and lending parameters their values
-live in ``engine.lifecycle``, the accessors checkpoints and users read in
-``engine.state``.
+buffers, so the user's module runs unchanged. The model's calls through the engine live in
+``engine.forward``, closing and lending parameters their values in ``engine.lifecycle``, the
+accessors checkpoints and users read in ``engine.state``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
-from ..activations.wiring import forward_context
 from ..comm import Comm
 from ..config import ZeroConfig, build_config
 from ..deepspeed_config import schedule
@@ -29,29 +27,24 @@ from ..device.threads import ThreadBudget
 from ..interrupts import signals_held
 from ..memory.ledger import MemoryReport
 from ..params.units import FlatUnit, persistent_buffers
-from ..swap.budget import (
-    return_freed_memory,
-)
+from ..swap.budget import return_freed_memory
+from ..update.window import Phase
 from ..weak import weak_hook
 from . import export
-from .buffer_sync import broadcast_buffers
-from .forward import ForwardWindow
-from .handback import Leftovers, check_parameters
-from .inputs import move_inputs
-from .lifecycle import EngineLifecycle
+from .forward import EngineForward, ForwardWindow
+from .lifecycle import EngineLifecycle, Leftovers, check_parameters
 from .optimizer_state import attach_state_dict
-from .parts import build_parts
+from .parts import Runtime, build_parts
 from .preemption import Preemption
-from .runtime import Runtime
 from .state import EngineState
-from .step_stats import StepClock, optimizer_stats, summarize
+from .step_stats import StepRecord
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineLifecycle, EngineState):
+class Engine(EngineForward, EngineLifecycle, EngineState):
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(
@@ -102,7 +95,7 @@ class Engine(EngineLifecycle, EngineState):
         self.grads, self.grad_queue = parts.grads, parts.grad_queue
         self.unit_states, self.gatherer = parts.unit_states, parts.gatherer
         self.reducer, self.activations = parts.reducer, parts.activations
-        self.stepper = parts.stepper
+        self.stepper, self.coordinator = parts.stepper, parts.coordinator
         attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
         # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
         self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
@@ -112,12 +105,7 @@ class Engine(EngineLifecycle, EngineState):
             self._leftovers.closers.append(self.preemption.close)
         self.micro_steps = 0
         self.global_steps = 0
-        self._last_comm: dict = {}
-        self._last_step_peak = 0  # stage 3: peak gathered param bytes of the last step
-        self._first_boundary_passed = False  # see step(): its freed pages go back once
-        self.clock = StepClock()
-        self.last_step: dict[str, float] = {}  # what the last step did (step_stats.summarize)
-        self._lending = False  # gathered_parameters(): forwards inside it open no window
+        self.record = StepRecord()  # what the last step did (engine.last_step)
         self._window = ForwardWindow(weak_hook(self._forward_context))
         # model(x) is engine(x): the window opens before the root's other pre-forward hooks
         self._leftovers.closers[:0] = self._window.hook_root(
@@ -132,33 +120,6 @@ class Engine(EngineLifecycle, EngineState):
             self.dtype,
             self.device,
         )
-
-    def _root_pre_forward(
-        self, _module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict] | None:
-        if self._closed or self._lending:
-            return None
-        self._window.before_root()
-        return move_inputs(args, self.device, self.dtype), move_inputs(
-            kwargs, self.device, self.dtype
-        )
-
-    @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
-        """What one forward window holds: the engine's checks, rank 0's buffers taken while
-        training, stage 3's gathers and the activations' hooks, the clock's forward phase."""
-        self._check_open(settle=False)  # an update left running goes on unit by unit
-        if self.config.broadcast_buffers and self._module.training:
-            broadcast_buffers(self._module, self.comm)
-        with forward_context(self.gatherer, self.activations), self.clock.phase("forward"):
-            yield
-
-    def forward_window(self) -> ContextManager[None]:
-        """One forward window around a trainer's step function, for step functions that call
-        submodules rather than the model (forwards inside it join it). ``engine(x)`` and
-        ``model(x)`` open their own window and need none."""
-        self._check_open(settle=False)
-        return self._window.explicit()
 
     def _host_grads_widened(self, grads: torch.Tensor) -> None:
         """The host gradient shard became fp32 (a second backward before a step)."""
@@ -203,29 +164,6 @@ class Engine(EngineLifecycle, EngineState):
     def is_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward on this rank's micro-batch (tensors inside any containers
-        go to the device, floating ones in the compute dtype). While training, every rank
-        first takes rank 0's buffers (``broadcast_buffers``). The same call as
-        ``model(*args, **kwargs)``: the root module's hooks do this (``engine/forward.py``)."""
-        self._check_open(settle=False)
-        return self._module(*args, **kwargs)
-
-    forward = __call__
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
-        model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
-        args = move_inputs(args, self.device, self.dtype)
-        kwargs = move_inputs(kwargs, self.device, self.dtype)
-        with self.forward_window():
-            return fn(*args, **kwargs)
-
-    def gathered(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """Inside :meth:`run`: ``module``'s parameters gathered for the block (stage 3; a
-        no-op otherwise), for code that reads them without calling the module."""
-        return self.gatherer.hold(module) if self.gatherer else contextlib.nullcontext()
-
     def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
         scale with float16); gradients are averaged over ranks. ``final``: this backward ends
@@ -234,8 +172,11 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
+        with self.coordinator.during(Phase.BACKWARD):
+            self._backward(loss, self.is_accumulation_boundary if final is None else final)
+
+    def _backward(self, loss: torch.Tensor, final: bool) -> None:
         scale = self.loss_scale / self.config.gradient_accumulation_steps
-        final = self.is_accumulation_boundary if final is None else final
         self.reducer.begin_backward(final=final)
         self.stepper.begin_backward(final)
         self.reducer.on_landed = self.stepper.landing()
@@ -249,11 +190,11 @@ class Engine(EngineLifecycle, EngineState):
             # them after the step would have that forward fault each of them in again.
             return_freed_memory()
         try:
-            with self.clock.phase("backward"):
+            with self.record.clock.phase("backward"):
                 (loss * scale if scale != 1.0 else loss).backward()
                 self.reducer.end_backward()
         except BaseException:
-            self.stepper.drop_early()
+            self.coordinator.drop_early()
             raise
         finally:
             if self.gatherer:
@@ -285,38 +226,33 @@ class Engine(EngineLifecycle, EngineState):
         self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
-        if not boundary:
-            self.stepper.drop_early()  # a backward passed final=True off the boundary
-            return False
-        with self.clock.phase("step"):
+        with self.coordinator.during(Phase.STEP):
+            if not boundary:
+                self.coordinator.drop_early()  # a backward passed final=True off the boundary
+                return False
+            return self._update()
+
+    def _update(self) -> bool:
+        """The step at a boundary: reduce, update, record what it did."""
+        with self.record.clock.phase("step"):
             flags = self.reducer.reduce_accumulated()
             applied = self.stepper.step(
                 flags, self.reducer.reduce_late, defer=weak_hook(self._end_deferred_update)
             )
-            if self.stepper.pending is None:
+            if self.coordinator.pending is None:
                 self._end_update()
+        self.coordinator.cleared()
         if applied:
             self.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.last_step = summarize(self, applied, self.stepper.updater.last_timings)
-        self.clock.reset()
-        self._last_comm = self.comm.stats()
-        self.comm.reset_stats()
-        self.unit_states.reset_counts()
-        self.reducer.reset_counts()
-        if self.gatherer:
-            self._last_step_peak = self.gatherer.peak_gathered_bytes
-            self.gatherer.reset_peak()
-        if self.activations is not None:
-            self.activations.reset_peak()
-        if self.gatherer or not self._first_boundary_passed:
+        self.record.step_ended(self, applied)
+        if self.gatherer or self.coordinator.boundaries == 1:
             # Stage 3: the pages of the units the backward released go back before the
             # reads ahead for the next step take fresh blocks, which would leave RSS
             # wandering with them. Any stage, once: the first step laid its blocks out while
             # glibc's mmap threshold was still rising (large blocks mapped apart), so the
             # next forward, whose blocks land in the heap, would not reuse its free pages.
-            self._first_boundary_passed = True
             return_freed_memory()
         if self.gatherer:
             self.gatherer.prefetch_first()
@@ -331,7 +267,7 @@ class Engine(EngineLifecycle, EngineState):
     def _end_deferred_update(self) -> None:
         """The end of an update that ran under the forward (``overlap_step``)."""
         self._end_update()
-        self.last_step.update(optimizer_stats(self.stepper.updater.last_timings))
+        self.record.update_ended(self.stepper.updater.last_timings)
         return_freed_memory()  # what the update freed, before backward takes fresh blocks
 
     def finish_step(self) -> None:
@@ -342,8 +278,9 @@ class Engine(EngineLifecycle, EngineState):
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self._check_open()
-        self.stepper.drop_early()
+        self.coordinator.drop_early()
         self.reducer.zero()
+        self.coordinator.cleared()
 
     # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
     def save_checkpoint(

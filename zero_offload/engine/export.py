@@ -18,7 +18,7 @@ from ..params.unit_state import GatherState
 from ..params.units import FlatUnit, persistent_buffers
 from ..policies import Tier
 from ..progress import Progress
-from .buffer_sync import rank0_values
+from .forward import rank0_values
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -1,8 +1,15 @@
 """Building an engine's parts around the model, each from the ones it depends on: kept apart
-from the engine's training loop, which only drives them."""
+from the engine's training loop, which only drives them.
+
+What the parts run on besides the model and its configuration (:class:`Runtime`): the device's
+side streams, the worker that sums reduced gradient shards on the host and the device optimizer;
+``initialize`` takes the real ones, a rehearsal (``zero_offload.rehearsal``) passes simulated
+ones.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,16 +32,16 @@ from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, plan_units, trainable_numel
 from ..swap.budget import activation_host_share, host_memory_budget
 from ..swap.budget import split_host_budget as split_budget
+from ..update.factory import make_updater, params_are_master
 from ..update.host_state import run_layout
 from ..update.stepper import ShardStepper
-from ..update.updaters import make_updater, params_are_master
-from .buffer_sync import broadcast_buffers
+from ..update.window import WindowCoordinator
 from .build import build_units
-from .handback import Leftovers
-from .runtime import Runtime
+from .forward import broadcast_buffers
+from .lifecycle import Leftovers
 from .weights import load_buffers, open_pretrained
 
-__all__ = ["Parts", "build_parts", "split_host_budget"]
+__all__ = ["Parts", "Runtime", "build_parts", "split_host_budget"]
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Parts:
     reducer: GradReducer
     activations: ActivationOffload | None
     stepper: ShardStepper
+    coordinator: WindowCoordinator  # the phase the engine is in and the window the update runs in
 
 
 def split_host_budget(
@@ -221,6 +229,7 @@ def build_parts(
     )
     leftovers.closers[:0] = [reducer.remove_hooks] + ([gatherer.remove_hooks] if gatherer else [])
     activations = build_offload(config, model, units, streams, gatherer, activation_budget)
+    coordinator = WindowCoordinator()
     stepper = ShardStepper(
         units,
         config,
@@ -231,10 +240,11 @@ def build_parts(
         updater,
         param_store,
         streams,
+        coordinator,
     )
     # an update still running under a forward stops first, while its files are open;
     # the pinned staging buffers go last, once nothing copies from them any more
-    leftovers.closers.insert(0, stepper.abandon)
+    leftovers.closers.insert(0, coordinator.abandon)
     leftovers.closers += [stepper.sink.release_staging]
     if activations is not None:
         leftovers.closers.append(activations.close)
@@ -251,4 +261,17 @@ def build_parts(
         reducer,
         activations,
         stepper,
+        coordinator,
     )
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The machine-facing parts of one engine (each default is the real one)."""
+
+    # the side streams of the compute device (their calls run inline on a CPU device)
+    streams: Callable[[torch.device], Streams] = Streams
+    # runs the host-side gradient sums in order; None: a thread of the engine's own
+    host_worker: Callable[[], Executor] | None = None
+    # builds the optimizer of a device-resident master; None: torch's fused AdamW
+    device_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from ..update.api import StepTimings
     from ..update.nvme.sizing import OptimizerSplit
     from ..update.stepper import ShardStepper
+    from ..update.window import WindowCoordinator
+    from .step_stats import StepRecord
 
 __all__ = ["EngineState"]
 
@@ -35,13 +37,13 @@ class EngineState:
     units: list[FlatUnit]
     reducer: GradReducer
     stepper: ShardStepper
+    coordinator: WindowCoordinator
     param_store: ParamStore | None
     grads: torch.Tensor | None
     activations: ActivationOffload | None
     micro_steps: int
     global_steps: int
-    _last_comm: dict
-    _last_step_peak: int
+    record: StepRecord
 
     if TYPE_CHECKING:  # provided by the engine
 
@@ -130,7 +132,7 @@ class EngineState:
     @property
     def optimizer_steps(self) -> int:
         """Updates applied to the optimizer state (Adam's bias-correction step)."""
-        self.stepper.settle()
+        self.coordinator.settle()
         return self.stepper.updater.steps
 
     @optimizer_steps.setter
@@ -181,7 +183,7 @@ class EngineState:
     @property
     def last_step_timings(self) -> StepTimings:
         """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
-        self.stepper.settle()
+        self.coordinator.settle()
         return self.stepper.updater.last_timings
 
     @property
@@ -202,7 +204,7 @@ class EngineState:
         """While the last step's update runs under the forward (``overlap_step``): elements
         of this rank's shard whose new values are stored, and elements in all; None when no
         update is running."""
-        pending = self.stepper.pending
+        pending = self.coordinator.pending
         if pending is None:
             return None
         return pending.stored, sum(u.shard_numel for u in self.units if not u.frozen)
@@ -218,7 +220,7 @@ class EngineState:
         """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
         found = [
             self.stepper.updater.swapper,
-            getattr(self.param_store, "swapper", None),
+            None if self.param_store is None else self.param_store.swapper,
         ]
         return [s for s in found if s is not None]
 
@@ -226,9 +228,14 @@ class EngineState:
     @property
     def last_comm(self) -> dict:
         """Collective counters of the last step."""
-        return dict(self._last_comm)
+        return dict(self.record.comm)
 
     @property
     def last_step_peak(self) -> int:
         """Stage 3: the peak gathered parameter bytes of the last step."""
-        return self._last_step_peak
+        return self.record.peak
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """What the last step did: flat, loggable numbers (``engine.step_stats``)."""
+        return self.record.last

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from torch.profiler import record_function
 
-__all__ = ["StepClock", "optimizer_stats", "summarize"]
+__all__ = ["StepClock", "StepRecord", "optimizer_stats", "summarize"]
 
 
 class StepClock:
@@ -39,11 +39,40 @@ class StepClock:
         self.seconds.clear()
 
 
+class StepRecord:
+    """What the last step did (``engine.last_step``, ``last_comm``, ``last_step_peak``) and
+    the clock of the window the next step ends; at each step's end it takes the parts'
+    counts and starts them again."""
+
+    def __init__(self) -> None:
+        self.clock = StepClock()
+        self.last: dict[str, float] = {}
+        self.comm: dict = {}  # the collectives' counters of the last step
+        self.peak = 0  # stage 3: peak gathered param bytes of the last step
+
+    def step_ended(self, engine: Any, applied: bool) -> None:
+        self.last = summarize(engine, applied, engine.stepper.updater.last_timings)
+        self.clock.reset()
+        self.comm = engine.comm.stats()
+        engine.comm.reset_stats()
+        engine.unit_states.reset_counts()
+        engine.reducer.reset_counts()
+        if engine.gatherer:
+            self.peak = engine.gatherer.peak_gathered_bytes
+            engine.gatherer.reset_peak()
+        if engine.activations is not None:
+            engine.activations.reset_peak()
+
+    def update_ended(self, timings: Any) -> None:
+        """The update that ran under the forward ended: its timings replace the last's."""
+        self.last.update(optimizer_stats(timings))
+
+
 def summarize(engine: Any, applied: bool, timings: Any) -> dict[str, float]:
     """The flat, loggable stats of the step that just ended (numbers only), with the
     optimizer's ``timings``. With the update running under the next forward (``overlap_step``)
     those are the update's before, until :func:`optimizer_stats` of this one replaces them."""
-    clock: StepClock = engine.clock
+    clock: StepClock = engine.record.clock
     out: dict[str, float] = {
         "forward_s": clock.seconds.get("forward", 0.0),
         "backward_s": clock.seconds.get("backward", 0.0),

@@ -26,7 +26,7 @@ from ..activations.config import DEFAULT_TILE_TOKENS
 from ..activations.tiled_loss import tiled_causal_lm_loss
 from ..config import ZeroConfig, build_config
 from ..engine.engine import Engine
-from ..engine.runtime import Runtime
+from ..engine.parts import Runtime
 from ..planning.estimate.activations import ActivationEstimate, DecoderShape, estimate_activations
 from ..planning.estimate.memory import ModelShape, estimate_memory
 from ..swap.budget import host_memory_budget

@@ -63,14 +63,17 @@ _MODULE_KINDS = {
     "zero_offload.params.store": PARAMS,
     "zero_offload.params.gather": GATHERED,
     "zero_offload.update.stepper": OPTIMIZER,
+    "zero_offload.update.grad_prep": OPTIMIZER,
     "zero_offload.update.api": OPTIMIZER,
     "zero_offload.params.order": COMM,
     "zero_offload.update.updaters": OPTIMIZER,
+    "zero_offload.update.factory": OPTIMIZER,
     "zero_offload.update.nvme.adam": OPTIMIZER,
     "zero_offload.optim.native.adam_kernel": OPTIMIZER,
     "zero_offload.optim.cpu_adam": OPTIMIZER,
     "zero_offload.rehearsal.simulate": COMM,  # host-device copies through the streams
     "zero_offload.engine.engine": None,  # the model runs under it: decided by the phase
+    "zero_offload.engine.forward": None,  # the engine's forward calls: the same
 }
 # ...except a gradient copy made inside an optimizer's update (the fp32 gradients of a step)
 _FUNCTION_KINDS = {("zero_offload.update.updaters", "update"): GRADS}

@@ -83,7 +83,6 @@ class EarlyUpdate:
         self.done: list[int] = []  # sub-groups stepped, both files written
         self._started: list[int] = []  # sub-groups whose files it may have begun
         self.error: BaseException | None = None
-        self.handed_over = False  # given to the step, which adopts or drops it
         self._thread = threading.Thread(target=self._run, name="zo-early-update", daemon=True)
         self._thread.start()
 
