@@ -8,27 +8,71 @@ hold it whole.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.nn as nn
 
+from ..activations.offload import ActivationOffload
+from ..comm import Comm
+from ..config import ZeroConfig
 from ..device import placement
+from ..device.streams import Streams
+from ..grads.host import HostGradQueue
 from ..memory.ledger import MemoryReport
-from ..params.unit_state import GatherState
+from ..params.gather import ParamGatherer
+from ..params.store import ParamStore
+from ..params.unit_state import GatherState, UnitStates
 from ..params.units import FlatUnit, persistent_buffers
-from ..policies import Tier
+from ..policies import Stage, Tier
 from ..progress import Progress
+from ..update.stepper import ShardStepper
 from .forward import rank0_values
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["frozen_shard", "full_state_dict", "memory_report"]
+__all__ = ["Exportable", "frozen_shard", "full_state_dict", "memory_report"]
 
 log = logging.getLogger(__name__)
 
 
-def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
+class Exportable(Protocol):
+    """The parts of an engine an export reads (the engine satisfies it; this module never
+    imports the engine)."""
+
+    @property
+    def comm(self) -> Comm: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def config(self) -> ZeroConfig: ...
+    @property
+    def sharding(self) -> Stage: ...
+    @property
+    def units(self) -> list[FlatUnit]: ...
+    @property
+    def stepper(self) -> ShardStepper: ...
+    @property
+    def param_store(self) -> ParamStore | None: ...
+    @property
+    def streams(self) -> Streams: ...
+    @property
+    def unit_states(self) -> UnitStates: ...
+    @property
+    def grads(self) -> torch.Tensor | None: ...
+    @property
+    def grad_queue(self) -> HostGradQueue | None: ...
+    @property
+    def activations(self) -> ActivationOffload | None: ...
+    @property
+    def gatherer(self) -> ParamGatherer | None: ...
+    @property
+    def last_step_peak(self) -> int: ...
+    @property
+    def last_comm(self) -> dict: ...
+
+
+def full_state_dict(engine: Exportable) -> dict[str, torch.Tensor]:
     """See :meth:`Engine.full_state_dict`."""
     master = engine.stepper.updater.master_values()  # where the optimizer keeps it
     values: dict[int, torch.Tensor] = {}
@@ -65,7 +109,7 @@ def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
-def frozen_shard(engine: "Engine", unit: FlatUnit) -> torch.Tensor:
+def frozen_shard(engine: Exportable, unit: FlatUnit) -> torch.Tensor:
     """See :meth:`Engine.frozen_shard`."""
     lo, hi = unit.layout.shard_range(0 if unit.layout.num_shards == 1 else engine.comm.rank)
     if not unit.sharded_params:
@@ -76,7 +120,7 @@ def frozen_shard(engine: "Engine", unit: FlatUnit) -> torch.Tensor:
     return shard.float().cpu()
 
 
-def memory_report(engine: "Engine") -> MemoryReport:
+def memory_report(engine: Exportable) -> MemoryReport:
     """See :meth:`Engine.memory_report`."""
     rep = MemoryReport()
     for u in engine.units:

@@ -26,14 +26,28 @@ rank's shard: other world sizes or stages go through ``save_checkpoint``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..checkpoint.checkpointable import Checkpointable
 
 __all__ = ["attach_state_dict"]
+
+
+class _OptimizerOwner(Checkpointable, Protocol):
+    """What the hooks read and restore: a checkpointable run with its torch optimizer (the
+    engine satisfies it; this module never imports the engine)."""
+
+    @property
+    def trainable_numel(self) -> int: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def optimizer_steps(self) -> int: ...
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None: ...
+
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 _RESHARD = (
@@ -43,7 +57,7 @@ _RESHARD = (
 )
 
 
-def _layout(engine: "Engine") -> dict[str, int | str]:
+def _layout(engine: _OptimizerOwner) -> dict[str, int | str]:
     return {
         "rank": engine.comm.rank,
         "world_size": engine.comm.world_size,
@@ -53,14 +67,14 @@ def _layout(engine: "Engine") -> dict[str, int | str]:
     }
 
 
-def _live(ref: "weakref.ref[Engine]") -> "Engine":
+def _live(ref: "weakref.ref[_OptimizerOwner]") -> _OptimizerOwner:
     engine = ref()
     if engine is None:
         raise RuntimeError("the engine of this optimizer is gone; its state went with it")
     return engine
 
 
-def _state(engine: "Engine") -> dict[str, Any]:
+def _state(engine: _OptimizerOwner) -> dict[str, Any]:
     """This rank's optimizer state as new CPU tensors, filled from the tier in pieces."""
     n = engine.trainable_numel
     out = {k: torch.empty(n, dtype=torch.float32) for k in KEYS}
@@ -80,7 +94,7 @@ def _state(engine: "Engine") -> dict[str, Any]:
     }
 
 
-def _check(engine: "Engine", state_dict: dict) -> dict[str, Any]:
+def _check(engine: _OptimizerOwner, state_dict: dict) -> dict[str, Any]:
     """The one state entry of ``state_dict``, checked against this engine before anything
     is changed."""
     states = list(state_dict.get("state", {}).values())
@@ -112,7 +126,7 @@ def _check(engine: "Engine", state_dict: dict) -> dict[str, Any]:
     return entry
 
 
-def _load(engine: "Engine", entry: dict[str, Any]) -> None:
+def _load(engine: _OptimizerOwner, entry: dict[str, Any]) -> None:
     for unit in sorted((u for u in engine.units if not u.frozen), key=lambda u: u.shard_offset):
         lo, hi = unit.shard_offset, unit.shard_offset + unit.shard_numel
         engine.load_unit_state(unit, *(entry[k][lo:hi].to("cpu") for k in KEYS))
@@ -123,7 +137,7 @@ def _load(engine: "Engine", entry: dict[str, Any]) -> None:
     engine.optimizer_steps = int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
-def attach_state_dict(engine: "Engine") -> None:
+def attach_state_dict(engine: _OptimizerOwner) -> None:
     """Make ``engine.optimizer.state_dict()`` return this rank's full optimizer state and
     ``load_state_dict`` restore it (torch then restores ``param_groups`` as usual). The
     hooks hold the engine weakly."""
