@@ -362,3 +362,77 @@ def test_a_read_buffer_taken_over_leaves_the_key_its_file(tmp_path: Path) -> Non
         assert sw.pool.available == sw.pool.count
         with pytest.raises(SwapIOError, match="no host copy"):
             sw.take_buffer("state")
+
+
+def _interrupt_at_line(n: int, files: tuple[str, ...]):
+    """A tracer that sends this process SIGINT at the ``n``-th line the main thread runs in
+    ``files``: the signal lands between any two lines of the swapper, as Ctrl-C can. The
+    wrapper that holds signals around each call is not counted: before it, the call has not
+    begun (an owned buffer is still the caller's)."""
+    import signal
+
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == n:
+                signal.raise_signal(signal.SIGINT)
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "held" or not frame.f_code.co_filename.endswith(files):
+            return None
+        return local
+
+    return tracer, seen
+
+
+@pytest.mark.parametrize("call", ["prefetch", "swap_in", "swap_out", "swap_out_owned"])
+def test_ctrl_c_at_any_line_of_a_call_leaves_every_key_readable(tmp_path: Path, call) -> None:
+    """SIGINT landing anywhere inside a swapper call (the main thread runs them while a user
+    presses Ctrl-C in forward or backward) must leave its bookkeeping whole: afterwards the
+    key reads back its last complete value without waiting forever, and every pool buffer
+    comes back. A KeyboardInterrupt between starting a read and recording it once left a
+    future nothing would complete, and the engine's close() waited on it."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    files = ("swap/swapper.py", "swap/keys.py")
+    try:
+        n, interrupted_somewhere = 0, True
+        while interrupted_somewhere:
+            n += 1
+            old, new = torch.full((1000,), 1.0), torch.full((1000,), 2.0)
+            with _swapper(tmp_path / str(n)) as sw:
+                sw.swap_out("k", old).result(T)
+                if call == "prefetch":
+                    sw.prefetch("k").result(T)
+                    sw.release("k")
+                if call == "swap_out_owned":  # the buffer is the caller's until swap_out
+                    buf = sw.acquire(4000, "k")
+                    view = buf.view(torch.float32, (1000,))
+                    view.copy_(new)
+                tracer, seen = _interrupt_at_line(n, files)
+                sys.settrace(tracer)
+                try:
+                    if call in ("prefetch", "swap_in"):
+                        getattr(sw, call)("k").result(T)
+                    elif call == "swap_out":
+                        sw.swap_out("k", new, copy=True).result(T)
+                    else:
+                        sw.swap_out("k", view, owned=buf).result(T)
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.settrace(None)
+                interrupted_somewhere = seen[0] >= n
+                got = sw.prefetch("k").result(T).clone()
+                assert torch.equal(got, old) or torch.equal(got, new), n
+                sw.release("k")
+                deadline = time.monotonic() + T  # a write the interrupt left in flight
+                while sw.pool.available < sw.pool.count and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert sw.pool.available == sw.pool.count, f"a buffer lost at line {n}"
+    finally:
+        signal.signal(signal.SIGINT, previous)

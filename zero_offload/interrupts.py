@@ -24,12 +24,16 @@ one such state the library keeps, as signal dispositions are per process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, ParamSpec, TypeVar
 
-__all__ = ["HELD_SIGNALS", "signals_held"]
+__all__ = ["HELD_SIGNALS", "holds_signals", "signals_held"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -78,3 +82,18 @@ def signals_held() -> Iterator[None]:
             arrived, held.arrived = held.arrived, []
             for signum in arrived:  # as if it arrived now: its handler runs (and may raise) here
                 signal.raise_signal(signum)
+
+
+def holds_signals(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``method`` inside :func:`signals_held`: for bookkeeping that changes in several
+    steps (a buffer taken, a request started, its future recorded; a unit's memory swapped
+    and its state set), which a KeyboardInterrupt between two of them would leave half done
+    for the save and ``close()`` that follow. The main thread runs these in forward and
+    backward, where no step holds signals."""
+
+    @functools.wraps(method)
+    def held(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with signals_held():
+            return method(*args, **kwargs)
+
+    return held

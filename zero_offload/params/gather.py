@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
+from ..interrupts import holds_signals
 from ..swap.budget import FreedMemory
 from ..weak import weak_hook
 from .autograd_side import (
@@ -50,15 +51,9 @@ from .store import ParamStore
 from .unit_state import GatherState, UnitStates
 from .units import FlatUnit
 
-__all__ = ["ParamGatherer", "gathered_units"]
+__all__ = ["ParamGatherer"]
 
 log = logging.getLogger(__name__)
-
-
-def gathered_units(prefetch_depth: int) -> int:
-    """Units gathered at once, at most, as modules run one after another: the running
-    module's and ``prefetch_depth`` gathered ahead of it."""
-    return prefetch_depth + 1
 
 
 class ParamGatherer:
@@ -143,6 +138,7 @@ class ParamGatherer:
 
     # -- gather / free bookkeeping ---------------------------------------------------------
     @record_function("zero_offload.gather")
+    @holds_signals
     def _fetch(self, unit: FlatUnit, wait: bool) -> None:
         """All-gather the unit from the ranks' shards (``wait``: before returning)."""
         if self.states.gather_state(unit) is GatherState.FREE:
@@ -158,6 +154,7 @@ class ParamGatherer:
         if wait:
             self.states.wait(unit)
 
+    @holds_signals
     def release(self, unit: FlatUnit) -> None:
         if self.states.gather_state(unit) is not GatherState.FREE and unit.sharded_params:
             self._by_ptr.pop(storage_key(unit.full), None)

@@ -12,7 +12,13 @@ import torch.nn as nn
 from .external import declared_external
 from .units import FlatUnit
 
-__all__ = ["ModuleUnits", "RunningModule"]
+__all__ = ["ModuleUnits", "RunningModule", "gathered_units"]
+
+
+def gathered_units(prefetch_depth: int) -> int:
+    """Units gathered at once, at most, as modules run one after another: the running
+    module's and ``prefetch_depth`` gathered ahead of it."""
+    return prefetch_depth + 1
 
 
 class ModuleUnits:

@@ -18,6 +18,7 @@ import torch
 
 from ..comm import Comm, Handle
 from ..device.streams import Streams
+from ..interrupts import holds_signals
 from ..swap.buffers import advise_huge_pages
 from .shared import SharedStorage, can_share
 from .units import FlatUnit
@@ -115,6 +116,7 @@ class UnitStates:
     def gather_state(self, unit: FlatUnit) -> GatherState:
         return self._of[id(unit)].gather
 
+    @holds_signals
     def gather(
         self,
         unit: FlatUnit,
@@ -174,6 +176,7 @@ class UnitStates:
             self.wait(unit)
         return True
 
+    @holds_signals
     def wait(self, unit: FlatUnit) -> None:
         """The gathered parameters may be used after this (by work queued after it)."""
         state = self._of[id(unit)]
@@ -192,6 +195,7 @@ class UnitStates:
                     then()
         state.gather = GatherState.GATHERED
 
+    @holds_signals
     def free(self, unit: FlatUnit) -> bool:
         """Release ``unit.full``'s memory (stage-3 units only); True if memory was released."""
         state = self._of[id(unit)]

@@ -30,6 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from ..errors import SwapIOError
+from ..interrupts import holds_signals
 from ..policies import Tier
 from .buffers import ALIGNMENT, BufferPool, HostBuffer, round_up
 from .folder import SwapFolder
@@ -93,6 +94,7 @@ class Swapper:
 
     # ---- public API -------------------------------------------------------------------
     @record_function("zero_offload.swap_out")
+    @holds_signals
     def swap_out(
         self,
         key: str,
@@ -179,6 +181,7 @@ class Swapper:
         return self._track(entry, lambda: self.engine.write(entry.file, src), settle, held)
 
     @record_function("zero_offload.swap_in")
+    @holds_signals
     def swap_in(self, key: str, out: torch.Tensor | None = None) -> "Future[torch.Tensor]":
         """Bring ``key`` back: into ``out`` (any device, same dtype and size), or, with no
         ``out``, into a pool buffer whose typed view is the result (held until :meth:`release`).
@@ -237,12 +240,14 @@ class Swapper:
 
         return self._track(entry, lambda: self.engine.read(entry.file, target), settle, buf)
 
+    @holds_signals
     def acquire(self, nbytes: int, key: str) -> HostBuffer:
         """A free pool buffer of at least ``nbytes`` for the caller to fill and hand to
         :meth:`swap_out` as ``owned`` (or give back with ``pool.release``)."""
         self._check_open()
         return self._acquire(round_up(nbytes, ALIGNMENT), key)
 
+    @holds_signals
     def prefetch(self, key: str) -> "Future[torch.Tensor]":
         """Start reading ``key`` into a pool buffer (no new read if one holds it); the result
         is the same typed view :meth:`swap_in` with no ``out`` gives."""
@@ -270,11 +275,13 @@ class Swapper:
         entry.pending.add_done_callback(chain)
         return fut
 
+    @holds_signals
     def release(self, key: str) -> None:
         """Return ``key``'s pool buffer (waiting for its I/O) and forget any device copy.
         The disk copy stays. Views of the buffer must not be used afterwards."""
         self._keys.release(key)
 
+    @holds_signals
     def discard(self, key: str, *, at_once: bool = True) -> None:
         """Forget ``key`` entirely: buffer back to the pool, file deleted — now, or with
         ``at_once=False`` on a thread of its own (:meth:`.SwapFolder.remove_soon`), where the caller
@@ -289,6 +296,7 @@ class Swapper:
         else:
             self._folder.remove_soon(entry.file)
 
+    @holds_signals
     def take_buffer(self, key: str) -> HostBuffer:
         """``key``'s host copy (what :meth:`prefetch` gave), as the caller's own buffer: the
         key keeps its disk copy only. Hand the buffer to :meth:`swap_out` as ``owned`` (or
@@ -296,6 +304,7 @@ class Swapper:
         next read seeing the change."""
         return self._keys.take_buffer(key)
 
+    @holds_signals
     def take_over(self, key: str, source: str) -> None:
         """Make ``source``'s stored copy ``key``'s, in constant time: ``key``'s own copy goes
         (buffer back to the pool, file deleted) and ``source`` is forgotten. Waits for

@@ -11,7 +11,7 @@ from typing import Any
 import torch.nn as nn
 
 from ...grads.reducer import reductions_alive
-from ...params.gather import gathered_units
+from ...params.module_units import gathered_units
 from ...params.units import owning_modules, plan_units, trainable_numel
 from ...partition import padded_numel
 from ...policies import Stage
