@@ -74,9 +74,12 @@ StateChunk = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 """(lo, hi, master, exp_avg, exp_avg_sq) for rank-flat elements [lo, hi), fp32 on the CPU."""
 
 
-def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
+def adam_hyperparameters(
+    optimizer: torch.optim.Optimizer, step: int, num_threads: int | None
+) -> dict:
     """Keyword arguments of :func:`~zero_offload.optim.adam_update` from the optimizer's
-    first param group (read at every step: lr schedulers change it)."""
+    first param group (read at every step: lr schedulers change it) and the caller's kernel
+    threads."""
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
     return dict(
@@ -87,7 +90,7 @@ def adam_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> dict:
         eps=group["eps"],
         weight_decay=group["weight_decay"],
         adamw=True,
-        num_threads=getattr(optimizer, "num_threads", None),
+        num_threads=num_threads,
     )
 
 

@@ -254,6 +254,7 @@ class HostAdam(_ResidentAdam):
         param = nn.Parameter(master, requires_grad=False)
         optimizer = CPUAdam([param], adamw=True, num_threads=num_threads, **adam_kwargs(cfg))
         super().__init__(master, optimizer, param)
+        self.num_threads = num_threads
         self.tier = tier
         # The kernel writes the compute-dtype params into ``out`` in the same pass: the
         # caller's buffer when it lives in host memory (stage 3's param shards), else ours.
@@ -286,7 +287,7 @@ class HostAdam(_ResidentAdam):
             state["exp_avg_sq"],
             0,
             whole_range(self.master.numel(), step) if ranges is None else ranges,
-            adam_hyperparameters(self.optimizer, step),
+            adam_hyperparameters(self.optimizer, step, self.num_threads),
             factor,
             out=self.out,
             # host gradients: one call per range; device ones copied a slice at a time

@@ -244,7 +244,7 @@ class NvmeAdam(Updater):
             early.drop()
         self.pipeline.ensure_sound("step")
         step = self.steps + 1
-        hyper = adam_hyperparameters(self.optimizer, step)
+        hyper = adam_hyperparameters(self.optimizer, step, self.threads.optimizer)
         ranges = whole_range(self.numel, step) if ranges is None else ranges
         done = [] if early is None else early.check(grads, hyper, ranges, factor)
         self.optimizer.step()  # no tensors to update; tells lr schedulers that a step ran
@@ -271,7 +271,7 @@ class NvmeAdam(Updater):
             self,
             grads,
             factor,
-            adam_hyperparameters(self.optimizer, step),
+            adam_hyperparameters(self.optimizer, step, self.threads.optimizer),
             whole_range(self.numel, step) if ranges is None else ranges,
             unit_starts,
         )
