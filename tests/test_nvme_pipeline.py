@@ -9,8 +9,8 @@ import errno
 
 import pytest
 import torch
-from models import MLP, batch, loss_fn
-from swap_faults import FaultBackend
+from support.models import MLP, batch, loss_fn
+from support.swap_faults import FaultBackend
 
 import zero_offload as zo
 from zero_offload.swap import SwapIOError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import TinyGPT, batch, loss_fn
+from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.update.window import (
