@@ -170,11 +170,14 @@ def test_failed_read_mid_training_raises_and_keeps_the_update_unapplied(tmp_path
     engine.close()
 
 
+@pytest.mark.parametrize("state", [{}, {"moment_precision": "8bit"}], ids=["fp32", "8bit"])
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path, op):
+def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path, op, state):
     """Two sub-groups; the I/O of the second fails after the first was updated. The state
     is neither the old nor the new one, so nothing may use it until a checkpoint is loaded;
-    after that, training continues exactly like an engine that never failed."""
+    after that, training continues exactly like an engine that never failed. Both NVMe
+    updaters (fp32 AdamW's and any other state policy's) step through one pipeline and fail
+    alike."""
     torch.manual_seed(0)
     engine = zo.initialize(
         MLP(),
@@ -183,6 +186,7 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
         nvme_path=tmp_path / "nvme",
         sub_group_size=1024,
         step_during_backward=False,  # the fault counts I/O calls: all of them the step's
+        **state,
     )
     _run(engine, steps=1)
     engine.save_checkpoint(tmp_path / "ck")
@@ -212,11 +216,12 @@ def test_step_failing_halfway_refuses_to_train_on_until_load_checkpoint(tmp_path
     assert engine.optimizer_steps == 1
     got = _run(engine, steps=2, seed=5)
     torch.manual_seed(0)
-    ref = zo.initialize(MLP(), stage=2, offload_optimizer="cpu")
+    ref = zo.initialize(MLP(), stage=2, offload_optimizer="cpu", **state)
     _run(ref, steps=1)
     want = _run(ref, steps=2, seed=5)
     assert all(torch.equal(want[k], got[k]) for k in want)
     engine.close()
+    ref.close()
 
 
 def test_a_failed_write_back_fails_the_step_at_once_with_its_cause(tmp_path):
