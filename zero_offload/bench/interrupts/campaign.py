@@ -13,7 +13,8 @@ ends real runs — Ctrl-C, a scheduler's SIGTERM, a disk that fills up — witho
   bit for bit those of an uninterrupted run at the same step, and no swap file may be left.
 - **Disk faults**: the run's swap folder and checkpoints are on a small tmpfs (this needs
   root to mount it) and it saves a checkpoint after every step; at a random moment the disk
-  is filled up to a random number of bytes below what a checkpoint needs. The run must stop
+  is filled up to a random number of bytes below what a checkpoint needs (and further every
+  two steps while the run still finds room, as its swap files shrink). The run must stop
   with a clear ``SwapIOError`` / ``CheckpointError`` (possibly as the cause of an
   ``IncompleteStepError``); once the space is back, a new process resumes from the last
   checkpoint and matches the uninterrupted run.
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from zero_offload.checkpoint.format import MANIFEST
 
 TIMEOUT = 600.0  # seconds a child may stay silent (imports and startup on a loaded host)
 KINDS = (  # (world, signal, the loop's way to handle it)
@@ -231,6 +234,47 @@ def _files(folder: Path) -> list[str]:
     return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
 
 
+def _settled_checkpoint(ckpt: Path) -> int:
+    """The bytes (allocated blocks) of ``ckpt`` when it holds one complete checkpoint and no
+    save or clean-up is under way; 0 otherwise."""
+    folders = [p for p in ckpt.iterdir() if p.is_dir()] if ckpt.is_dir() else []
+    if len(folders) != 1 or folders[0].name.startswith(".") or not (folders[0] / MANIFEST).exists():
+        return 0
+    files = [p for p in ckpt.rglob("*") if p.is_file()]
+    if any(p.name.endswith(".tmp") for p in files):
+        return 0
+    return sum(p.stat().st_blocks * 512 for p in files)
+
+
+def _fill_between_saves(
+    proc: subprocess.Popen, ckpt: Path, mount: Path, rng: random.Random, below: int = 0
+) -> int:
+    """Fill the disk so that fewer bytes stay free than one checkpoint takes (and than
+    ``below``, when given); returns them.
+
+    The process is stopped while the disk is measured and filled, at a moment no save is
+    under way (one complete checkpoint on disk). Measured mid-save, the half-written
+    checkpoint would count as used space that the save later frees."""
+    while True:
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            footprint = _settled_checkpoint(ckpt)
+            if footprint:
+                left = rng.randrange(0, max(1, min(footprint, below or footprint)))
+                free = shutil.disk_usage(mount).free
+                with open(mount / "ballast", "ab") as f:  # the disk fills up
+                    try:
+                        f.write(b"\0" * max(0, free - left))
+                    except OSError:
+                        pass
+                return left
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        if proc.poll() is not None:
+            return 0
+        time.sleep(rng.uniform(0, 0.05))
+
+
 def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) -> Trial:
     trial = Trial("w1-disk-full", seed)
     rng = random.Random(seed)
@@ -247,9 +291,10 @@ def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) ->
         trial.why = f"cannot mount a tmpfs (needs root): {res.stderr.strip()}"
         return trial
     try:
-        spec = _spec(mount, save_every=1)
-        run = _Run(spec, 1)
         trial.after_step = rng.randint(1, steps - 4)
+        # Bounded: a disk that never fills ends the run in a few steps, not at the timeout.
+        spec = _spec(mount, save_every=1, until=trial.after_step + LAG_STEPS)
+        run = _Run(spec, 1)
         while True:
             line = run.line()
             if not line.startswith("step "):
@@ -257,25 +302,26 @@ def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) ->
                 return trial
             if int(line.split()[1]) >= trial.after_step:
                 break
-        ckpt_bytes = sum(p.stat().st_size for p in Path(spec["ckpt"]).rglob("*") if p.is_file())
         time.sleep(rng.uniform(0, 0.5))
-        free = shutil.disk_usage(mount).free
-        left = rng.randrange(0, max(1, ckpt_bytes))
-        ballast = mount / "ballast"
-        with open(ballast, "wb") as f:  # the disk fills up
-            try:
-                f.write(b"\0" * max(0, free - left))
-            except OSError:
-                pass
-        trial.delay_s = left  # bytes left free (recorded in the delay field's place)
+        trial.delay_s = left = _fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng)
+        # The swap files grow and shrink within a step, so a save may still find room: then
+        # the disk fills further (to fewer bytes left) after every two more steps.
+        seen, since = [], 0
+        while (line := run.line()).startswith("step "):
+            seen.append(line)
+            since += 1
+            if since == 2:
+                left = _fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng, left)
+                since = 0
         codes, outs, err = run.finish()
         trial.exit_codes = codes
-        trial.error = next((ln for ln in outs[0].splitlines() if ln.startswith("error ")), "")
+        lines = [*seen, line, *outs[0].splitlines()]
+        trial.error = next((ln for ln in lines if ln.startswith("error ")), "")
         clear = any(name in trial.error for name in ("SwapIOError", "CheckpointError"))
         if codes != [3] or not clear:
             trial.why = f"expected a SwapIOError/CheckpointError, got {codes}: {err[-1500:]}"
             return trial
-        ballast.unlink()  # the space is back
+        (mount / "ballast").unlink(missing_ok=True)  # the space is back
         trial.leftover_files = _files(Path(spec["nvme"]))
         _resume(trial, mount, record, 1, steps)
         trial.leftover_files += _files(Path(spec["nvme"]))
