@@ -27,7 +27,7 @@ from ..params.units import FlatUnit, persistent_buffers
 from ..policies import Stage, Tier
 from ..progress import Progress
 from ..update.stepper import ShardStepper
-from .forward import rank0_values
+from .weights import rank0_values
 
 __all__ = ["Exportable", "frozen_shard", "full_state_dict", "memory_report"]
 
