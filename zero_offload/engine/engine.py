@@ -373,7 +373,7 @@ class Engine:
 
     @property
     def last_step(self) -> dict[str, float]:
-        """What the last step did: flat, loggable numbers (``engine.step_stats``)."""
+        """What the last step did: flat, loggable numbers (``engine.steps``)."""
         return self.record.last
 
 

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class Exportable(Protocol):
-    """The parts of an engine an export reads (the engine satisfies it; this module never
-    imports the engine)."""
+    """The parts of an engine an export reads (the engine's state view satisfies it; this
+    module never imports the engine)."""
 
     @property
     def comm(self) -> Comm: ...

@@ -368,8 +368,3 @@ class StateView:
     def last_step_peak(self) -> int:
         """Stage 3: the peak gathered parameter bytes of the last step."""
         return self.record.peak
-
-    @property
-    def last_step(self) -> dict[str, float]:
-        """What the last step did: flat, loggable numbers (``engine.step_stats``)."""
-        return self.record.last
