@@ -67,7 +67,7 @@ class Engine:
         self._lifecycle, self._steps, self._state = built.lifecycle, built.steps, built.state
         self._forward, self.preemption = built.forward, built.preemption
 
-    # -- the model's face and its calls (engine.forward.ForwardDriver) ---------------------------
+    # -- the model's face and its calls (engine.forward.ForwardDriver) --------------------------
     @property
     def module(self) -> nn.Module:
         return self._module
@@ -111,8 +111,7 @@ class Engine:
         no-op otherwise), for code that reads them without calling the module."""
         return self._forward.gathered(module)
 
-    # -- the training loop ------------------------------------------------------------------
-
+    # -- the training loop (engine.steps.StepDriver) --------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
@@ -177,7 +176,7 @@ class Engine:
         """Drop accumulated gradients (``step`` already does this after an update)."""
         self._steps.zero_grad()
 
-    # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
+    # -- checkpoints and exports (engine.state.StateView hands itself to them) ------------------
     def save_checkpoint(
         self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
     ) -> "os.PathLike":
@@ -201,7 +200,6 @@ class Engine:
             directory, tag, lr_scheduler or self.lr_scheduler, convert_state
         )
 
-    # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
         ``model.load_state_dict`` takes; rank 0's buffers), on the CPU, gathered from all
@@ -219,7 +217,7 @@ class Engine:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
         return self._state.memory_report()
 
-    # -- the lifecycle (engine.lifecycle.Lifecycle) --------------------------------------------
+    # -- the lifecycle (engine.lifecycle.Lifecycle) ---------------------------------------------
     def gathered_parameters(
         self, params: Iterable[nn.Parameter] | None = None
     ) -> ContextManager[None]:
@@ -254,7 +252,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the parts' layout (engine.build.Parts) -----------------
+    # -- the parts' layout (engine.build.Parts) -------------------------------------------------
     @property
     def units(self) -> list[FlatUnit]:
         return self._parts.units
@@ -275,7 +273,7 @@ class Engine:
     def param_store(self) -> ParamStore | None:
         return self._parts.param_store
 
-    # -- the training state (engine.state.StateView) -----------------------------------------
+    # -- the training state (engine.state.StateView) --------------------------------------------
     @property
     def micro_steps(self) -> int:
         return self.record.micro_steps
@@ -288,6 +286,10 @@ class Engine:
     def optimizer_steps(self) -> int:
         """Updates applied to the optimizer state (Adam's bias-correction step)."""
         return self._state.optimizer_steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self._state.optimizer_steps = value
 
     @property
     def state_policy(self) -> StatePolicy:
