@@ -75,7 +75,7 @@ def test_checkpoint_inputs_offloaded_bit_equal(stage, reentrant):
     )
     assert losses == want_losses
     assert all(torch.equal(got[k], want[k]) for k in want)
-    offload = engine.activations
+    offload = engine._parts.activations
     assert offload.offloaded == LAYERS  # exactly the blocks' inputs, nothing else
     assert engine.last_step["activations_offloaded_bytes"] == LAYERS * 16 * WIDTH * 4
     assert engine.last_step["activations_fetched_late"] == 0  # each brought back ahead
@@ -95,7 +95,7 @@ def test_every_saved_tensor_offloaded_bit_equal(stage):
     )
     assert losses == want_losses
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert engine.activations.offloaded >= 2 * LAYERS
+    assert engine._parts.activations.offloaded >= 2 * LAYERS
     engine.close()
 
 
@@ -134,7 +134,7 @@ def test_a_full_host_budget_keeps_the_rest_on_the_device(caplog):
             host_memory_limit=limit,
         )
     assert losses == want_losses and all(torch.equal(got[k], want[k]) for k in want)
-    assert engine.activations.offloaded == 2
+    assert engine._parts.activations.offloaded == 2
     assert engine.last_step["activations_kept_bytes"] == 2 * 16 * WIDTH * 4
     assert engine.memory_report().bytes["host"]["activations"] <= limit
     assert "host_memory_limit" in caplog.text
@@ -144,7 +144,7 @@ def test_a_full_host_budget_keeps_the_rest_on_the_device(caplog):
 def test_checkpoints_mode_without_checkpointing_says_what_to_do(caplog):
     with caplog.at_level(logging.WARNING, logger="zero_offload.activations.offload"):
         _, _, engine = _train(_stack(None), steps=1, offload_activations=True)
-    assert engine.activations.offloaded == 0
+    assert engine._parts.activations.offloaded == 0
     assert "gradient_checkpointing_enable" in caplog.text and "'all'" in caplog.text
     engine.close()
 
@@ -206,7 +206,7 @@ def _llama_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple]:
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
-            offloaded = engine.activations.offloaded if on else 0
+            offloaded = engine._parts.activations.offloaded if on else 0
             out.append(((stage, reentrant, on), loss.item(), engine.full_state_dict(), offloaded))
             engine.close()
     return out

@@ -167,7 +167,7 @@ def _train(
             sl = slice(rank * per, (rank + 1) * per)
             engine.backward(_loss(name, engine(x[sl]), y[sl]))
             engine.step()
-            on_demand.append(engine.gatherer.on_demand if engine.gatherer else 0)
+            on_demand.append(engine._parts.gatherer.on_demand if engine._parts.gatherer else 0)
         sd = engine.full_state_dict()
         engine.close()
     finally:

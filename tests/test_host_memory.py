@@ -192,7 +192,7 @@ def test_a_flat_buffer_is_reused_only_once_the_offloaded_sum_has_read_it():
         engine = zo.initialize(
             TinyGPT(layers=4, width=64), stage=3, lr=1e-2, offload_optimizer="cpu"
         )
-        host = engine.reducer.target.target  # behind the queue: the host gradient shard
+        host = engine._parts.reducer.target.target  # behind the queue: the host gradient shard
         add = host.accumulate_grad
 
         def late(offset, values, final):

@@ -77,7 +77,7 @@ def _same_route(rank: int, world: int) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    checks = engine.gatherer.order.checks
+    checks = engine._parts.gatherer.order.checks
     engine.close()
     return [checks, *losses]
 

@@ -41,8 +41,8 @@ def test_gathering_ahead_reads_a_few_recorded_entries_per_module():
     x = torch.randn(2, 4)
     engine.backward(engine(x).square().mean())
     engine.step()
-    recorded = _Counting(engine.gatherer.recorded)
-    engine.gatherer.recorded = recorded
+    recorded = _Counting(engine._parts.gatherer.recorded)
+    engine._parts.gatherer.recorded = recorded
     engine.backward(engine(x).square().mean())
     engine.step()
     engine.close()

@@ -158,7 +158,7 @@ def test_tied_embeddings_at_stage_3_train_like_the_plain_loss():
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        assert not engine.gatherer.learned  # no forward read it unannounced
+        assert not engine._parts.gatherer.learned  # no forward read it unannounced
         runs.append((losses, engine.full_state_dict()))
         engine.close()
     (want_losses, want), (losses, got) = runs

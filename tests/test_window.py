@@ -108,7 +108,7 @@ def _observed(engine: zo.Engine, steps: int = 2, accumulate: int = 1) -> list[tu
         if not seen or seen[-1] != (phase, update):
             seen.append((phase, update))
 
-    engine.coordinator.watch(note)
+    engine._parts.coordinator.watch(note)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for _ in range(accumulate):
@@ -176,10 +176,10 @@ def test_zero_grad_drops_the_early_pass_and_the_gradients(tmp_path):
     engine = _engine(tmp_path, 2, nvme=True, step_during_backward=True)
     x, y = batch("gpt", 4, torch.Generator().manual_seed(1))
     engine.backward(loss_fn("gpt", engine(x), y))
-    assert (engine.coordinator.phase, engine.coordinator.update) == (R, EARLY)
+    assert (engine._parts.coordinator.phase, engine._parts.coordinator.update) == (R, EARLY)
     engine.zero_grad()
-    assert (engine.coordinator.phase, engine.coordinator.update) == (IDLE, None)
-    assert engine.coordinator.early is None
+    assert (engine._parts.coordinator.phase, engine._parts.coordinator.update) == (IDLE, None)
+    assert engine._parts.coordinator.early is None
     engine.close()
 
 
@@ -187,7 +187,7 @@ def test_gathered_parameters_lends_and_forwards_inside_open_no_window(tmp_path):
     engine = _engine(tmp_path, 3)
     x, _ = batch("gpt", 4, torch.Generator().manual_seed(1))
     seen: list[Phase] = []
-    engine.coordinator.watch(lambda phase, _update: seen.append(phase))
+    engine._parts.coordinator.watch(lambda phase, _update: seen.append(phase))
     with engine.gathered_parameters(), torch.no_grad():
         engine.module(x)
     assert seen == [L, IDLE]

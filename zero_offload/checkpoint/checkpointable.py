@@ -1,8 +1,9 @@
 """What saving and resuming read from and write into a training run: ``Checkpointable``.
 
-The engine satisfies it; checkpoint code names only this, so it depends on nothing above the
-parts it shares with the engine (units, the process group, the state policy) and the engine
-can change how it holds its state without the checkpoint format noticing."""
+The engine's state view (``engine.state.StateView``) satisfies it; checkpoint code names only
+this, so it depends on nothing above the parts it shares with the engine (units, the process
+group, the state policy) and the engine can change how it holds its state without the
+checkpoint format noticing."""
 
 from __future__ import annotations
 

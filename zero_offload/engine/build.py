@@ -1,27 +1,137 @@
 """Building an engine's units one at a time, so that no more than one unit of the model is
-ever whole in memory (and, at stage 3, on the device)."""
+ever whole in memory (and, at stage 3, on the device); what a build leaves to release however
+the engine ends (:class:`Leftovers`); and :class:`Parts`, what the engine trains with, which
+``engine.parts.build_parts`` builds and the engine's objects share."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from ..activations.offload import ActivationOffload
 from ..comm import Comm
 from ..config import ZeroConfig
-from ..params.released import guard
+from ..grads.host import HostGradQueue
+from ..grads.reducer import GradReducer
+from ..params.gather import ParamGatherer
+from ..params.released import guard, unguard
 from ..params.store import ParamStore
+from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit, UnitPlan, make_unit, parameter_references
 from ..progress import Progress
 from ..swap.budget import FreedMemory, return_freed_memory
+from ..update.stepper import ShardStepper
 from ..update.updater import Updater
-from .lifecycle import Leftovers
+from ..update.window import WindowCoordinator
 from .weights import PretrainedWeights
 
-__all__ = ["build_units"]
+__all__ = ["Leftovers", "Parts", "build_units", "check_parameters", "has_memory"]
 
 log = logging.getLogger(__name__)
+
+Refs = list[tuple[nn.Module, str]]
+
+
+def has_memory(p: torch.Tensor) -> bool:
+    """Whether the tensor's storage holds its elements (a stage-3 view between gathers
+    does not)."""
+    if p.is_meta:
+        return True
+    needed = (p.storage_offset() + p.numel()) * p.element_size()
+    return p.numel() == 0 or p.untyped_storage().nbytes() >= needed
+
+
+def check_parameters(model: nn.Module) -> None:
+    """A parameter without memory is a stage-3 view of an engine that is still open."""
+    for name, p in model.named_parameters():
+        if not has_memory(p):
+            raise RuntimeError(
+                f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
+                "still open; call engine.close() first (it puts the trained values back into "
+                "the model), then initialize again"
+            )
+
+
+class Leftovers:
+    """What an engine must release however it ends. It holds nothing that refers back to the
+    engine, so that ``weakref.finalize`` can own it without keeping the engine alive."""
+
+    def __init__(self) -> None:
+        self.closers: list[Callable[[], None]] = []  # run in order, each one even if one fails
+        self.sharded: list[tuple[nn.Parameter, Refs]] = []  # stage 3 gathered-on-demand params
+        self.dropped_on_purpose = False  # close(hand_back=False): no warning, the user chose it
+
+    def release(self) -> None:
+        """Remove hooks, stop threads, close swap files; give parameters left without memory
+        a meta tensor in their place."""
+        lost = []
+        for p, refs in self.sharded:
+            if has_memory(p):
+                unguard([p])  # a plain nn.Parameter again
+            else:  # the old object stays guarded: a reference the user kept fails clearly
+                new = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                    requires_grad=p.requires_grad,
+                )
+                for module, name in refs:
+                    module._parameters[name] = new
+                lost.append(f"{type(refs[0][0]).__name__}.{refs[0][1]}" if refs else "?")
+        if lost and self.dropped_on_purpose:
+            log.info(
+                "zero_offload: close(hand_back=False): %d stage-3 parameters are on the meta "
+                "device now",
+                len(lost),
+            )
+        elif lost:
+            log.warning(
+                "zero_offload: a stage-3 engine ended without close() (or during an "
+                "exception): %d parameters (e.g. %s) lost their values and are on the "
+                "meta device now; call engine.close() to keep trained values",
+                len(lost),
+                lost[0],
+            )
+        self.sharded.clear()
+        closers, self.closers = self.closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.exception("zero_offload: releasing an engine part failed")
+
+
+@dataclass
+class Parts:
+    """What an engine trains with: one object the engine's forward driver, lifecycle and
+    state view share, so that ``close()`` releases each part once, for all of them."""
+
+    param_store: ParamStore | None
+    trainable_numel: int
+    shard_numel: int
+    units: list[FlatUnit]
+    grads: torch.Tensor | None  # None: the optimizer keeps them in files
+    grad_queue: HostGradQueue | None
+    unit_states: UnitStates
+    gatherer: ParamGatherer | None
+    reducer: GradReducer
+    activations: ActivationOffload | None
+    stepper: ShardStepper
+    coordinator: WindowCoordinator  # the phase the engine is in and the window the update runs in
+
+    def widen_grads(self, grads: torch.Tensor) -> None:
+        """The host gradient shard became fp32 (a second backward before a step)."""
+        self.grads = self.stepper.grads = grads
+
+    def release(self) -> None:
+        """Drop the parts that hold the run's memory (a closed engine keeps none of it, even
+        while its object lives on); every use after this is behind the engine's open check."""
+        del self.reducer, self.stepper
+        self.gatherer = self.param_store = None
+        self.grads = self.grad_queue = None
+        self.units = []
 
 
 def build_units(

@@ -4,47 +4,41 @@
 into units (``params.units``), and wires three parts together: the gradient reducer
 (``grads.reducer``), the sharded optimizer (``update.stepper``) and, in stage 3, the parameter
 gatherer (``params.gather``). The model's own parameters become views into the units' flat
-buffers, so the user's module runs unchanged. The model's calls through the engine live in
-``engine.forward``, closing and lending parameters their values in ``engine.lifecycle``, the
-accessors checkpoints and users read in ``engine.state``.
+buffers, so the user's module runs unchanged. The engine is composed of objects that share the
+parts (``engine.build.Parts``), built by ``engine.parts.compose``: a ``ForwardDriver``
+(``engine.forward``) the model's calls go through, a ``StepDriver`` (``engine.steps``) for
+backward and step, a ``Lifecycle`` (``engine.lifecycle``) that checks it is open, lends
+parameters their values and closes it, and a ``StateView`` (``engine.state``) that
+checkpoints and exports read; its public names pass on to them.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
 from ..config import ZeroConfig, build_config
-from ..deepspeed_config import schedule
-from ..device import placement
-from ..device.threads import ThreadBudget
 from ..interrupts import signals_held
 from ..memory.ledger import MemoryReport
+from ..optim.policy import StatePolicy
+from ..params.store import ParamStore
 from ..params.units import FlatUnit, persistent_buffers
-from ..swap.budget import return_freed_memory
-from ..update.window import Phase
-from ..weak import weak_hook
-from . import export
-from .forward import EngineForward, ForwardWindow
-from .lifecycle import EngineLifecycle, Leftovers, check_parameters
-from .optimizer_state import attach_state_dict
-from .parts import Runtime, build_parts
-from .preemption import Preemption
-from .state import EngineState
-from .step_stats import StepRecord
+from ..swap.swapper import Swapper
+from ..update.api import StepTimings
+from ..update.nvme.sizing import OptimizerSplit
+from ..update.stepper import ShardStepper
+from .build import Leftovers, check_parameters
+from .parts import Runtime, compose
+from .state import StateArrays
 
 __all__ = ["Engine", "initialize", "persistent_buffers"]
 
-log = logging.getLogger(__name__)
 
-
-class Engine(EngineForward, EngineLifecycle, EngineState):
+class Engine:
     """Runs forward/backward/step of one data-parallel rank. Build it with :func:`initialize`."""
 
     def __init__(
@@ -53,79 +47,27 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         """``runtime``: the machine-facing parts (side streams, the host gradient worker, the
         device optimizer); None: the real ones. A rehearsal passes simulated ones."""
         self.config = config
-        self._runtime = runtime = runtime or Runtime()
-        self._closed = True  # until checked
         check_parameters(model)
-        self.comm = Comm(config.process_group)
-        self.device = placement.select_device(config.device)
-        # threads per kind of CPU work, decided once for this rank (device.threads)
-        self.threads = ThreadBudget.decide(self.device.type, config.threads)
-        self.threads.apply_compute()
+        self._module = model
         self.dtype = config.precision.dtype
         self.stage = config.stage
         self.sharding = config.sharding  # what the stage shards, for the parts
-        self._module = model
-        self.streams = runtime.streams(self.device)
         # What must be released however this engine ends (close(), collection, exit, or an
         # error below); it holds nothing that refers back to the engine.
-        self._leftovers = Leftovers()
-        self._finalizer = weakref.finalize(self, self._leftovers.release)
-        self._closed = False
+        leftovers = Leftovers()
+        finalizer = weakref.finalize(self, leftovers.release)
         try:
-            self._build(model, config)
+            built = compose(model, config, runtime or Runtime(), leftovers, finalizer)
         except BaseException:
-            self._closed = True  # a half-built engine is not usable
-            self._finalizer()
+            finalizer()  # a half-built engine is not usable
             raise
+        self.comm, self.device, self.streams = built.comm, built.device, built.streams
+        self.threads = built.threads  # threads per kind of CPU work (device.threads)
+        self._parts, self.record, self._window = built.parts, built.record, built.window
+        self._lifecycle, self._steps, self._state = built.lifecycle, built.steps, built.state
+        self._forward, self.preemption = built.forward, built.preemption
 
-    def _build(self, model: nn.Module, config: ZeroConfig) -> None:
-        parts = build_parts(
-            model,
-            config,
-            self.comm,
-            self.device,
-            self.threads,
-            self.streams,
-            self._runtime,
-            self._leftovers,
-            weak_hook(self._host_grads_widened),  # weak: parts must not keep the engine alive
-        )
-        self.param_store, self.units = parts.param_store, parts.units
-        self.trainable_numel, self.shard_numel = parts.trainable_numel, parts.shard_numel
-        self.grads, self.grad_queue = parts.grads, parts.grad_queue
-        self.unit_states, self.gatherer = parts.unit_states, parts.gatherer
-        self.reducer, self.activations = parts.reducer, parts.activations
-        self.stepper, self.coordinator = parts.stepper, parts.coordinator
-        attach_state_dict(self)  # engine.optimizer.state_dict() holds the state of every tier
-        # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
-        self.lr_scheduler = schedule(self.optimizer, config.lr_schedule)
-        # save_on_preemption: SIGTERM/SIGINT end the run at an agreed step (engine.preemption)
-        self.preemption = Preemption(self.comm, self.device) if config.save_on_preemption else None
-        if self.preemption is not None:
-            self._leftovers.closers.append(self.preemption.close)
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.record = StepRecord()  # what the last step did (engine.last_step)
-        self._window = ForwardWindow(weak_hook(self._forward_context))
-        # model(x) is engine(x): the window opens before the root's other pre-forward hooks
-        self._leftovers.closers[:0] = self._window.hook_root(
-            model, weak_hook(self._root_pre_forward)
-        )
-        log.info(
-            "zero_offload: stage %d, %d units, rank %d/%d, %s on %s",
-            self.stage,
-            len(self.units),
-            self.comm.rank,
-            self.comm.world_size,
-            self.dtype,
-            self.device,
-        )
-
-    def _host_grads_widened(self, grads: torch.Tensor) -> None:
-        """The host gradient shard became fp32 (a second backward before a step)."""
-        self.grads = self.stepper.grads = grads
-
-    # -- the model's face ----------------------------------------------------------------------
+    # -- the model's face and its calls (engine.forward.ForwardDriver) --------------------------
     @property
     def module(self) -> nn.Module:
         return self._module
@@ -144,13 +86,36 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         self._module.eval()
         return self
 
-    # -- the training loop ------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward on this rank's micro-batch (tensors inside any containers
+        go to the device, floating ones in the compute dtype). While training, every rank
+        first takes rank 0's buffers (``broadcast_buffers``). The same call as
+        ``model(*args, **kwargs)``: the root module's hooks do this (``engine/forward.py``)."""
+        return self._forward.call(*args, **kwargs)
 
+    forward = __call__
+
+    def forward_window(self) -> ContextManager[None]:
+        """One forward window around a trainer's step function, for step functions that call
+        submodules rather than the model (forwards inside it join it). ``engine(x)`` and
+        ``model(x)`` open their own window and need none."""
+        return self._forward.window()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
+        model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
+        return self._forward.run(fn, *args, **kwargs)
+
+    def gathered(self, module: nn.Module) -> ContextManager[None]:
+        """Inside :meth:`run`: ``module``'s parameters gathered for the block (stage 3; a
+        no-op otherwise), for code that reads them without calling the module."""
+        return self._forward.gathered(module)
+
+    # -- the training loop (engine.steps.StepDriver) --------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
-        self._check_open(settle=False)  # an update running on took its hyperparameters
-        return self.stepper.optimizer
+        return self._state.optimizer
 
     @property
     def param_groups(self) -> list[dict]:
@@ -158,47 +123,27 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
 
     @property
     def loss_scale(self) -> float:
-        return self.stepper.loss_scale
+        return self._state.loss_scale
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self._steps.is_accumulation_boundary
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """A DeepSpeed config's lr schedule (None without one), stepped after each update."""
+        return self._steps.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self._steps.lr_scheduler = scheduler
 
     def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
         scale with float16); gradients are averaged over ranks. ``final``: this backward ends
         the accumulation window (default: counted from gradient_accumulation_steps; trainers
         that count micro-steps themselves pass it, with gradient_accumulation_steps=1)."""
-        self._check_open()
-        if loss.numel() != 1:
-            raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
-        with self.coordinator.during(Phase.BACKWARD):
-            self._backward(loss, self.is_accumulation_boundary if final is None else final)
-
-    def _backward(self, loss: torch.Tensor, final: bool) -> None:
-        scale = self.loss_scale / self.config.gradient_accumulation_steps
-        self.reducer.begin_backward(final=final)
-        self.stepper.begin_backward(final)
-        self.reducer.on_landed = self.stepper.landing()
-        if self.gatherer:
-            self.gatherer.begin_backward()
-        if self.activations is not None:
-            self.activations.begin_backward()
-        if final:
-            # Freed heap pages go back now, while the heap is at its fullest: the pages the
-            # activations hold stay resident for the next forward to reuse, where returning
-            # them after the step would have that forward fault each of them in again.
-            return_freed_memory()
-        try:
-            with self.record.clock.phase("backward"):
-                (loss * scale if scale != 1.0 else loss).backward()
-                self.reducer.end_backward()
-        except BaseException:
-            self.coordinator.drop_early()
-            raise
-        finally:
-            if self.gatherer:
-                self.gatherer.end_backward()
+        self._steps.backward(loss, final)
 
     def step(self) -> bool:
         """Count a micro-step; at the accumulation boundary reduce, clip and apply the update.
@@ -208,7 +153,7 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         SIGTERM that arrives meanwhile is raised once the step has ended (docs/preemption.md)."""
         boundary = self.is_accumulation_boundary
         with signals_held():
-            applied = self._step()
+            applied = self._steps.step()
         if boundary and self.preemption is not None:
             # collective, after a step that ended a window
             self.preemption.stop_if_agreed(
@@ -222,67 +167,16 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         ``save_on_preemption``."""
         return 0 if self.preemption is None else self.preemption.agreed
 
-    def _step(self) -> bool:
-        self._check_open()
-        boundary = self.is_accumulation_boundary
-        self.micro_steps += 1
-        with self.coordinator.during(Phase.STEP):
-            if not boundary:
-                self.coordinator.drop_early()  # a backward passed final=True off the boundary
-                return False
-            return self._update()
-
-    def _update(self) -> bool:
-        """The step at a boundary: reduce, update, record what it did."""
-        with self.record.clock.phase("step"):
-            flags = self.reducer.reduce_accumulated()
-            applied = self.stepper.step(
-                flags, self.reducer.reduce_late, defer=weak_hook(self._end_deferred_update)
-            )
-            if self.coordinator.pending is None:
-                self._end_update()
-        self.coordinator.cleared()
-        if applied:
-            self.global_steps += 1
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.record.step_ended(self, applied)
-        if self.gatherer or self.coordinator.boundaries == 1:
-            # Stage 3: the pages of the units the backward released go back before the
-            # reads ahead for the next step take fresh blocks, which would leave RSS
-            # wandering with them. Any stage, once: the first step laid its blocks out while
-            # glibc's mmap threshold was still rising (large blocks mapped apart), so the
-            # next forward, whose blocks land in the heap, would not reuse its free pages.
-            return_freed_memory()
-        if self.gatherer:
-            self.gatherer.prefetch_first()
-        return applied
-
-    def _end_update(self) -> None:
-        """After the update: every parameter write stored, the gradients dropped."""
-        if self.param_store is not None:
-            self.param_store.flush()
-        self.reducer.zero()
-
-    def _end_deferred_update(self) -> None:
-        """The end of an update that ran under the forward (``overlap_step``)."""
-        self._end_update()
-        self.record.update_ended(self.stepper.updater.last_timings)
-        return_freed_memory()  # what the update freed, before backward takes fresh blocks
-
     def finish_step(self) -> None:
         """Wait until the last step's update, running under the next forward with
         ``overlap_step``, has ended (every other engine method waits for it first too)."""
-        self._check_open()
+        self._lifecycle.check_open()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (``step`` already does this after an update)."""
-        self._check_open()
-        self.coordinator.drop_early()
-        self.reducer.zero()
-        self.coordinator.cleared()
+        self._steps.zero_grad()
 
-    # -- checkpoints (zero_offload.checkpoint; imported on use, it sits above the engine) ----
+    # -- checkpoints and exports (engine.state.StateView hands itself to them) ------------------
     def save_checkpoint(
         self, directory: str | os.PathLike, tag: str | None = None, lr_scheduler: Any = None
     ) -> "os.PathLike":
@@ -290,20 +184,7 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         (default tag ``step<N>``); ``latest`` moves only once it is complete. Collective.
         Refused with gradients accumulated and not yet stepped (a checkpoint does not carry
         them): save at an accumulation boundary, after ``step()``."""
-        self._check_open()
-        # a broken state says so first: load_checkpoint fixes it
-        self.stepper.updater.ensure_sound("save a checkpoint")
-        if self.reducer.backwards:
-            raise RuntimeError(
-                f"save_checkpoint: {self.reducer.backwards} backward(s) accumulated gradients "
-                "that no step() has applied yet, and a checkpoint does not carry gradients: "
-                "save at an accumulation boundary, after the step() that applies them "
-                "(engine.is_accumulation_boundary is True before the backward whose step() "
-                "updates), or call engine.zero_grad() first to drop them"
-            )
-        from ..checkpoint import save_checkpoint
-
-        return save_checkpoint(self, directory, tag, lr_scheduler or self.lr_scheduler)
+        return self._state.save_checkpoint(directory, tag, lr_scheduler or self.lr_scheduler)
 
     def load_checkpoint(
         self,
@@ -315,32 +196,187 @@ class Engine(EngineForward, EngineLifecycle, EngineState):
         """Resume from ``directory/tag`` (default: ``latest``), saved by any world size and
         stage; returns the tag. Collective. ``convert_state``: accept optimizer state saved
         with another kind or precision, converted through fp32 (else a CheckpointError)."""
-        self._check_open()
-        from ..checkpoint import load_checkpoint
-
-        return load_checkpoint(
-            self, directory, tag, lr_scheduler or self.lr_scheduler, convert_state
+        return self._state.load_checkpoint(
+            directory, tag, lr_scheduler or self.lr_scheduler, convert_state
         )
 
-    # -- inspection -------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (every name, tied ones too) and persistent buffers (what
         ``model.load_state_dict`` takes; rank 0's buffers), on the CPU, gathered from all
         ranks' shards: the fp32 masters, and for frozen parameters their compute-dtype values.
         Collective: every rank must call it. Device memory: one unit at a time."""
-        self._check_open()
-        return export.full_state_dict(self)
+        return self._state.full_state_dict()
 
     def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's shard of a frozen unit in fp32 on the CPU. Frozen parameters keep no
         fp32 master: their values are the compute-dtype parameters (exact in fp32; in
         bf16/fp16, what training used)."""
-        return export.frozen_shard(self, unit)
+        return self._state.frozen_shard(unit)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds per tier and kind, counted from the tensors it holds."""
-        self._check_open()
-        return export.memory_report(self)
+        return self._state.memory_report()
+
+    # -- the lifecycle (engine.lifecycle.Lifecycle) ---------------------------------------------
+    def gathered_parameters(
+        self, params: Iterable[nn.Parameter] | None = None
+    ) -> ContextManager[None]:
+        """Inside the block the model's parameters (or only ``params``) hold their current
+        values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
+        by calling the model. At stage 3 each one holds a copy of its gathered values —
+        collective: every rank enters the block, with the same ``params``; host or device
+        memory for the copies — so tensors taken from them stay valid after the block, and
+        changes made to them are not kept (training goes on from the optimizer's state; do
+        not step inside). At stages 0-2 they hold their values anyway."""
+        return self._lifecycle.gathered_parameters(params)
+
+    def close(self, hand_back: bool = True) -> None:
+        """End the engine and give the model back: each parameter becomes a plain tensor of
+        its own holding the trained values in the compute dtype — on the compute device at
+        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
+        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
+        and host buffers are freed. The model can be initialized again. Idempotent.
+
+        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
+        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
+        does not communicate — the other ranks may never get there — and stage 3's sharded
+        parameters are left on the meta device instead (keep values with checkpoints).
+        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
+        after its checkpoint is saved. An engine collected without ``close()`` is released
+        the same way."""
+        self._lifecycle.close(hand_back)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the parts' layout (engine.build.Parts) -------------------------------------------------
+    @property
+    def units(self) -> list[FlatUnit]:
+        return self._parts.units
+
+    @property
+    def trainable_numel(self) -> int:
+        return self._parts.trainable_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self._parts.shard_numel
+
+    @property
+    def grads(self) -> torch.Tensor | None:
+        return self._parts.grads
+
+    @property
+    def param_store(self) -> ParamStore | None:
+        return self._parts.param_store
+
+    # -- the training state (engine.state.StateView) --------------------------------------------
+    @property
+    def micro_steps(self) -> int:
+        return self.record.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        return self.record.global_steps
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Updates applied to the optimizer state (Adam's bias-correction step)."""
+        return self._state.optimizer_steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self._state.optimizer_steps = value
+
+    @property
+    def state_policy(self) -> StatePolicy:
+        """The optimizer's kind and state precisions."""
+        return self._state.state_policy
+
+    def state_chunks(self) -> Iterator[tuple[int, StateArrays]]:
+        """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
+        offset order: the optimizer's state streamed from its tier, then each frozen unit's
+        values with moments that are zero (None)."""
+        return self._state.state_chunks()
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters and optimizer hyperparameters a resume needs (plain data)."""
+        return self._state.training_state()
+
+    def load_training_state(self, state: Mapping[str, Any]) -> None:
+        self._state.load_training_state(state)
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
+        exp_avg_sq); empty with the state on NVMe."""
+        return self._state.optimizer_tensors()
+
+    def reductions_in_flight(self) -> list[torch.Tensor]:
+        """The buffers of gradient reductions not yet waited for (flat input and output)."""
+        return self._state.reductions_in_flight()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds right now, by kind (``engine.state.StateView``): a
+        memory tracker (the rehearsal) names each storage it sees by these."""
+        return self._state.held_tensors()
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (None without ``max_grad_norm``)."""
+        return self._state.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far: on a float16 overflow, or on inf/NaN gradients with
+        ``skip_nonfinite_steps``."""
+        return self._state.skipped_steps
+
+    @property
+    def last_step_timings(self) -> StepTimings:
+        """Seconds and bytes of the last optimizer update (I/O, compute, overlap)."""
+        return self._state.last_step_timings
+
+    @property
+    def sharded_optimizer(self) -> ShardStepper:
+        """Deprecated name of the engine's stepper (it warns); read ``last_step_timings``,
+        ``last_grad_norm`` or ``optimizer_steps`` instead."""
+        return self._state.sharded_optimizer
+
+    @property
+    def update_progress(self) -> tuple[int, int] | None:
+        """While the last step's update runs under the forward (``overlap_step``): elements
+        of this rank's shard whose new values are stored, and elements in all; None when no
+        update is running."""
+        return self._state.update_progress
+
+    @property
+    def optimizer_split(self) -> OptimizerSplit | None:
+        """How the NVMe optimizer places its state (``offload_optimizer_fraction``): elements
+        in host memory and in files, its sub-group size; None when it is not on NVMe."""
+        return self._state.optimizer_split
+
+    @property
+    def swappers(self) -> list[Swapper]:
+        """The swap managers this rank uses (NVMe tiers): optimizer state, then parameters."""
+        return self._state.swappers
+
+    @property
+    def last_comm(self) -> dict:
+        """Collective counters of the last step."""
+        return dict(self.record.comm)
+
+    @property
+    def last_step_peak(self) -> int:
+        """Stage 3: the peak gathered parameter bytes of the last step."""
+        return self.record.peak
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """What the last step did: flat, loggable numbers (``engine.steps``)."""
+        return self.record.last
 
 
 def initialize(

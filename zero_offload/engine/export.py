@@ -27,7 +27,7 @@ from ..params.units import FlatUnit, persistent_buffers
 from ..policies import Stage, Tier
 from ..progress import Progress
 from ..update.stepper import ShardStepper
-from .forward import rank0_values
+from .weights import rank0_values
 
 __all__ = ["Exportable", "frozen_shard", "full_state_dict", "memory_report"]
 
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class Exportable(Protocol):
-    """The parts of an engine an export reads (the engine satisfies it; this module never
-    imports the engine)."""
+    """The parts of an engine an export reads (the engine's state view satisfies it; this
+    module never imports the engine)."""
 
     @property
     def comm(self) -> Comm: ...

@@ -15,11 +15,10 @@ forward that failed.
 Each forward's inputs move to the compute device keeping their containers' types
 (:func:`move_inputs`), and module buffers (BatchNorm running statistics and the like) follow
 rank 0 as with ``DistributedDataParallel``: copied to every rank at ``initialize`` and before
-each training forward (``broadcast_buffers=True``), one collective per dtype
-(:func:`broadcast_buffers`); exports read rank 0's values (:func:`rank0_values`).
+each training forward (``broadcast_buffers=True``, ``engine.weights.broadcast_buffers``).
 
-:class:`EngineForward` is the part of :class:`zero_offload.Engine` that the model's calls go
-through; the engine builds the attributes declared there.
+:class:`ForwardDriver` is the engine's object the model's calls go through: the root module's
+pre-forward hook, the context each window holds, and forwards that are not the model's own.
 """
 
 from __future__ import annotations
@@ -39,23 +38,21 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..activations.wiring import forward_context
 from ..comm import Comm
+from ..config import ZeroConfig
 from ..update.window import Phase
 from ..weak import weak_hook
+from .weights import broadcast_buffers
 
 if TYPE_CHECKING:
-    from ..activations.offload import ActivationOffload
-    from ..config import ZeroConfig
-    from ..params.gather import ParamGatherer
-    from ..update.window import WindowCoordinator
-    from .step_stats import StepRecord
+    from .build import Parts
+    from .lifecycle import Lifecycle
+    from .steps import StepRecord
 
 __all__ = [
-    "EngineForward",
+    "ForwardDriver",
     "ForwardWindow",
     "Opener",
-    "broadcast_buffers",
     "move_inputs",
-    "rank0_values",
 ]
 
 ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
@@ -69,10 +66,9 @@ class Opener(enum.Enum):
 
 
 class ForwardWindow:
-    """One open forward context at a time; ``enter`` builds the engine's context for it."""
+    """One open forward context at a time; whoever opens it passes the context it holds."""
 
-    def __init__(self, enter: Callable[[], ContextManager[None]]) -> None:
-        self._enter = enter
+    def __init__(self) -> None:
         self._stack: contextlib.ExitStack | None = None
         self.opener: Opener | None = None
 
@@ -80,9 +76,9 @@ class ForwardWindow:
     def is_open(self) -> bool:
         return self._stack is not None
 
-    def open(self, opener: Opener) -> None:
+    def open(self, opener: Opener, enter: Callable[[], ContextManager[None]]) -> None:
         stack = contextlib.ExitStack()
-        stack.enter_context(self._enter())  # raises before anything is held
+        stack.enter_context(enter())  # raises before anything is held
         self._stack, self.opener = stack, opener
 
     def close(self, exc: ExcInfo = (None, None, None)) -> None:
@@ -99,13 +95,13 @@ class ForwardWindow:
             self.close((KeyboardInterrupt, interrupted, None))
 
     @contextlib.contextmanager
-    def explicit(self) -> Iterator[None]:
+    def explicit(self, enter: Callable[[], ContextManager[None]]) -> Iterator[None]:
         """A window around a trainer's step function (nested ones join the open one)."""
         self.end_interrupted()
         if self.is_open:
             yield
             return
-        self.open(Opener.EXPLICIT)
+        self.open(Opener.EXPLICIT, enter)
         try:
             yield
         except BaseException:
@@ -127,11 +123,11 @@ class ForwardWindow:
         ]
         return [h.remove for h in handles]
 
-    def before_root(self) -> None:
+    def before_root(self, enter: Callable[[], ContextManager[None]]) -> None:
         """The root module's forward begins: open the window unless one is open already."""
         self.end_interrupted()
         if not self.is_open:
-            self.open(Opener.HOOK)
+            self.open(Opener.HOOK, enter)
 
     def after_root(self, *_: Any) -> None:
         """The root module's forward returned: close the window it opened."""
@@ -145,79 +141,79 @@ class ForwardWindow:
             self.close(sys.exc_info())
 
 
-class EngineForward:
+class ForwardDriver:
     """The model's calls through an engine: the forward window each one runs in, the inputs
-    moved to the device, and forwards that are not the model's own call."""
+    moved to the device, and forwards that are not the model's own call. It reads the
+    gatherer and the activation offload from the engine's shared ``parts``."""
 
-    config: ZeroConfig
-    comm: Comm
-    device: torch.device
-    dtype: torch.dtype
-    gatherer: ParamGatherer | None
-    activations: ActivationOffload | None
-    coordinator: WindowCoordinator
-    record: StepRecord
-    _module: nn.Module
-    _closed: bool
-    _window: ForwardWindow
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        comm: Comm,
+        device: torch.device,
+        parts: Parts,
+        lifecycle: Lifecycle,
+        window: ForwardWindow,
+        record: StepRecord,
+    ) -> None:
+        self._module = module
+        self._config = config
+        self._comm = comm
+        self._device = device
+        self._dtype = config.precision.dtype
+        self._parts = parts
+        self._lifecycle = lifecycle
+        self._window = window
+        self._record = record
 
-    if TYPE_CHECKING:  # provided by the engine
-
-        def _check_open(self, settle: bool = True) -> None: ...
-
-    def _root_pre_forward(
+    def root_pre_forward(
         self, _module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
-        if self._closed or self.coordinator.lending:  # forwards read the lent values: no window
-            return None
-        self._window.before_root()
-        return move_inputs(args, self.device, self.dtype), move_inputs(
-            kwargs, self.device, self.dtype
-        )
+        """The root module's pre-forward hook: open the window, move the inputs."""
+        if self._lifecycle.closed or self._parts.coordinator.lending:
+            return None  # forwards read the lent values: no window
+        self._window.before_root(self._context)
+        return self.moved(args), self.moved(kwargs)
+
+    def moved(self, value: Any) -> Any:
+        """``value`` with its tensors on the device (floating ones in the compute dtype)."""
+        return move_inputs(value, self._device, self._dtype)
 
     @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
+    def _context(self) -> Iterator[None]:
         """What one forward window holds: the engine's checks, rank 0's buffers taken while
         training, stage 3's gathers and the activations' hooks, the clock's forward phase."""
-        self._check_open(settle=False)  # an update left running goes on unit by unit
-        if self.config.broadcast_buffers and self._module.training:
-            broadcast_buffers(self._module, self.comm)
+        self._lifecycle.check_open(settle=False)  # an update left running goes on unit by unit
+        if self._config.broadcast_buffers and self._module.training:
+            broadcast_buffers(self._module, self._comm)
         with (
-            self.coordinator.during(Phase.FORWARD),
-            forward_context(self.gatherer, self.activations),
-            self.record.clock.phase("forward"),
+            self._parts.coordinator.during(Phase.FORWARD),
+            forward_context(self._parts.gatherer, self._parts.activations),
+            self._record.clock.phase("forward"),
         ):
             yield
 
-    def forward_window(self) -> ContextManager[None]:
-        """One forward window around a trainer's step function, for step functions that call
-        submodules rather than the model (forwards inside it join it). ``engine(x)`` and
-        ``model(x)`` open their own window and need none."""
-        self._check_open(settle=False)
-        return self._window.explicit()
+    def window(self) -> ContextManager[None]:
+        """See :meth:`zero_offload.Engine.forward_window`."""
+        self._lifecycle.check_open(settle=False)
+        return self._window.explicit(self._context)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward on this rank's micro-batch (tensors inside any containers
-        go to the device, floating ones in the compute dtype). While training, every rank
-        first takes rank 0's buffers (``broadcast_buffers``). The same call as
-        ``model(*args, **kwargs)``: the root module's hooks do this (``engine/forward.py``)."""
-        self._check_open(settle=False)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own call (its root hooks open the window)."""
+        self._lifecycle.check_open(settle=False)
         return self._module(*args, **kwargs)
 
-    forward = __call__
-
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` as a forward of the engine, for a forward that is not the
-        model's own call (e.g. ``activations.tiled_causal_lm_loss(engine.module, ...)``)."""
-        args = move_inputs(args, self.device, self.dtype)
-        kwargs = move_inputs(kwargs, self.device, self.dtype)
-        with self.forward_window():
+        """See :meth:`zero_offload.Engine.run`."""
+        args, kwargs = self.moved(args), self.moved(kwargs)
+        with self.window():
             return fn(*args, **kwargs)
 
     def gathered(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """Inside :meth:`run`: ``module``'s parameters gathered for the block (stage 3; a
-        no-op otherwise), for code that reads them without calling the module."""
-        return self.gatherer.hold(module) if self.gatherer else contextlib.nullcontext()
+        """See :meth:`zero_offload.Engine.gathered`."""
+        gatherer = self._parts.gatherer
+        return gatherer.hold(module) if gatherer else contextlib.nullcontext()
 
 
 def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -260,35 +256,3 @@ def move_inputs(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
             return value
         return dataclasses.replace(value, **changes)
     return value
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return groups
-
-
-def rank0_values(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
-    """Rank 0's values of ``tensors`` (the same list on every rank), as new tensors."""
-    if comm.world_size == 1:
-        return [t.detach().clone() for t in tensors]
-    out: dict[int, torch.Tensor] = {}
-    for group in _by_dtype(tensors).values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        comm.broadcast(flat, src=0)
-        offset = 0
-        for t in group:
-            out[id(t)] = flat[offset : offset + t.numel()].view(t.shape).clone()
-            offset += t.numel()
-    return [out[id(t)] for t in tensors]
-
-
-def broadcast_buffers(model: nn.Module, comm: Comm) -> None:
-    """Every buffer of ``model`` takes rank 0's value, in place. Collective."""
-    if comm.world_size == 1:
-        return
-    buffers = [b for b in model.buffers() if b.numel()]
-    with torch.no_grad():
-        for b, value in zip(buffers, rank0_values(buffers, comm)):
-            b.copy_(value)

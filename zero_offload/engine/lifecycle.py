@@ -2,12 +2,11 @@
 outside a forward (``gathered_parameters``), and ``close()``, which hands the trained
 parameters back to the model and releases hooks, threads, files and buffers.
 
-:class:`EngineLifecycle` is a part of :class:`zero_offload.Engine`, which builds the
-attributes declared here.
+:class:`Lifecycle` is the engine's object for these, built from the parts it hands back.
 
-What an engine leaves in the model when it ends is below: ``close()`` hands every parameter a
-plain tensor of its own (:func:`hand_back_parameters`); an engine collected without it is
-released by :class:`Leftovers`, from a finalizer.
+What an engine leaves in the model when it ends: ``close()`` hands every parameter a plain
+tensor of its own (:func:`hand_back_parameters`); an engine collected without it is released
+by ``engine.build.Leftovers``, from a finalizer.
 """
 
 from __future__ import annotations
@@ -15,62 +14,59 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
-from ..policies import Stage
-from ..update.window import Phase
-from .forward import broadcast_buffers
-
-if TYPE_CHECKING:
-    from ..comm import Comm
-    from ..config import ZeroConfig
-    from ..grads.host import HostGradQueue
-    from ..grads.reducer import GradReducer
-    from ..params.gather import ParamGatherer
-    from ..params.store import ParamStore
-    from ..params.unit_state import UnitStates
-    from ..params.units import FlatUnit
-    from ..update.stepper import ShardStepper
-    from ..update.window import WindowCoordinator
-    from .forward import ForwardWindow
-from ..params.released import unguard
+from ..comm import Comm
+from ..config import ZeroConfig
 from ..params.store import ParamStore
 from ..params.unit_state import UnitStates
 from ..params.units import FlatUnit
+from ..policies import Stage
+from ..update.window import Phase
+from .build import Leftovers
+from .weights import broadcast_buffers
 
-__all__ = ["EngineLifecycle", "Leftovers", "check_parameters", "hand_back_parameters", "has_memory"]
+if TYPE_CHECKING:
+    from .build import Parts
 
-log = logging.getLogger("zero_offload.engine.engine")
+__all__ = ["Lifecycle", "hand_back_parameters"]
 
-_E = TypeVar("_E", bound="EngineLifecycle")
+log = logging.getLogger(__name__)
 
 
-class EngineLifecycle:
-    """Open/closed state, ``gathered_parameters`` and ``close`` of an engine."""
+class Lifecycle:
+    """Whether an engine is open, ``gathered_parameters`` and ``close``. It owns what must be
+    released however the engine ends (``leftovers``, run by ``finalizer``, which the engine's
+    collection runs too) and drops the shared ``parts`` when it closes; ``end_interrupted``
+    closes a forward window an interrupt left open."""
 
-    config: ZeroConfig
-    comm: Comm
-    stage: int
-    sharding: Stage
-    units: list[FlatUnit]
-    unit_states: UnitStates
-    reducer: GradReducer
-    stepper: ShardStepper
-    gatherer: ParamGatherer | None
-    param_store: ParamStore | None
-    grads: torch.Tensor | None
-    grad_queue: HostGradQueue | None
-    _module: nn.Module
-    _closed: bool
-    coordinator: WindowCoordinator
-    _window: ForwardWindow
-    _finalizer: Callable[[], Any]
-    _leftovers: Leftovers
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        comm: Comm,
+        parts: Parts,
+        end_interrupted: Callable[[], None],
+        leftovers: Leftovers,
+        finalizer: Callable[[], object],
+    ) -> None:
+        self._module = module
+        self._config = config
+        self._comm = comm
+        self._parts = parts
+        self._end_interrupted = end_interrupted  # the forward window's
+        self._leftovers = leftovers
+        self._finalizer = finalizer
+        self._closed = False
 
-    def _check_open(self, settle: bool = True) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self, settle: bool = True) -> None:
         """Refuse a closed engine; ``settle``: first let an update still running under the
         forward (``overlap_step``) end, since what follows reads or changes training state."""
         if self._closed:
@@ -79,25 +75,20 @@ class EngineLifecycle:
                 "to the model; call zero_offload.initialize(model, ...) again to train on"
             )
         if settle:
-            self._window.end_interrupted()  # a forward an interrupt left open ends first
-            self.coordinator.settle()
+            self._end_interrupted()  # a forward an interrupt left open ends first
+            self._parts.coordinator.settle()
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
-        """Inside the block the model's parameters (or only ``params``) hold their current
-        values, to read outside a forward: print them, take ``model.state_dict()``, evaluate
-        by calling the model. At stage 3 each one holds a copy of its gathered values —
-        collective: every rank enters the block, with the same ``params``; host or device
-        memory for the copies — so tensors taken from them stay valid after the block, and
-        changes made to them are not kept (training goes on from the optimizer's state; do
-        not step inside). At stages 0-2 they hold their values anyway."""
-        self._check_open()
-        if self.gatherer is None:
+        """See :meth:`zero_offload.Engine.gathered_parameters`."""
+        self.check_open()
+        gatherer = self._parts.gatherer
+        if gatherer is None:
             yield
             return
-        units = self.units
+        units = self._parts.units
         if params is not None:
-            owner = {id(p): u for u in self.units for p in u.params}
+            owner = {id(p): u for u in units for p in u.params}
             wanted = list(params)
             if any(id(p) not in owner for p in wanted):
                 raise ValueError(
@@ -105,137 +96,45 @@ class EngineLifecycle:
                     "engine's model (pass model.parameters() or some of them)"
                 )
             units = [owner[id(p)] for p in wanted]
-        with self.coordinator.during(Phase.LENDING), self.gatherer.lend_values(units):
+        with self._parts.coordinator.during(Phase.LENDING), gatherer.lend_values(units):
             yield  # the model's forwards read the lent values: no window
 
     def close(self, hand_back: bool = True) -> None:
-        """End the engine and give the model back: each parameter becomes a plain tensor of
-        its own holding the trained values in the compute dtype — on the compute device at
-        stages 0–2; at stage 3 gathered unit by unit into host memory, with the buffers
-        moved there too. Then hooks are removed, the gradient worker thread stops, swap files
-        and host buffers are freed. The model can be initialized again. Idempotent.
-
-        At stage 3 (world size > 1) closing gathers, so it is collective: every rank must
-        call it. Called while an exception propagates (a ``finally`` block, ``with``), it
-        does not communicate — the other ranks may never get there — and stage 3's sharded
-        parameters are left on the meta device instead (keep values with checkpoints).
-        ``hand_back=False`` does the same on purpose: for a model too large for host memory,
-        after its checkpoint is saved. An engine collected without ``close()`` is released
-        the same way."""
+        """See :meth:`zero_offload.Engine.close`."""
         if self._closed:
             return
-        self._window.end_interrupted()
+        self._end_interrupted()
         self._closed = True
         unwinding = sys.exc_info()[0] is not None
         try:
             if unwinding:  # an update left under the forward is dropped, not finished
-                self.coordinator.abandon()
+                self._parts.coordinator.abandon()
             else:
-                self.coordinator.settle()
+                self._parts.coordinator.settle()
             if hand_back and not unwinding:
                 self._hand_back()
             self._leftovers.dropped_on_purpose = not hand_back and not unwinding
         finally:
             self._finalizer()  # hooks, threads, files (and meta placeholders where needed)
-            del self.reducer, self.stepper  # every use after this is behind _check_open
-            self.gatherer = self.param_store = None
-            self.grads = self.grad_queue = None
-            self.units = []
+            self._parts.release()
 
     def _hand_back(self) -> None:
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-            self.gatherer.end_backward()
-        if self.grad_queue is not None:
+        parts = self._parts
+        if parts.gatherer is not None:
+            parts.gatherer.release_all()
+            parts.gatherer.end_backward()
+        if parts.grad_queue is not None:
             try:
-                self.grad_queue.flush()
+                parts.grad_queue.flush()
             except Exception as err:  # noqa: BLE001 - gradients are dropped anyway
                 log.warning("zero_offload: close(): dropping gradients that failed: %s", err)
-        if self.param_store is not None:
-            self.param_store.flush()
-        if self.config.broadcast_buffers:
-            broadcast_buffers(self._module, self.comm)
+        if parts.param_store is not None:
+            parts.param_store.flush()
+        if self._config.broadcast_buffers:
+            broadcast_buffers(self._module, self._comm)
         hand_back_parameters(
-            self._module, self.units, self.sharding, self.unit_states, self.param_store
+            self._module, parts.units, self._config.sharding, parts.unit_states, parts.param_store
         )
-
-    def __enter__(self: _E) -> _E:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-log = logging.getLogger(__name__)
-
-Refs = list[tuple[nn.Module, str]]
-
-
-def has_memory(p: torch.Tensor) -> bool:
-    """Whether the tensor's storage holds its elements (a stage-3 view between gathers
-    does not)."""
-    if p.is_meta:
-        return True
-    needed = (p.storage_offset() + p.numel()) * p.element_size()
-    return p.numel() == 0 or p.untyped_storage().nbytes() >= needed
-
-
-def check_parameters(model: nn.Module) -> None:
-    """A parameter without memory is a stage-3 view of an engine that is still open."""
-    for name, p in model.named_parameters():
-        if not has_memory(p):
-            raise RuntimeError(
-                f"parameter {name!r} has no memory: it belongs to a stage-3 engine that is "
-                "still open; call engine.close() first (it puts the trained values back into "
-                "the model), then initialize again"
-            )
-
-
-class Leftovers:
-    """What an engine must release however it ends. It holds nothing that refers back to the
-    engine, so that ``weakref.finalize`` can own it without keeping the engine alive."""
-
-    def __init__(self) -> None:
-        self.closers: list[Callable[[], None]] = []  # run in order, each one even if one fails
-        self.sharded: list[tuple[nn.Parameter, Refs]] = []  # stage 3 gathered-on-demand params
-        self.dropped_on_purpose = False  # close(hand_back=False): no warning, the user chose it
-
-    def release(self) -> None:
-        """Remove hooks, stop threads, close swap files; give parameters left without memory
-        a meta tensor in their place."""
-        lost = []
-        for p, refs in self.sharded:
-            if has_memory(p):
-                unguard([p])  # a plain nn.Parameter again
-            else:  # the old object stays guarded: a reference the user kept fails clearly
-                new = nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                    requires_grad=p.requires_grad,
-                )
-                for module, name in refs:
-                    module._parameters[name] = new
-                lost.append(f"{type(refs[0][0]).__name__}.{refs[0][1]}" if refs else "?")
-        if lost and self.dropped_on_purpose:
-            log.info(
-                "zero_offload: close(hand_back=False): %d stage-3 parameters are on the meta "
-                "device now",
-                len(lost),
-            )
-        elif lost:
-            log.warning(
-                "zero_offload: a stage-3 engine ended without close() (or during an "
-                "exception): %d parameters (e.g. %s) lost their values and are on the "
-                "meta device now; call engine.close() to keep trained values",
-                len(lost),
-                lost[0],
-            )
-        self.sharded.clear()
-        closers, self.closers = self.closers, []
-        for close in closers:
-            try:
-                close()
-            except Exception:
-                log.exception("zero_offload: releasing an engine part failed")
 
 
 def _own_copy(p: nn.Parameter, value: torch.Tensor, device: torch.device) -> None:

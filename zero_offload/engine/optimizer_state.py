@@ -37,7 +37,7 @@ __all__ = ["attach_state_dict"]
 
 class _OptimizerOwner(Checkpointable, Protocol):
     """What the hooks read and restore: a checkpointable run with its torch optimizer (the
-    engine satisfies it; this module never imports the engine)."""
+    engine's state view satisfies it; this module never imports the engine)."""
 
     @property
     def trainable_numel(self) -> int: ...

@@ -1,5 +1,6 @@
-"""Building an engine's parts around the model, each from the ones it depends on: kept apart
-from the engine's training loop, which only drives them.
+"""Building an engine's parts around the model, each from the ones it depends on, and the
+objects the engine is composed of around them (:func:`compose`): the forward driver, the
+lifecycle, the step driver and the state view, which share the parts.
 
 What the parts run on besides the model and its configuration (:class:`Runtime`): the device's
 side streams, the worker that sums reduced gradient shards on the host and the device optimizer;
@@ -9,6 +10,7 @@ ones.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
@@ -16,10 +18,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..activations.offload import ActivationOffload
 from ..activations.wiring import build_offload
 from ..comm import Comm
 from ..config import ZeroConfig
+from ..deepspeed_config import schedule
 from ..device import placement
 from ..device.streams import Streams
 from ..device.threads import ThreadBudget
@@ -29,37 +31,103 @@ from ..grads.target import GradTarget, ResidentGrads
 from ..params.gather import ParamGatherer
 from ..params.store import ParamStore, param_host_numel, param_pool_bytes
 from ..params.unit_state import UnitStates
-from ..params.units import FlatUnit, UnitPlan, plan_units, trainable_numel
+from ..params.units import UnitPlan, plan_units, trainable_numel
 from ..swap.budget import activation_host_share, host_memory_budget
 from ..swap.budget import split_host_budget as split_budget
 from ..update.factory import make_updater, params_are_master
 from ..update.host_state import run_layout
 from ..update.stepper import ShardStepper
 from ..update.window import WindowCoordinator
-from .build import build_units
-from .forward import broadcast_buffers
-from .lifecycle import Leftovers
-from .weights import load_buffers, open_pretrained
+from ..weak import weak_hook
+from .build import Leftovers, Parts, build_units
+from .forward import ForwardDriver, ForwardWindow
+from .lifecycle import Lifecycle
+from .optimizer_state import attach_state_dict
+from .preemption import Preemption
+from .state import StateView
+from .steps import StepDriver, StepRecord
+from .weights import broadcast_buffers, load_buffers, open_pretrained
 
-__all__ = ["Parts", "Runtime", "build_parts", "split_host_budget"]
+__all__ = ["Composed", "Runtime", "build_parts", "compose", "split_host_budget"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Parts:
-    """What an engine trains with; the engine takes each as an attribute of its own."""
+class Composed:
+    """The objects an engine is composed of, each holding only what it needs, and what they
+    run on."""
 
-    param_store: ParamStore | None
-    trainable_numel: int
-    shard_numel: int
-    units: list[FlatUnit]
-    grads: torch.Tensor | None  # None: the optimizer keeps them in files
-    grad_queue: HostGradQueue | None
-    unit_states: UnitStates
-    gatherer: ParamGatherer | None
-    reducer: GradReducer
-    activations: ActivationOffload | None
-    stepper: ShardStepper
-    coordinator: WindowCoordinator  # the phase the engine is in and the window the update runs in
+    comm: Comm
+    device: torch.device
+    threads: ThreadBudget  # threads per kind of CPU work, decided once for this rank
+    streams: Streams
+    parts: Parts  # shared: close() releases them once, for every object below
+    record: StepRecord  # the steps counted and what the last one did
+    window: ForwardWindow
+    lifecycle: Lifecycle
+    steps: StepDriver
+    state: StateView
+    forward: ForwardDriver
+    preemption: Preemption | None
+
+
+def compose(
+    model: nn.Module,
+    config: ZeroConfig,
+    runtime: Runtime,
+    leftovers: Leftovers,
+    finalizer: Callable[[], object],
+) -> Composed:
+    """The parts around ``model`` (:func:`build_parts`) on the device and threads chosen for
+    this rank, and the engine's objects around them; ``finalizer`` releases ``leftovers``
+    however the engine ends."""
+    comm = Comm(config.process_group)
+    device = placement.select_device(config.device)
+    threads = ThreadBudget.decide(device.type, config.threads)
+    threads.apply_compute()
+    streams = runtime.streams(device)
+    parts = build_parts(model, config, comm, device, threads, streams, runtime, leftovers)
+    record = StepRecord()
+    window = ForwardWindow()
+    lifecycle = Lifecycle(model, config, comm, parts, window.end_interrupted, leftovers, finalizer)
+    steps = StepDriver(config, comm, parts, lifecycle, record, lr_scheduler=None)
+    state = StateView(
+        model, config, comm, device, streams, parts, record, lifecycle, steps.zero_grad
+    )
+    forward = ForwardDriver(model, config, comm, device, parts, lifecycle, window, record)
+    attach_state_dict(state)  # engine.optimizer.state_dict() holds the state of every tier
+    # a DeepSpeed config's lr schedule, stepped after each applied update as DeepSpeed does
+    steps.lr_scheduler = schedule(state.optimizer, config.lr_schedule)
+    # save_on_preemption: SIGTERM/SIGINT end the run at an agreed step (engine.preemption)
+    preemption = Preemption(comm, device) if config.save_on_preemption else None
+    if preemption is not None:
+        leftovers.closers.append(preemption.close)
+    # model(x) is engine(x): the window opens before the root's other pre-forward hooks
+    leftovers.closers[:0] = window.hook_root(model, weak_hook(forward.root_pre_forward))
+    log.info(
+        "zero_offload: stage %d, %d units, rank %d/%d, %s on %s",
+        config.stage,
+        len(parts.units),
+        comm.rank,
+        comm.world_size,
+        config.precision.dtype,
+        device,
+    )
+    return Composed(
+        comm,
+        device,
+        threads,
+        streams,
+        parts,
+        record,
+        window,
+        lifecycle,
+        steps,
+        state,
+        forward,
+        preemption,
+    )
 
 
 def split_host_budget(
@@ -96,11 +164,9 @@ def build_parts(
     streams: Streams,
     runtime: Runtime,
     leftovers: Leftovers,
-    on_widen: Callable[[torch.Tensor], None],
 ) -> Parts:
     """The parts around ``model`` (moved to ``device``, pretrained weights loaded); what must
-    be released however the engine ends goes to ``leftovers``. ``on_widen``: the host
-    gradient shard became fp32 (a second backward before a step)."""
+    be released however the engine ends goes to ``leftovers``."""
     stage = config.sharding  # what the stage shards
     dtype = config.precision.dtype
     placement.move_model(model, device, stage)
@@ -177,6 +243,7 @@ def build_parts(
         weights[0].close()
     grad_queue: HostGradQueue | None = None
     grads: torch.Tensor | None = None  # None: the optimizer keeps them in files
+    widened: ResidentGrads | None = None  # a host shard that may become fp32
     target: GradTarget
     if not config.offload.optimizer_tier.offloaded:
         grads = torch.zeros(trainable, dtype=dtype, device=device)
@@ -192,9 +259,7 @@ def build_parts(
                     stage, config.gradient_accumulation_steps, dtype
                 ),
             )
-            host_target = ResidentGrads(  # weak: the target must not keep the engine alive
-                grads, on_widen=on_widen
-            )
+            host_target = widened = ResidentGrads(grads)
         worker = runtime.host_worker
         grad_queue = HostGradQueue(
             host_target,
@@ -249,7 +314,7 @@ def build_parts(
     if activations is not None:
         leftovers.closers.append(activations.close)
     leftovers.closers.append(streams.close)
-    return Parts(
+    parts = Parts(
         param_store,
         trainable,
         shard_numel,
@@ -263,6 +328,9 @@ def build_parts(
         stepper,
         coordinator,
     )
+    if widened is not None:  # weak: the target must not keep the parts alive
+        widened.on_widen = weak_hook(parts.widen_grads)
+    return parts
 
 
 @dataclass(frozen=True)

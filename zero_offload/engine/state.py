@@ -1,66 +1,200 @@
 """What an engine offers to read and restore its training state: the accessors checkpoints
-use (``zero_offload.checkpoint`` reaches the engine only through these) and read-only views
-of the last step for users, benchmarks and tests.
-
-:class:`EngineState` is a part of :class:`zero_offload.Engine`, which builds the attributes
-declared here."""
+use (``zero_offload.checkpoint`` reaches a run only through :class:`StateView`, which satisfies
+its ``Checkpointable``, as it does the exports' ``Exportable``) and read-only views of the last
+step for users, benchmarks and tests, which the engine passes on."""
 
 from __future__ import annotations
 
+import os
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
+import torch.nn as nn
 
+from ..activations.offload import ActivationOffload
+from ..comm import Comm
+from ..config import ZeroConfig
+from ..device.streams import Streams
+from ..grads.host import HostGradQueue
+from ..grads.reducer import GradReducer
+from ..memory.ledger import MemoryReport
 from ..optim.policy import StatePolicy
+from ..params.gather import ParamGatherer
+from ..params.store import ParamStore
+from ..params.unit_state import UnitStates
+from ..params.units import FlatUnit
+from ..policies import Stage
+from ..update.window import WindowCoordinator
+from . import export
 
 if TYPE_CHECKING:
-    from ..activations.offload import ActivationOffload
-    from ..config import ZeroConfig
-    from ..grads.reducer import GradReducer
-    from ..params.store import ParamStore
-    from ..params.units import FlatUnit
     from ..swap.swapper import Swapper
     from ..update.api import StepTimings
     from ..update.nvme.sizing import OptimizerSplit
     from ..update.stepper import ShardStepper
-    from ..update.window import WindowCoordinator
-    from .step_stats import StepRecord
+    from .build import Parts
+    from .lifecycle import Lifecycle
+    from .steps import StepRecord
 
-__all__ = ["EngineState"]
+__all__ = ["StateArrays", "StateView"]
+
+# a piece of the optimizer state: fp32 master, exp_avg, exp_avg_sq (moments None: frozen)
+StateArrays = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-class EngineState:
-    """Checkpoint accessors, counters and last-step views of an engine."""
+class StateView:
+    """A run's training state as checkpoints, exports and users read it: the shared ``parts``
+    (units, stepper, gradients...), the step ``record`` with its counters, and the model's
+    layout. ``lifecycle`` refuses a closed engine and settles an update left running;
+    ``zero_grad`` drops accumulated gradients once a load is finished."""
 
-    config: ZeroConfig
-    units: list[FlatUnit]
-    reducer: GradReducer
-    stepper: ShardStepper
-    coordinator: WindowCoordinator
-    param_store: ParamStore | None
-    grads: torch.Tensor | None
-    activations: ActivationOffload | None
-    micro_steps: int
-    global_steps: int
-    record: StepRecord
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        comm: Comm,
+        device: torch.device,
+        streams: Streams,
+        parts: Parts,
+        record: StepRecord,
+        lifecycle: Lifecycle,
+        zero_grad: Callable[[], None],
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.streams = streams
+        self.record = record
+        self._parts = parts
+        self._lifecycle = lifecycle
+        self._zero_grad = zero_grad  # the training loop's
 
-    if TYPE_CHECKING:  # provided by the engine
+    # -- the run's layout and parts -------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.config.stage
 
-        def _check_open(self, settle: bool = True) -> None: ...
-        def zero_grad(self) -> None: ...
-        def frozen_shard(self, unit: FlatUnit) -> torch.Tensor: ...
-        @property
-        def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def sharding(self) -> Stage:
+        return self.config.sharding
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.precision.dtype
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        return self._parts.units
+
+    @property
+    def shard_numel(self) -> int:
+        return self._parts.shard_numel
+
+    @property
+    def trainable_numel(self) -> int:
+        return self._parts.trainable_numel
+
+    @property
+    def stepper(self) -> ShardStepper:
+        return self._parts.stepper
+
+    @property
+    def reducer(self) -> GradReducer:
+        return self._parts.reducer
+
+    @property
+    def param_store(self) -> ParamStore | None:
+        return self._parts.param_store
+
+    @property
+    def unit_states(self) -> UnitStates:
+        return self._parts.unit_states
+
+    @property
+    def grads(self) -> torch.Tensor | None:
+        return self._parts.grads
+
+    @property
+    def grad_queue(self) -> HostGradQueue | None:
+        return self._parts.grad_queue
+
+    @property
+    def activations(self) -> ActivationOffload | None:
+        return self._parts.activations
+
+    @property
+    def gatherer(self) -> ParamGatherer | None:
+        return self._parts.gatherer
+
+    @property
+    def coordinator(self) -> WindowCoordinator:
+        return self._parts.coordinator
+
+    @property
+    def global_steps(self) -> int:
+        return self.record.global_steps
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 master shard; pass it to lr schedulers."""
+        self._lifecycle.check_open(settle=False)  # an update running on took its hyperparameters
+        return self.stepper.optimizer
+
+    @property
+    def loss_scale(self) -> float:
+        return self.stepper.loss_scale
+
+    # -- checkpoints and exports (``zero_offload.checkpoint`` sits above the engine) -----------
+    def save_checkpoint(
+        self, directory: str | os.PathLike, tag: str | None, lr_scheduler: Any
+    ) -> os.PathLike:
+        """See :meth:`zero_offload.Engine.save_checkpoint`."""
+        self._lifecycle.check_open()
+        # a broken state says so first: load_checkpoint fixes it
+        self.stepper.updater.ensure_sound("save a checkpoint")
+        if self.reducer.backwards:
+            raise RuntimeError(
+                f"save_checkpoint: {self.reducer.backwards} backward(s) accumulated gradients "
+                "that no step() has applied yet, and a checkpoint does not carry gradients: "
+                "save at an accumulation boundary, after the step() that applies them "
+                "(engine.is_accumulation_boundary is True before the backward whose step() "
+                "updates), or call engine.zero_grad() first to drop them"
+            )
+        from ..checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, tag, lr_scheduler)
+
+    def load_checkpoint(
+        self, directory: str | os.PathLike, tag: str | None, lr_scheduler: Any, convert: bool
+    ) -> str:
+        """See :meth:`zero_offload.Engine.load_checkpoint`."""
+        self._lifecycle.check_open()
+        from ..checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, tag, lr_scheduler, convert)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """See :meth:`zero_offload.Engine.full_state_dict`."""
+        self._lifecycle.check_open()
+        return export.full_state_dict(self)
+
+    def frozen_shard(self, unit: FlatUnit) -> torch.Tensor:
+        """See :meth:`zero_offload.Engine.frozen_shard`."""
+        return export.frozen_shard(self, unit)
+
+    def memory_report(self) -> MemoryReport:
+        """See :meth:`zero_offload.Engine.memory_report`."""
+        self._lifecycle.check_open()
+        return export.memory_report(self)
 
     # -- what checkpoints read and restore (``zero_offload.checkpoint`` uses only these) -----
-    def state_chunks(
-        self,
-    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]:
+    def state_chunks(self) -> Iterator[tuple[int, StateArrays]]:
         """(rank-flat offset, [master, exp_avg, exp_avg_sq]) fp32 CPU pieces in increasing
         offset order: the optimizer's state streamed from its tier, then each frozen unit's
         values with moments that are zero (None)."""
-        self._check_open()
+        self._lifecycle.check_open()
         for lo, _hi, master, exp_avg, exp_avg_sq in self.stepper.updater.iter_state():
             yield lo, (master, exp_avg, exp_avg_sq)
         for unit in sorted((u for u in self.units if u.frozen), key=lambda u: u.shard_offset):
@@ -70,7 +204,7 @@ class EngineState:
         self, unit: FlatUnit, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     ) -> None:
         """Restore one unit's shard: optimizer state (trainable units) and parameters."""
-        self._check_open()
+        self._lifecycle.check_open()
         if not unit.frozen:
             self.stepper.updater.load_state(unit.shard_offset, master, exp_avg, exp_avg_sq)
         self.stepper.sink.write(unit, master)
@@ -84,13 +218,13 @@ class EngineState:
         """This rank's optimizer state as stored, by array name (8-bit codes, absmax, side
         arrays, a bf16 master and its compensation), for a policy the fp32 sections of
         :meth:`state_chunks` do not hold exactly; None for fp32 AdamW (they do)."""
-        self._check_open()
+        self._lifecycle.check_open()
         return self.stepper.updater.native_tensors()
 
     def load_native_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`native_state` saved at this rank, world size, stage and policy
         (after the units are loaded: it replaces their optimizer state bit for bit)."""
-        self._check_open()
+        self._lifecycle.check_open()
         updater = self.stepper.updater
         updater.load_native(tensors)
         for unit in self.units:  # the parameters the restored master gives, as a step does
@@ -102,14 +236,14 @@ class EngineState:
         """After every :meth:`load_unit_state`: parameters are in place, gradients empty."""
         if self.param_store is not None:
             self.param_store.flush()
-        self.zero_grad()
+        self._zero_grad()
 
     def training_state(self) -> dict[str, Any]:
         """Counters and optimizer hyperparameters a resume needs (plain data)."""
         opt = self.stepper
         return {
-            "micro_steps": self.micro_steps,
-            "global_steps": self.global_steps,
+            "micro_steps": self.record.micro_steps,
+            "global_steps": self.record.global_steps,
             "optimizer_steps": self.optimizer_steps,
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
@@ -119,8 +253,8 @@ class EngineState:
         }
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
-        self.micro_steps = state["micro_steps"]
-        self.global_steps = state["global_steps"]
+        self.record.micro_steps = state["micro_steps"]
+        self.record.global_steps = state["global_steps"]
         self.optimizer_steps = state["optimizer_steps"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
@@ -195,7 +329,7 @@ class EngineState:
             "engine.sharded_optimizer is deprecated and will be removed; read "
             "engine.last_step_timings, engine.last_grad_norm or engine.optimizer_steps",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of engine.sharded_optimizer
         )
         return self.stepper
 
@@ -234,8 +368,3 @@ class EngineState:
     def last_step_peak(self) -> int:
         """Stage 3: the peak gathered parameter bytes of the last step."""
         return self.record.peak
-
-    @property
-    def last_step(self) -> dict[str, float]:
-        """What the last step did: flat, loggable numbers (``engine.step_stats``)."""
-        return self.record.last

@@ -5,6 +5,11 @@ Accepts what Hugging Face writes: a folder with ``model.safetensors.index.json``
 file. Only headers are read up front (names, shapes); each tensor is read when its unit is
 built, so a model larger than host memory loads without ever being whole in it. safetensors
 is a dependency because its lazy, memory-mapped reads are exactly this job.
+
+Module buffers (BatchNorm running statistics and the like) follow rank 0 as with
+``DistributedDataParallel``: copied to every rank at ``initialize`` and before each training
+forward (``broadcast_buffers=True``), one collective per dtype (:func:`broadcast_buffers`);
+exports read rank 0's values (:func:`rank0_values`).
 """
 
 from __future__ import annotations
@@ -18,11 +23,18 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from ..comm import Comm
 from ..config import ConfigError
 from ..params.units import UnitPlan, persistent_buffers
 from ..partition import mismatch_message
 
-__all__ = ["PretrainedWeights", "load_buffers", "open_pretrained"]
+__all__ = [
+    "PretrainedWeights",
+    "broadcast_buffers",
+    "load_buffers",
+    "open_pretrained",
+    "rank0_values",
+]
 
 INDEX = "model.safetensors.index.json"
 
@@ -128,3 +140,35 @@ def load_buffers(model: nn.Module, weights: PretrainedWeights, stored: dict[str,
         for name, b in persistent_buffers(model).items():
             if name in stored:
                 b.copy_(weights.load(stored[name]))
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def rank0_values(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
+    """Rank 0's values of ``tensors`` (the same list on every rank), as new tensors."""
+    if comm.world_size == 1:
+        return [t.detach().clone() for t in tensors]
+    out: dict[int, torch.Tensor] = {}
+    for group in _by_dtype(tensors).values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            out[id(t)] = flat[offset : offset + t.numel()].view(t.shape).clone()
+            offset += t.numel()
+    return [out[id(t)] for t in tensors]
+
+
+def broadcast_buffers(model: nn.Module, comm: Comm) -> None:
+    """Every buffer of ``model`` takes rank 0's value, in place. Collective."""
+    if comm.world_size == 1:
+        return
+    buffers = [b for b in model.buffers() if b.numel()]
+    with torch.no_grad():
+        for b, value in zip(buffers, rank0_values(buffers, comm)):
+            b.copy_(value)
