@@ -183,3 +183,19 @@ def test_package_code_outside_the_engine_uses_its_public_face() -> None:
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_no_module_over_400_lines_and_no_folder_over_12_modules() -> None:
+    """A module a reader can hold in mind, a folder a unit of understanding."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in ROOT.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules over 400 lines: {long}"
+    crowded = {
+        str(folder.relative_to(ROOT.parent)): n
+        for folder in [ROOT, *(p for p in ROOT.rglob("*") if p.is_dir())]
+        if (n := sum(1 for m in folder.glob("*.py") if m.name != "__init__.py")) > 12
+    }
+    assert not crowded, f"folders over 12 modules: {crowded}"

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from zero_offload.checkpoint.format import MANIFEST
+from .disk import fill_between_saves
 
 TIMEOUT = 600.0  # seconds a child may stay silent (imports and startup on a loaded host)
 KINDS = (  # (world, signal, the loop's way to handle it)
@@ -234,47 +234,6 @@ def _files(folder: Path) -> list[str]:
     return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
 
 
-def _settled_checkpoint(ckpt: Path) -> int:
-    """The bytes (allocated blocks) of ``ckpt`` when it holds one complete checkpoint and no
-    save or clean-up is under way; 0 otherwise."""
-    folders = [p for p in ckpt.iterdir() if p.is_dir()] if ckpt.is_dir() else []
-    if len(folders) != 1 or folders[0].name.startswith(".") or not (folders[0] / MANIFEST).exists():
-        return 0
-    files = [p for p in ckpt.rglob("*") if p.is_file()]
-    if any(p.name.endswith(".tmp") for p in files):
-        return 0
-    return sum(p.stat().st_blocks * 512 for p in files)
-
-
-def _fill_between_saves(
-    proc: subprocess.Popen, ckpt: Path, mount: Path, rng: random.Random, below: int = 0
-) -> int:
-    """Fill the disk so that fewer bytes stay free than one checkpoint takes (and than
-    ``below``, when given); returns them.
-
-    The process is stopped while the disk is measured and filled, at a moment no save is
-    under way (one complete checkpoint on disk). Measured mid-save, the half-written
-    checkpoint would count as used space that the save later frees."""
-    while True:
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            footprint = _settled_checkpoint(ckpt)
-            if footprint:
-                left = rng.randrange(0, max(1, min(footprint, below or footprint)))
-                free = shutil.disk_usage(mount).free
-                with open(mount / "ballast", "ab") as f:  # the disk fills up
-                    try:
-                        f.write(b"\0" * max(0, free - left))
-                    except OSError:
-                        pass
-                return left
-        finally:
-            proc.send_signal(signal.SIGCONT)
-        if proc.poll() is not None:
-            return 0
-        time.sleep(rng.uniform(0, 0.05))
-
-
 def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) -> Trial:
     trial = Trial("w1-disk-full", seed)
     rng = random.Random(seed)
@@ -303,7 +262,7 @@ def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) ->
             if int(line.split()[1]) >= trial.after_step:
                 break
         time.sleep(rng.uniform(0, 0.5))
-        trial.delay_s = left = _fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng)
+        trial.delay_s = left = fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng)
         # The swap files grow and shrink within a step, so a save may still find room: then
         # the disk fills further (to fewer bytes left) after every two more steps.
         seen, since = [], 0
@@ -311,7 +270,7 @@ def disk_fault(work: Path, record: Path, seed: int, steps: int, size_mb: int) ->
             seen.append(line)
             since += 1
             if since == 2:
-                left = _fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng, left)
+                left = fill_between_saves(run.procs[0], Path(spec["ckpt"]), mount, rng, left)
                 since = 0
         codes, outs, err = run.finish()
         trial.exit_codes = codes
