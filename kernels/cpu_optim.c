@@ -1236,7 +1236,9 @@ int zo_optim_rows(void* const* ptrs, const int64_t* rows, int64_t row_begin, int
     return 0;
 }
 
-/* All rows, split across `num_threads` OpenMP threads (contiguous runs of rows). */
+/* All rows on `num_threads` OpenMP threads, each claiming the next row when done with one: on a
+ * host whose cores are shared, a thread that is descheduled leaves its rows to the others
+ * instead of holding up the step (rows are independent, so the bits do not change). */
 int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const int32_t* modes,
                  const float* hp, const uint32_t* keys, int64_t index_base, const zo_qmap* qm,
                  const zo_qmap* qv, int num_threads) {
@@ -1245,7 +1247,7 @@ int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const in
     if (rc) return rc;
 #ifdef _OPENMP
     int nt = num_threads > 0 ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(nt)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t r = 0; r < nrows; r++) run_row(&c, ptrs, rows + r * ZO_ROW_FIELDS);
 #else
     (void)num_threads;
