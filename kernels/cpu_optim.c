@@ -8,8 +8,8 @@
  * stored alike; an 8-bit row is processed a block (256 elements) at a time: codes are
  * dequantized in registers, the block's new moments go to a 1 KiB scratch in L1 while the
  * master and the low-precision param are written, then the block's new absmax is known and
- * the scratch is quantized back to codes. Grads are widened and params narrowed in the same
- * pass.
+ * the scratch is quantized back to codes (the AVX-512 VBMI path quantizes one block while it
+ * updates the next). Grads are widened and params narrowed in the same pass.
  *
  * Exactness: the vector paths (AVX2 + FMA, 8 lanes; AVX-512 F/BW/DQ/VL, 16 lanes, where
  * -march=native has it) and the scalar reference perform the same IEEE operations in the same
