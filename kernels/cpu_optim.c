@@ -8,8 +8,8 @@
  * stored alike; an 8-bit row is processed a block (256 elements) at a time: codes are
  * dequantized in registers, the block's new moments go to a 1 KiB scratch in L1 while the
  * master and the low-precision param are written, then the block's new absmax is known and
- * the scratch is quantized back to codes. Grads are widened and params narrowed in the same
- * pass.
+ * the scratch is quantized back to codes (the AVX-512 VBMI path quantizes one block while it
+ * updates the next). Grads are widened and params narrowed in the same pass.
  *
  * Exactness: the vector paths (AVX2 + FMA, 8 lanes; AVX-512 F/BW/DQ/VL, 16 lanes, where
  * -march=native has it) and the scalar reference perform the same IEEE operations in the same
@@ -820,17 +820,23 @@ typedef struct {
 /* The estimate of 16 values (the code or one below, quant.span_lines), from |x| clamped to
  * [2^-31, 2) (NaN and inf to just below 2): below 2^-31 no decision point lies, and at or
  * above 1 the estimate is 254 or more (255 past the packs' saturation), or negative for a
- * negative x (0 there). */
-static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x) {
-    __m512i b = _mm512_castps_si512(x);
-    __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
-    mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3fffffff));
+ * negative x (0 there). `sg`: the map has negative codes. The unsigned map clamps x's bits as
+ * signed integers instead, so a negative x (NaN too) reads as 2^-31, whose estimate is 0, and
+ * it skips the sign's two steps. */
+static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z* Lz, float neg_k, __m512 x, int sg) {
+    __m512i b = _mm512_castps_si512(x), mag;
+    if (sg) {
+        mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+        mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3fffffff));
+    } else {
+        mag = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3fffffff));
+    }
     __m512 y = _mm512_castsi512_ps(mag);
     __m512i span = _mm512_srli_epi32(mag, 24); /* the low 4 bits: span 0 .. 15 */
     __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[0]), y, _mm512_permutexvar_ps(span, Lz->l[1]));
     __m512 t2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(span, Lz->l[2]), y, _mm512_permutexvar_ps(span, Lz->l[3]));
     __m512 t = _mm512_min_ps(t1, t2);
-    t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(b), _mm512_set1_ps(neg_k), t);
+    if (sg) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(b), _mm512_set1_ps(neg_k), t);
     return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 
@@ -838,9 +844,9 @@ static inline __attribute__((always_inline)) __m512i estimate_z(const zo_lines_z
  * [0, 255]), plus one where x reaches the decision point at the estimate (never at 255,
  * whose entry is NaN, nor for a NaN x). */
 static inline __attribute__((always_inline)) __m512i codes64_z(const zo_lines_z* Lz, const zo_planes_z* T, float neg_k,
-                                                                const __m512 x[4], __m512i natural) {
+                                                                const __m512 x[4], __m512i natural, int sg) {
     __m512i e[4], t[4];
-    for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r]);
+    for (int r = 0; r < 4; r++) e[r] = estimate_z(Lz, neg_k, x[r], sg);
     __m512i k = pack_z(e);
     lookup64_z(T, k, t);
     __mmask16 up[4];
@@ -850,19 +856,33 @@ static inline __attribute__((always_inline)) __m512i codes64_z(const zo_lines_z*
     return _mm512_mask_sub_epi8(codes, ups, codes, _mm512_set1_epi8(-1));
 }
 
+/* The codes of 64 values s[0 .. 63] * inv. */
+static inline __attribute__((always_inline)) void quantize64_z(const float* s, __m512 inv, const zo_lines_z* Lz,
+                                                               const zo_planes_z* T, float neg_k, int sg,
+                                                               __m512i natural, uint8_t* out) {
+    __m512 x[4];
+    for (int r = 0; r < 4; r++) x[r] = _mm512_mul_ps(_mm512_load_ps(s + 16 * r), inv);
+    _mm512_storeu_si512(out, codes64_z(Lz, T, neg_k, x, natural, sg));
+}
+
+static inline __attribute__((always_inline)) int map_signed_z(const zo_qmap* q) { return q->values[0] < 0.0f; }
+
+static inline __attribute__((always_inline)) void load_lines_z(zo_lines_z* Lz, const float* lines) {
+    for (int k = 0; k < 4; k++) Lz->l[k] = _mm512_loadu_ps(lines + 16 * k);
+}
+
 static inline __attribute__((always_inline)) void quantize_z(const float* s, int n, float inv, const zo_qmap* q, uint8_t* out) {
     zo_planes_z T;
     zo_lines_z Lz;
     load_planes_z(&T, q->thr_planes);
-    for (int k = 0; k < 4; k++) Lz.l[k] = _mm512_loadu_ps(q->lines + 16 * k);
+    load_lines_z(&Lz, q->lines);
     const __m512i order = from_lane_order_z();
-    __m512 iv = _mm512_set1_ps(inv);
+    const __m512 iv = _mm512_set1_ps(inv);
     int j = 0;
-    for (; j + 64 <= n; j += 64) {
-        __m512 x[4];
-        for (int r = 0; r < 4; r++) x[r] = _mm512_mul_ps(_mm512_load_ps(s + j + 16 * r), iv);
-        _mm512_storeu_si512(out + j, codes64_z(&Lz, &T, q->neg_k, x, order));
-    }
+    if (map_signed_z(q))
+        for (; j + 64 <= n; j += 64) quantize64_z(s + j, iv, &Lz, &T, q->neg_k, 1, order, out + j);
+    else
+        for (; j + 64 <= n; j += 64) quantize64_z(s + j, iv, &Lz, &T, q->neg_k, 0, order, out + j);
     quantize_scalar(s + j, n - j, inv, q, out + j);
 }
 #else
@@ -984,8 +1004,122 @@ static inline __attribute__((always_inline)) void quantized_row_z(const zo_cfg* 
     }
 }
 
-#define ZO_DENSE dense_range_z
+#if defined(__AVX512VBMI__)
+/* max(acc, |x|) in one instruction (vrangeps 0x0b: the larger magnitude, sign cleared). Like
+ * max_z on |x| it ignores a quiet NaN x (IEEE maxNum), and arithmetic makes no signaling one. */
+static inline __attribute__((always_inline)) __m512 absmax_z(__m512 acc, __m512 x) {
+    return _mm512_range_ps(acc, x, 0x0b);
+}
+
+/* Pass 1 on 64 elements of a whole block (block_z's loop body, four times). */
+static inline __attribute__((always_inline)) void update64_z(const zo_cfg* c, void* const* P, int64_t i, __m512 amm,
+                                                             __m512 amv, float* sm, float* sv, __m512* xm, __m512* xv) {
+    const int two = two_moments(c);
+    for (int r = 0; r < 4; r++) {
+        __m512 m = _mm512_mul_ps(_mm512_load_ps(sm + 16 * r), amm);
+        __m512 v = two ? _mm512_mul_ps(_mm512_load_ps(sv + 16 * r), amv) : _mm512_setzero_ps();
+        __m512 p = update_z(c, load_master_z(c, P, i + 16 * r), load_grad_z(P[P_GRAD], c->g_dtype, i + 16 * r), &m, &v);
+        store_master_z(c, P, i + 16 * r, p);
+        _mm512_store_ps(sm + 16 * r, m);
+        *xm = absmax_z(*xm, m);
+        if (two) {
+            _mm512_store_ps(sv + 16 * r, v);
+            *xv = absmax_z(*xv, v);
+        }
+    }
+}
+
+/* Both maps' quantizer tables, held for a row. */
+typedef struct {
+    zo_planes_z tm, tv;
+    zo_lines_z lm, lv;
+    __m512i natural;
+    float km, kv;
+    int sm, sv;
+} zo_quant2_z;
+
+/* `n` whole blocks from element a (absmax from blk), two in flight: each step updates 64
+ * elements of block k, whose square roots and divisions keep the divider busy, while the
+ * shuffle and integer units quantize 64 of block k - 1 (its absmax known by then). One block at
+ * a time the two phases alternate and each leaves the other's units idle. */
+static inline __attribute__((always_inline)) void pipelined_blocks_z(const zo_cfg* c, void* const* P, int64_t a,
+                                                                     int64_t n, int64_t blk, int64_t end) {
+    float sm[2][ZO_BLOCK] __attribute__((aligned(64)));
+    float sv[2][ZO_BLOCK] __attribute__((aligned(64)));
+    const int two = two_moments(c);
+    float* am_m = (float*)P[P_M_ABSMAX];
+    float* am_v = (float*)P[P_V_ABSMAX];
+    uint8_t* codes_m = (uint8_t*)P[P_M];
+    uint8_t* codes_v = (uint8_t*)P[P_V];
+    zo_quant2_z Q;
+    load_planes_z(&Q.tm, c->qm->thr_planes);
+    load_lines_z(&Q.lm, c->qm->lines);
+    Q.km = c->qm->neg_k;
+    Q.sm = map_signed_z(c->qm);
+    if (two) {
+        load_planes_z(&Q.tv, c->qv->thr_planes);
+        load_lines_z(&Q.lv, c->qv->lines);
+        Q.kv = c->qv->neg_k;
+        Q.sv = map_signed_z(c->qv);
+    }
+    Q.natural = from_lane_order_z();
+    __m512 inv_m = _mm512_setzero_ps(), inv_v = _mm512_setzero_ps();
+    for (int64_t k = 0; k <= n; k++) {
+        const int cur = (int)(k & 1), prev = cur ^ 1;
+        const int64_t i = a + k * ZO_BLOCK, ip = i - ZO_BLOCK;
+        const int upd = k < n, quant = k > 0;
+        __m512 amm = _mm512_setzero_ps(), amv = _mm512_setzero_ps();
+        if (upd) {
+            prefetch_block_z(c, P, i + ZO_PREFETCH_BLOCKS * ZO_BLOCK, end);
+            dequant_z(c->qm, codes_m + i, ZO_BLOCK, sm[cur]);
+            if (two) dequant_z(c->qv, codes_v + i, ZO_BLOCK, sv[cur]);
+            amm = _mm512_set1_ps(am_m[blk + k]);
+            amv = _mm512_set1_ps(two ? am_v[blk + k] : 0.0f);
+        }
+        __m512 xm = _mm512_setzero_ps(), xv = _mm512_setzero_ps();
+        for (int g = 0; g < ZO_BLOCK; g += 64) {
+            if (upd) update64_z(c, P, i + g, amm, amv, sm[cur] + g, sv[cur] + g, &xm, &xv);
+            if (quant) {
+                quantize64_z(sm[prev] + g, inv_m, &Q.lm, &Q.tm, Q.km, Q.sm, Q.natural, codes_m + ip + g);
+                if (two) quantize64_z(sv[prev] + g, inv_v, &Q.lv, &Q.tv, Q.kv, Q.sv, Q.natural, codes_v + ip + g);
+            }
+        }
+        if (upd) {
+            float mx_m = 0.0f, mx_v = 0.0f;
+            fold_max_z(xm, &mx_m);
+            am_m[blk + k] = mx_m;
+            inv_m = _mm512_set1_ps(mx_m > 0.0f ? 1.0f / mx_m : 0.0f);
+            if (two) {
+                fold_max_z(xv, &mx_v);
+                am_v[blk + k] = mx_v;
+                inv_v = _mm512_set1_ps(mx_v > 0.0f ? 1.0f / mx_v : 0.0f);
+            }
+        }
+    }
+}
+
+/* An 8-bit row: a partial first and last block one at a time, the whole ones between
+ * pipelined. */
+static inline __attribute__((always_inline)) void quantized_row_vbmi(const zo_cfg* c, void* const* P, int64_t off,
+                                                                     int64_t n, int phase, int64_t blk) {
+    int64_t i = off, end = off + n;
+    if (phase > 0) {
+        int64_t head = ZO_BLOCK - phase < n ? ZO_BLOCK - phase : n;
+        quantized_row_z(c, P, i, head, phase, blk);
+        i += head;
+        blk++;
+    }
+    int64_t whole = (end - i) / ZO_BLOCK;
+    if (whole > 0) pipelined_blocks_z(c, P, i, whole, blk, end);
+    i += whole * ZO_BLOCK;
+    blk += whole;
+    if (i < end) quantized_row_z(c, P, i, end - i, 0, blk);
+}
+#define ZO_QUANTIZED quantized_row_vbmi
+#else
 #define ZO_QUANTIZED quantized_row_z
+#endif
+#define ZO_DENSE dense_range_z
 #define ZO_QUANTIZE quantize_z
 #else
 #define ZO_VEC_PATH "avx2"
@@ -1108,7 +1242,9 @@ int zo_optim_rows(void* const* ptrs, const int64_t* rows, int64_t row_begin, int
     return 0;
 }
 
-/* All rows, split across `num_threads` OpenMP threads (contiguous runs of rows). */
+/* All rows on `num_threads` OpenMP threads, each claiming the next row when done with one: on a
+ * host whose cores are shared, a thread that is descheduled leaves its rows to the others
+ * instead of holding up the step (rows are independent, so the bits do not change). */
 int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const int32_t* modes,
                  const float* hp, const uint32_t* keys, int64_t index_base, const zo_qmap* qm,
                  const zo_qmap* qv, int num_threads) {
@@ -1117,7 +1253,7 @@ int zo_optim_omp(void* const* ptrs, const int64_t* rows, int64_t nrows, const in
     if (rc) return rc;
 #ifdef _OPENMP
     int nt = num_threads > 0 ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(nt)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t r = 0; r < nrows; r++) run_row(&c, ptrs, rows + r * ZO_ROW_FIELDS);
 #else
     (void)num_threads;
