@@ -16,6 +16,7 @@ from zero_offload.grads.host import staging_bytes
 from zero_offload.grads.reducer import reductions_alive
 from zero_offload.memory.sizes import pool_bytes
 from zero_offload.params.module_units import gathered_units
+from zero_offload.params.store import WRITE_BACK_BUFFERS
 from zero_offload.params.units import unit_build_bytes
 from zero_offload.partition import build_layout, padded_numel
 from zero_offload.planning.estimate import builder as memory_builder
@@ -84,7 +85,9 @@ def test_stage3_terms_are_the_gatherer_and_param_pool_sizes(depth: int) -> None:
     )
     assert _term(e, "gathered params") == gathered_units(depth) * largest * b
     shard_bytes = b * math.ceil(largest / gpus)
-    assert _term(e, "param swap buffers") == (depth + 2) * pool_footprint(shard_bytes)
+    assert _term(e, "param swap buffers") == (depth + 2 + WRITE_BACK_BUFFERS) * pool_footprint(
+        shard_bytes
+    )
     assert _term(e, "grad staging") == staging_bytes(math.ceil(largest / gpus), b)
     assert _term(e, "unit being made") == unit_build_bytes(largest, math.ceil(largest / gpus), b)
 

@@ -60,10 +60,17 @@ class Lent(NamedTuple):
     ``give_back`` (None: until the unit's next :meth:`ParamStore.put`)."""
 
 
+WRITE_BACK_BUFFERS = 4
+"""Pool buffers for an update's write-backs beside the passes (``overlap_step``,
+``step_during_backward``): each new shard stays in its buffer as the unit's read ahead until
+the forward gathers it. Without them those buffers leave fewer than two free, and the forward
+starts no reads ahead (``prefetch``) and waits on the disk for most of its gathers."""
+
+
 def param_pool_buffers(prefetch_depth: int) -> int:
     """Host buffers the NVMe parameter pool wants: one per read ahead, the one being
-    gathered, and one for a write-back after the step."""
-    return prefetch_depth + 2
+    gathered, one for a write-back after the step, and :data:`WRITE_BACK_BUFFERS`."""
+    return prefetch_depth + 2 + WRITE_BACK_BUFFERS
 
 
 def shards_in_host_memory(param_tier: Tier, device_type: str) -> bool:

@@ -102,7 +102,7 @@ class TermBuilder:
                     param_pool_buffers(prefetch_depth),
                     self.host.param_budget,
                 ),
-                "(prefetch_depth + 2) × largest module's shard, as the pool rounds it",
+                "(prefetch_depth + 6) × largest module's shard, as the pool rounds it",
             )
 
     def _add_param_shards(self, offload_param_fraction: float | None) -> None:
