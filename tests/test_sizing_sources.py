@@ -85,7 +85,19 @@ def test_stage3_terms_are_the_gatherer_and_param_pool_sizes(depth: int) -> None:
     )
     assert _term(e, "gathered params") == gathered_units(depth) * largest * b
     shard_bytes = b * math.ceil(largest / gpus)
-    assert _term(e, "param swap buffers") == (depth + 2 + WRITE_BACK_BUFFERS) * pool_footprint(
+    # the optimizer in host memory: no update writes parameters back beside the passes
+    assert _term(e, "param swap buffers") == (depth + 2) * pool_footprint(shard_bytes)
+    nvme = zo.estimate_memory(
+        2e9,
+        num_gpus=gpus,
+        stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        largest_layer_params=largest,
+        prefetch_depth=depth,
+        host_memory_limit=64 * 2**30,
+    )
+    assert _term(nvme, "param swap buffers") == (depth + 2 + WRITE_BACK_BUFFERS) * pool_footprint(
         shard_bytes
     )
     assert _term(e, "grad staging") == staging_bytes(math.ceil(largest / gpus), b)

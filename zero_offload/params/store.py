@@ -67,10 +67,13 @@ the forward gathers it. Without them those buffers leave fewer than two free, an
 starts no reads ahead (``prefetch``) and waits on the disk for most of its gathers."""
 
 
-def param_pool_buffers(prefetch_depth: int) -> int:
+def param_pool_buffers(prefetch_depth: int, optimizer_on_nvme: bool) -> int:
     """Host buffers the NVMe parameter pool wants: one per read ahead, the one being
-    gathered, one for a write-back after the step, and :data:`WRITE_BACK_BUFFERS`."""
-    return prefetch_depth + 2 + WRITE_BACK_BUFFERS
+    gathered, one for a write-back after the step, and, where the optimizer state is on NVMe
+    (only that update runs beside the passes), :data:`WRITE_BACK_BUFFERS`. Decided by the
+    tiers alone, so that the estimate and the engine agree: with ``overlap_step`` and
+    ``step_during_backward`` both off those buffers go unused."""
+    return prefetch_depth + 2 + (WRITE_BACK_BUFFERS if optimizer_on_nvme else 0)
 
 
 def shards_in_host_memory(param_tier: Tier, device_type: str) -> bool:
@@ -97,7 +100,8 @@ def param_pool_bytes(cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype) ->
     if not cfg.offload.param_tier.on_nvme or largest_shard <= 0:
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return param_pool_buffers(cfg.prefetch_depth) * pool_footprint(largest_shard * itemsize)
+    buffers = param_pool_buffers(cfg.prefetch_depth, cfg.offload.optimizer_tier.on_nvme)
+    return buffers * pool_footprint(largest_shard * itemsize)
 
 
 class ParamStore:
@@ -142,7 +146,9 @@ class ParamStore:
             self.swapper = Swapper(
                 cfg.offload.nvme_dir,
                 buffer_bytes=largest_shard * itemsize,
-                buffer_count=param_pool_buffers(cfg.prefetch_depth),
+                buffer_count=param_pool_buffers(
+                    cfg.prefetch_depth, cfg.offload.optimizer_tier.on_nvme
+                ),
                 min_buffers=1,
                 host_memory_limit=host_memory_limit,
                 expected_bytes=self._bytes - self.host_numel * itemsize,

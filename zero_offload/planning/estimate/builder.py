@@ -99,10 +99,11 @@ class TermBuilder:
                 BUFFER,
                 _pool(
                     b * math.ceil(lay.largest / self.shards),
-                    param_pool_buffers(prefetch_depth),
+                    param_pool_buffers(prefetch_depth, self.optimizer_tier.on_nvme),
                     self.host.param_budget,
                 ),
-                "(prefetch_depth + 6) × largest module's shard, as the pool rounds it",
+                "(prefetch_depth + 2, + 4 with the optimizer on NVMe) × largest module's shard, "
+                "as the pool rounds it",
             )
 
     def _add_param_shards(self, offload_param_fraction: float | None) -> None:

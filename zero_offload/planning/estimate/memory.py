@@ -284,7 +284,9 @@ def _split_host(
         else 0
     )
     param_pool = _pool(
-        b * math.ceil(layout.largest / shards), param_pool_buffers(prefetch_depth), None
+        b * math.ceil(layout.largest / shards),
+        param_pool_buffers(prefetch_depth, optimizer_tier.on_nvme),
+        None,
     )
     acts = (
         activation_host_share(budget, param_tier, optimizer_tier, staging)
