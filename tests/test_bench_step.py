@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
 import pytest
 
 from zero_offload.bench.training import step
@@ -24,6 +25,8 @@ TINY = [
     "--json",
 ]
 SAMPLE_KEYS = {
+    "fwd_s",
+    "bwd_s",
     "fwd_bwd_s",
     "step_s",
     "total_s",
@@ -45,6 +48,7 @@ def _bench(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
 
 
 def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rss_before = psutil.Process().memory_info().rss
     rc, rep = _bench(
         capsys, *TINY, "--offload-optimizer", "none", "cpu", "nvme", "--nvme-path", str(tmp_path)
     )
@@ -61,6 +65,12 @@ def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         for key in ("fwd_bwd_s", "step_s", "total_s", "opt_compute_s", "opt_wall_s"):
             assert med[key] > 0, (name, key)
         assert med["total_s"] >= med["step_s"]
+        for s in r["samples"]:  # the phases add up, each step's peak RSS is read
+            assert s["fwd_s"] > 0 and s["bwd_s"] > 0
+            assert s["fwd_s"] + s["bwd_s"] == pytest.approx(s["fwd_bwd_s"])
+            assert s["fwd_bwd_s"] + s["step_s"] == pytest.approx(s["total_s"])
+            assert 0 < s["peak_rss"] <= r["peak_rss"]
+        assert r["peak_rss"] >= 0.9 * rss_before  # the process's RSS, not a difference
         assert 0 < med["overlap"] <= 1.05, (name, med["overlap"])
     nvme = runs["nvme"]["median"]
     assert nvme["opt_read_s"] > 0 and nvme["opt_write_s"] > 0

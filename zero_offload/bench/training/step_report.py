@@ -136,10 +136,11 @@ def print_tables(report: dict) -> None:
         )
     print()
     print(
-        "| offload opt / param | depth | fwd+bwd s | step s | total s | opt read s | opt compute s "
-        "| opt write s | disk busy s | opt wall s | overlap | NVMe GB/s | vs raw disk |"
+        "| offload opt / param | depth | fwd s | bwd s | step s | total s | peak RSS GiB "
+        "| opt read s | opt compute s | opt write s | disk busy s | opt wall s | overlap "
+        "| NVMe GB/s | vs raw disk |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
         opt = (
             r["offload_optimizer"]
@@ -148,13 +149,15 @@ def print_tables(report: dict) -> None:
         )
         head = f"| {opt} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
-            print(f"{head} {_short(r['error'])} |" + " |" * 10)
+            print(f"{head} {_short(r['error'])} |" + " |" * 12)
             continue
         d = r["median"]
         gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
         eff = f"{r['io_efficiency']:.2f}" if r["io_efficiency"] else "-"
+        peak = f"{r['peak_rss'] / 2**30:.2f}" if r.get("peak_rss") else "-"
         print(
-            f"{head} {d['fwd_bwd_s']:.3f} | {d['step_s']:.3f} | {d['total_s']:.3f} | "
+            f"{head} {d['fwd_s']:.3f} | {d['bwd_s']:.3f} | {d['step_s']:.3f} | "
+            f"{d['total_s']:.3f} | {peak} | "
             f"{d['opt_read_s']:.3f} | "
             f"{d['opt_compute_s']:.3f} | {d['opt_write_s']:.3f} | {d['opt_io_busy_s']:.3f} | "
             f"{d['opt_wall_s']:.3f} | {d['overlap']:.2f} | "

@@ -18,14 +18,18 @@ import zero_offload as zo
 
 from ..gpt import GPT, GPTConfig, synthetic_batch
 from ..micro.io import show_progress
+from .high_water import HighWater
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class Sample:
-    """One timed step. ``opt_*`` come from the updater's ``StepTimings``."""
+    """One timed step. ``opt_*`` come from the updater's ``StepTimings``; ``peak_rss``: the
+    process's largest RSS from the forward's start to ``step()``'s end (None off Linux)."""
 
+    fwd_s: float
+    bwd_s: float
     fwd_bwd_s: float
     step_s: float
     total_s: float
@@ -37,6 +41,7 @@ class Sample:
     bytes_read: int
     bytes_written: int
     overlap: float
+    peak_rss: int | None
 
 
 @dataclass
@@ -53,6 +58,7 @@ class RunResult:
     samples: list[Sample] = field(default_factory=list)
     median: dict[str, float] = field(default_factory=dict)
     nvme_gbps: float | None = None  # (read + written bytes) / optimizer wall
+    peak_rss: int | None = None  # the largest of the timed steps' peak RSS, bytes
     io_efficiency: float | None = None  # raw-disk time for those bytes / optimizer wall
 
     @property
@@ -118,7 +124,8 @@ def run_one(
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     engine = None
-    timed: tuple[float, float] | None = None  # a timed step whose optimizer timings are due
+    timed: tuple[float, float, float, int | None] | None = None  # its optimizer timings are due
+    high_water = HighWater()
     try:
         engine = zo.initialize(
             GPT(cfg), **_engine_kwargs(args, opt, param, depth, fraction, overlap)
@@ -134,8 +141,11 @@ def run_one(
             )
             x, y = synthetic_batch(cfg, args.batch, gen)
             _sync(engine.device)
+            high_water.reset()
             t0 = time.perf_counter()
             loss = engine(x, y)
+            _sync(engine.device)
+            tf = time.perf_counter()
             engine.backward(loss)  # waits for the last step's update, if it ran on
             _sync(engine.device)
             t1 = time.perf_counter()
@@ -149,7 +159,7 @@ def run_one(
             if not math.isfinite(value):
                 raise RuntimeError(f"loss is {value} at step {i + 1} of {res.label}")
             if i >= args.warmup:
-                timed = (t1 - t0, t2 - t1)
+                timed = (tf - t0, t1 - tf, t2 - t1, high_water.peak())
         if timed is not None:
             res.samples.append(_sample(*timed, engine.last_step_timings))  # waits for it
     finally:
@@ -159,20 +169,25 @@ def run_one(
     res.median = {
         k: statistics.median(getattr(s, k) for s in res.samples)
         for k in Sample.__dataclass_fields__
+        if k != "peak_rss"
     }
+    peaks = [s.peak_rss for s in res.samples if s.peak_rss is not None]
+    res.peak_rss = max(peaks) if peaks else None
     m = res.median
     if m["bytes_read"] + m["bytes_written"] > 0 and m["opt_wall_s"] > 0:
         res.nvme_gbps = (m["bytes_read"] + m["bytes_written"]) / m["opt_wall_s"] / 1e9
     return res
 
 
-def _sample(fwd_bwd_s: float, step_s: float, t: Any) -> Sample:
-    """A timed step: its forward + backward and ``step()`` seconds, and its optimizer's
-    ``StepTimings``."""
+def _sample(fwd_s: float, bwd_s: float, step_s: float, peak_rss: int | None, t: Any) -> Sample:
+    """A timed step: its forward, backward and ``step()`` seconds, its peak RSS, and its
+    optimizer's ``StepTimings``."""
     return Sample(
-        fwd_bwd_s,
+        fwd_s,
+        bwd_s,
+        fwd_s + bwd_s,
         step_s,
-        fwd_bwd_s + step_s,
+        fwd_s + bwd_s + step_s,
         t.read_s,
         t.write_s,
         t.io_busy_s,
@@ -181,4 +196,5 @@ def _sample(fwd_bwd_s: float, step_s: float, t: Any) -> Sample:
         t.bytes_read,
         t.bytes_written,
         t.overlap,
+        peak_rss,
     )
