@@ -57,7 +57,7 @@ def _predicted(rec: dict):
     r = rec["rates"]
     rates = Rates(
         flops=r["gemm_flops"],
-        efficiency=PROBE_EFFICIENCY,
+        efficiency=r.get("efficiency", PROBE_EFFICIENCY),
         adam=r["adam"],
         disk_read=r["disk_read"],
         disk_write=r["disk_write"],
@@ -233,7 +233,24 @@ def test_probe_measures_this_machine(tmp_path):
     p = probe(tmp_path, seconds=0.1)
     r = p.rates()
     assert r.flops > 0 and r.adam > 0 and r.disk_read and r.disk_write and r.cpu_device
-    assert "probed here" in r.source
+    assert "probed here" in r.source and r.efficiency == PROBE_EFFICIENCY
+
+
+def test_probe_runs_a_decoder_block_of_the_models_shape():
+    """With the model's shape the efficiency is measured, not assumed: a decoder block's
+    model FLOP/s over the GEMM's. A micro-batch too long for a short probe at the GEMM's
+    rate runs fewer sequences, then shorter ones."""
+    from zero_offload.bench.micro.probe import probe, probe_block
+
+    shape = DecoderShape(2, 64, 256, 4, 4, 16, 512, "gpt")
+    p = probe(None, seconds=0.1, shape=(2 * 32, 64, 256), decoder=(shape, (2, 32)))
+    assert p.block_tokens == (2, 32) and p.block_flops > 0
+    r = p.rates()
+    assert r.efficiency == pytest.approx(p.block_flops / p.gemm_flops)
+    assert "decoder block's 2 x 32 tokens" in r.source
+    assert p.rates(0.5).efficiency == 0.5
+    flops, ran = probe_block(shape, (8, 1024), gemm_flops=1e7, seconds=0.05)
+    assert ran == (1, 128) and flops > 0
 
 
 def test_arguments_parse():

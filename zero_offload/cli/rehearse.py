@@ -254,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _predicted(result: Any, args: argparse.Namespace) -> Any:
+    from ..planning.estimate.activations import DecoderShape
+    from ..rehearsal.models import build_model
     from ..rehearsal.step_time import predicted_step
 
-    return predicted_step(result, step_time.rates(args))
+    shape = None
+    if args.probe:  # the probes run the model's shapes
+        shape = DecoderShape.of(build_model(args.model, attention=args.attention))
+    return predicted_step(result, step_time.rates(args, shape, result.micro_batch))

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="share of that peak a training step reaches (default 0.45 of a GPU's "
-        "datasheet peak, 0.75 of a probed GEMM)",
+        "datasheet peak; with --probe, a decoder block's measured share of the GEMM, 0.75 "
+        "without the model's shape)",
     )
     g.add_argument(
         "--cpu-adam",
@@ -73,16 +74,24 @@ def wanted(args: argparse.Namespace) -> bool:
     return bool(args.gpu or args.probe or args.tflops)
 
 
-def rates(args: argparse.Namespace, shape: tuple[int, int, int] | None = None) -> Rates:
+def rates(
+    args: argparse.Namespace,
+    shape: DecoderShape | None = None,
+    micro_batch: tuple[int, int] | None = None,
+) -> Rates:
     """The rates the arguments name, explicit figures over named or probed ones
-    (ValueError: what is missing or wrong). ``shape``: the model's MLP matmul, for the
-    GEMM probe."""
+    (ValueError: what is missing or wrong). ``shape`` and ``micro_batch``: the model's, for
+    the probes (a GEMM at its MLP's matmul, a decoder block of its width on its tokens)."""
     if args.probe:
         from ..bench.micro.probe import probe
 
         disk = args.probe_disk or (Path(args.nvme) if getattr(args, "nvme", None) else None)
         dtype = getattr(torch, getattr(args, "dtype", "bfloat16"))
-        r = probe(disk, dtype=dtype, shape=shape).rates()
+        mlp = decoder = None
+        if shape is not None and micro_batch is not None:
+            b, s = micro_batch
+            mlp, decoder = (b * s, shape.hidden, shape.intermediate), (shape, micro_batch)
+        r = probe(disk, dtype=dtype, shape=mlp, decoder=decoder).rates()
     elif args.gpu:
         r = target_rates(args.gpu, pcie=args.pcie, nvme=args.nvme_drive, drives=args.nvme_drives)
     elif args.tflops:
@@ -133,5 +142,4 @@ def for_plan(p: Plan, args: argparse.Namespace, model: Any, micro_batch: Any) ->
         checkpointing=bool(m is not None and m.checkpointing),
         attention_flops=0.0 if shape is None else attention_flops(shape, b, s),
     )
-    mlp = None if shape is None else (b * s, shape.hidden, shape.intermediate)
-    return predict_step(work, rates(args, mlp))
+    return predict_step(work, rates(args, shape, micro_batch))
