@@ -69,10 +69,13 @@ def _predicted(rec: dict):
 def test_model_predicts_recorded_steps(rec):
     """Each held phase of each recorded run within ±15% of the measured seconds; a phase
     under 5% of the step (the visible ``step()`` after an overlapped update) within 5% of
-    the step, as its absolute error then moves the step by no more."""
+    the step, as its absolute error then moves the step by no more. A record with a
+    ``known_gap`` is one the model misses, as the gap says: it must still miss (a model
+    that holds it should hold it for good)."""
     pred = _predicted(rec)
     measured = rec["measured"]
     total = measured.get("total", max(measured.values()))
+    misses = []
     for phase in rec["held"]:
         got = pred.seconds if phase == "total" else pred[phase]
         want = measured[phase]
@@ -80,7 +83,12 @@ def test_model_predicts_recorded_steps(rec):
         allowed = TOLERANCE * want
         if phase != "total" and want < SMALL * total:
             allowed = max(allowed, SMALL * total)
-        assert err <= allowed, (rec["name"], phase, got, want, str(pred))
+        if err > allowed:
+            misses.append((phase, round(got, 3), want))
+    if "known_gap" in rec:
+        assert misses, f"{rec['name']}: the model holds it now; drop its known_gap"
+    else:
+        assert not misses, (rec["name"], misses, str(pred))
 
 
 def test_update_goes_where_the_engine_runs_it():

@@ -27,9 +27,11 @@ __all__ = [
 
 PROBE_EFFICIENCY = 0.75
 """Share of the GEMM probe's FLOP/s that a training step's model FLOPs (6 · params · tokens)
-reach on a CPU device: the 1.02B GPT of docs/step_time.md ran its forward at 0.71 and its
-backward at 0.80 of a 2-thread bf16 GEMM's rate (norms, activations, the loss and the
-engine's hooks take the rest)."""
+reach on a CPU device, where the probe knows no model shape to measure it on (with one, a
+decoder block's forward and backward measure it: ``probe_block``). It depends on the host:
+the 1.02B GPT of docs/step_time.md ran its forward at 0.71 and its backward at 0.80 of a
+2-thread bf16 GEMM's rate on a Zen 4 host with native bf16 (norms, activations, the loss and
+the engine's hooks take the rest), at 0.93 on an Ice Lake host whose bf16 GEMM is 7x slower."""
 
 GPU_EFFICIENCY = 0.45
 """Share of a GPU's dense datasheet peak that a training step's model FLOPs reach (model
