@@ -14,6 +14,24 @@ __all__ = ["REFERENCE_DEPTH", "depth_sweep", "fraction_sweep", "overlap_ratios",
 
 REFERENCE_DEPTH = 2  # the library's default prefetch_depth; the resident run uses it
 
+_RUN_COLUMNS = (
+    "offload opt / param",
+    "depth",
+    "fwd s",
+    "bwd s",
+    "step s",
+    "total s",
+    "peak RSS GiB",
+    "opt read s",
+    "opt compute s",
+    "opt write s",
+    "disk busy s",
+    "opt wall s",
+    "overlap",
+    "NVMe GB/s",
+    "vs raw disk",
+)
+
 
 def fraction_sweep(results: list[RunResult]) -> list[dict[str, Any]]:
     """Step time and optimizer disk bytes per fraction, and both relative to all on NVMe."""
@@ -135,12 +153,8 @@ def print_tables(report: dict) -> None:
             f"MiB requests): read {b['read_gbps']:.2f} GB/s, write {b['write_gbps']:.2f} GB/s"
         )
     print()
-    print(
-        "| offload opt / param | depth | fwd s | bwd s | step s | total s | peak RSS GiB "
-        "| opt read s | opt compute s | opt write s | disk busy s | opt wall s | overlap "
-        "| NVMe GB/s | vs raw disk |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| " + " | ".join(_RUN_COLUMNS) + " |")
+    print("|---" * len(_RUN_COLUMNS) + "|")
     for r in report["runs"]:
         opt = (
             r["offload_optimizer"]
@@ -149,7 +163,7 @@ def print_tables(report: dict) -> None:
         )
         head = f"| {opt} / {r['offload_param']} | {r['prefetch_depth']} |"
         if r["error"]:
-            print(f"{head} {_short(r['error'])} |" + " |" * 12)
+            print(f"{head} {_short(r['error'])} |" + " |" * (len(_RUN_COLUMNS) - 3))
             continue
         d = r["median"]
         gbps = f"{r['nvme_gbps']:.2f}" if r["nvme_gbps"] else "-"
