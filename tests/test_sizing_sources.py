@@ -73,30 +73,24 @@ def test_memory_model_defines_no_count_of_its_own() -> None:
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_stage3_terms_are_the_gatherer_and_param_pool_sizes(depth: int) -> None:
     largest, gpus, b = 50_000_000, 4, 2
-    e = zo.estimate_memory(
-        2e9,
-        num_gpus=gpus,
-        stage=3,
-        offload_optimizer="cpu",
-        offload_param="nvme",
-        largest_layer_params=largest,
-        prefetch_depth=depth,
-        host_memory_limit=64 * 2**30,
-    )
+
+    def estimate(optimizer: str):
+        return zo.estimate_memory(
+            2e9,
+            num_gpus=gpus,
+            stage=3,
+            offload_optimizer=optimizer,
+            offload_param="nvme",
+            largest_layer_params=largest,
+            prefetch_depth=depth,
+            host_memory_limit=64 * 2**30,
+        )
+
+    e, nvme = estimate("cpu"), estimate("nvme")
     assert _term(e, "gathered params") == gathered_units(depth) * largest * b
     shard_bytes = b * math.ceil(largest / gpus)
     # the optimizer in host memory: no update writes parameters back beside the passes
     assert _term(e, "param swap buffers") == (depth + 2) * pool_footprint(shard_bytes)
-    nvme = zo.estimate_memory(
-        2e9,
-        num_gpus=gpus,
-        stage=3,
-        offload_optimizer="nvme",
-        offload_param="nvme",
-        largest_layer_params=largest,
-        prefetch_depth=depth,
-        host_memory_limit=64 * 2**30,
-    )
     assert _term(nvme, "param swap buffers") == (depth + 2 + WRITE_BACK_BUFFERS) * pool_footprint(
         shard_bytes
     )
