@@ -300,3 +300,8 @@ def test_rehearse_prints_the_predicted_step_from_its_counts(tmp_path, capsys):
         fwd_flops / (312e12 * 0.45), rel=1e-6
     )
     assert step["seconds"] > 0 and step["headline"]
+    # --probe: this machine's rates, the efficiency from a block of the model's shape
+    rc = main([*argv, "--probe", "--json"])
+    rates = json.loads(capsys.readouterr().out)["step_time"]["rates"]
+    assert rc == 0 and "a decoder block's 2 x 64 tokens" in rates["source"]
+    assert 0 < rates["efficiency"] != PROBE_EFFICIENCY
