@@ -316,6 +316,42 @@ def test_a_buffer_needed_now_takes_only_the_read_ahead_needed_last(tmp_path):
     engine.close()
 
 
+def test_a_write_takes_the_buffer_of_its_own_stale_read_ahead_first(tmp_path):
+    """A unit about to be written whose old shard was read ahead gives that buffer up
+    before any other read ahead: the write makes it stale, while the others are the next
+    gathers' shards. A target and a copying put each need a buffer with none free."""
+    torch.manual_seed(0)
+    engine = zo.initialize(
+        TinyGPT(layers=6, width=128),
+        stage=3,
+        lr=1e-2,
+        offload_optimizer="cpu",  # a pool of prefetch_depth + 2 = 4 buffers
+        offload_param="nvme",
+        nvme_path=tmp_path,
+    )
+    store = engine.param_store
+    x, y = batch("gpt", 4, torch.Generator().manual_seed(0))
+    engine.backward(loss_fn("gpt", engine(x), y))
+    engine.step()
+    store.drop_prefetched()
+    pool = store.swapper.pool
+    units = [u for u in engine.units if u.shard_numel and store.view(u) is None]
+    assert pool.count == 4 and len(units) >= 4
+    for u in units[:3]:
+        store.prefetch(u)
+    store.target(units[3])  # the last free buffer
+    assert pool.available == 0
+    target = store.target(units[1])  # units[1]'s read ahead goes, not units[2]'s
+    assert list(store._prefetched) == [units[0].index, units[2].index]
+    store.put(units[1], target)  # its new values stay as its read ahead
+    assert list(store._prefetched) == [units[0].index, units[2].index, units[1].index]
+    store.put(units[2], torch.zeros_like(target[: units[2].shard_numel]))  # a copying put
+    assert list(store._prefetched) == [units[0].index, units[1].index]
+    store.flush()
+    store.give_back()
+    engine.close()
+
+
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
 def test_param_pool_holds_write_back_buffers_only_for_an_nvme_update(tmp_path, optimizer):
     """Only the NVMe optimizer's update writes new shards back beside the passes; with the

@@ -192,7 +192,7 @@ class ParamStore:
         assert self.swapper is not None
         buf = self._lent.get(unit.index)
         if buf is None:
-            self._make_room()  # reads ahead give way to a write that needs a buffer
+            self._make_room(stale=unit.index)  # reads ahead give way to a write
             nbytes = unit.shard_numel * torch.empty(0, dtype=self.dtype).element_size()
             buf = self._lent[unit.index] = self.swapper.acquire(nbytes, self._key(unit))
         return buf.view(self.dtype, (unit.shard_numel,))
@@ -232,8 +232,9 @@ class ParamStore:
             return
         assert self.swapper is not None
         assert unit.index not in self._held, "a gathered unit's shard changed under it"
-        self._prefetched.pop(unit.index, None)  # a write makes a read ahead stale
         buf = self._lent.pop(unit.index, None)
+        if unit.index in self._prefetched:  # a write makes the read ahead stale: it goes
+            self.swapper.release(self._key(self._prefetched.pop(unit.index)))
         if buf is not None and shard.data_ptr() == buf.data_ptr:
             # the buffer stays as the unit's read ahead: the next gather takes the new values
             # from it, no disk read (_make_room gives it back when room is needed)
@@ -326,14 +327,16 @@ class ParamStore:
         assert self.swapper is not None
         self.swapper.release(key)
 
-    def _make_room(self) -> None:
-        """With no pool buffer free, give back the read ahead needed last (the newest: reads
-        ahead start in the order the pass will gather them), one buffer for what is needed
-        now. Dropping every read ahead instead made the next gathers read again what the
-        update had just left in its buffers: at 99M, 20 of a forward's gathers a step."""
+    def _make_room(self, stale: int | None = None) -> None:
+        """With no pool buffer free, give back one read ahead for what is needed now:
+        ``stale``'s own (the unit about to be written, whose read ahead the write makes
+        stale), else the one needed last (the newest: reads ahead start in the order the
+        pass will gather them). Dropping every read ahead instead made the next gathers
+        read again what the update had just left in its buffers: at 99M, 20 of a forward's
+        gathers a step."""
         assert self.swapper is not None
         if self.swapper.pool.available == 0 and self._prefetched:
-            index = next(reversed(self._prefetched))
+            index = stale if stale in self._prefetched else next(reversed(self._prefetched))
             self.swapper.release(self._key(self._prefetched.pop(index)))
 
     def drop_prefetched(self) -> None:
