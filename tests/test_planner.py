@@ -319,7 +319,7 @@ def test_plan_13b_lora_on_4x24gb_needs_no_offload():
     assert e.gpu_bytes < 10e9 and e.host_bytes_per_node == 0 and e.nvme_bytes_per_node == 0
     f = full.choice.estimate
     # host: per rank the fp32 gradient shard (13 GB), small buffers sized to the sub-group,
-    # and the leading sub-groups of optimizer state that the rest of the usable host memory
+    # and the sub-groups of optimizer state that the rest of the usable host memory
     # holds (the plan gives it to the optimizer); the 156 GB of state are split between them
     host_part = sum(t.bytes for t in f.terms if t.name == "optimizer state (host part)")
     assert 100e9 < f.host_bytes_per_node <= 0.9 * 128e9 and host_part > 0

@@ -122,7 +122,7 @@ def test_cli_takes_the_state_precisions(tmp_path, capsys):
 
 def test_a_share_of_the_state_in_host_memory_is_estimated_there(tmp_path):
     """``offload_optimizer_fraction`` (what the plan picks for fp32 13B on 128 GB nodes)
-    keeps the leading sub-groups' state in host memory: the estimate the rehearsal sets
+    keeps some sub-groups' state in host memory: the estimate the rehearsal sets
     beside its counts splits the state the same way between the host and the disk."""
     pytest.importorskip("transformers")
     r = rehearse(

@@ -13,7 +13,8 @@ from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.swap.io import OsBackend
-from zero_offload.update.nvme.sizing import host_groups, optimizer_split
+from zero_offload.update.nvme.pipeline import SubGroupPipeline
+from zero_offload.update.nvme.sizing import host_groups, host_placement, optimizer_split
 
 GROUP = 4096  # small sub-groups: TinyGPT's shard is cut into several
 # (offload_optimizer, offload_optimizer_fraction); ("cpu", None) and ("nvme", None) are
@@ -299,6 +300,71 @@ def test_auto_fills_what_the_budget_leaves_beside_the_pipeline():
     assert host_groups(10, 4, 0.0, 0) == 3 and host_groups(0, 4, 0.0, 0) == 0
     # a short last sub-group: 0 still keeps all of it in host memory, 1 none, ½ the nearest
     assert [host_groups(3300, 1000, f, 0) for f in (0.0, 0.5, 1.0)] == [4, 2, 0]
+
+
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
+def test_sub_groups_in_files_are_spread_between_those_in_host_memory(tmp_path, moments):
+    """The update steps the sub-groups in order (under the next forward, as it reaches their
+    units) and reads one sub-group in files ahead. With the host ones leading, the disk
+    idled under that whole stretch and the forward then waited on every read (99M, half
+    the state in files: the forward took its compute plus the disk time). Spread, each read
+    runs under the host sub-groups before it; the first sub-group is in host memory (it
+    hides the first read), the last (a short remainder) in files, so the host bytes are
+    those of whole sub-groups, what the estimate counts."""
+    assert host_placement(8, 4) == (True, False) * 4
+    assert host_placement(6, 2) == (True, False, False, True, False, False)
+    assert host_placement(5, 0) == (False,) * 5 and host_placement(5, 5) == (True,) * 5
+    engine = zo.initialize(
+        TinyGPT(),
+        **_kwargs(2, "nvme", 0.5, str(tmp_path)),
+        moment_precision=moments,
+    )
+    try:
+        updater = engine._state.stepper.updater
+        on_host = updater.on_host
+        assert len(on_host) >= 4 and abs(sum(on_host) - len(on_host) / 2) <= 0.5
+        assert on_host == host_placement(len(on_host), sum(on_host))
+        assert on_host[0] and not on_host[-1]
+    finally:
+        engine.close()
+
+
+def test_the_pipeline_reads_the_next_file_under_the_host_sub_groups():
+    """Stepping host sub-group k, the read of the next sub-group in files is in flight
+    already; each file's buffers go back after the next file's step (three buffers)."""
+    events: list[tuple[str, int]] = []
+
+    class Groups:
+        def read_group(self, i, timings):
+            events.append(("read", i))
+            return ()
+
+        def step_group(self, i, got, timings):
+            events.append(("step", i))
+
+        def release_group(self, i):
+            events.append(("release", i))
+
+        def drop_group(self, i, changed):
+            raise AssertionError("nothing fails")
+
+    on_host = (True, False, True, False, True, False)
+    pipeline = SubGroupPipeline([(i, i + 1) for i in range(6)], on_host)
+    assert list(pipeline.run(Groups(), lookahead=True)) == [1, 2, 3, 4, 5, 6]
+    files = [e for e in events if not on_host[e[1]]]
+    assert files == [
+        ("read", 1),
+        ("read", 3),
+        ("step", 1),
+        ("read", 5),
+        ("step", 3),
+        ("release", 1),
+        ("step", 5),
+        ("release", 3),
+        ("release", 5),
+    ]
+    for k in (0, 2, 4):  # the next file's read started before the host sub-group's step
+        assert events.index(("read", k + 1)) < events.index(("step", k))
 
 
 @pytest.mark.parametrize(

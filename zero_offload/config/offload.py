@@ -52,8 +52,9 @@ class OffloadConfig:
     optimizer_fraction: float | str | None = keyword(
         None,
         'with `offload_optimizer="nvme"`: the share of the optimizer state kept in files, 0 '
-        "to 1; the leading sub-groups of each rank's shard keep their fp32 master and moments "
-        'in host memory and are stepped while the first file is read. "auto": as much in host '
+        "to 1; the other sub-groups of each rank's shard keep their fp32 master and moments "
+        "in host memory, spread between those in files, and are stepped while the next file "
+        'is read. "auto": as much in host '
         "memory as this rank's share of `host_memory_limit` holds beside the NVMe buffers, the "
         "rest in files (what `zero-offload plan` picks). Results are bit for bit those of any "
         "other split. See [tiers.md](tiers.md)",

@@ -142,7 +142,7 @@ def estimate_memory(
     ``host_available``: the node's host memory the default ``host_memory_limit`` is taken
     from (default: this machine's available memory now), as ``swap.budget`` says.
     ``offload_optimizer_fraction``: with the optimizer on NVMe, the share of its state in
-    files (the leading sub-groups stay in host memory), or "auto" (fill the optimizer's
+    files (whole sub-groups of the rest stay in host memory), or "auto" (fill the optimizer's
     share of the host budget first), as the engine places it.
     ``offload_param_fraction``: stage 3 with the params on NVMe, the share of the parameter
     shards in files (whole units; the leading ones stay in host memory).

@@ -1,5 +1,5 @@
 """The optimizer's terms: its state (master and moments, in device or host memory, or in
-files with the leading sub-groups in host memory), the buffers it steps through (swap buffers,
+files with some sub-groups in host memory), the buffers it steps through (swap buffers,
 the CPU Adam's output, torch's fp32 gradient slice) and, stepping during backward, the second
 copy of the sub-groups it writes beside the old."""
 
@@ -97,7 +97,7 @@ class OptimizerTerms:
                 MODEL_STATE,
                 split.host_state_bytes,
                 f"{per} bytes × {1 - split.nvme_fraction:.0%} of {T}/N: "
-                "the leading sub-groups, in host memory",
+                "whole sub-groups, in host memory",
             )
 
     @property

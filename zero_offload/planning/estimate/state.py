@@ -3,7 +3,7 @@
 from a literal 12.
 
 The NVMe placement is the engine's rule (``update.nvme.sizing``: the sub-group, whether the
-gradients go to files, how many leading sub-groups stay in host memory) counted in the
+gradients go to files, how many sub-groups stay in host memory) counted in the
 policy's bytes: the pipeline buffers hold a sub-group of the policy's state, and the host part
 under ``offload_optimizer_fraction="auto"`` is as many sub-groups as the spare budget holds at
 the policy's bytes per element. With the default policy (fp32 AdamW, 12 bytes) this is

@@ -8,7 +8,7 @@ NVMe space or GPUs).
 
 With the optimizer on NVMe, the host memory a choice leaves free is not wasted: the plan gives
 it to the optimizer (``offload_optimizer_fraction="auto"`` with a ``host_memory_limit`` that
-fills the node's usable host memory), so the leading sub-groups stay in host memory and the
+fills the node's usable host memory), so that many sub-groups stay in host memory and the
 disk moves only the rest each step. The engine places them by the same rule
 (``update.nvme.sizing.optimizer_split``).
 """

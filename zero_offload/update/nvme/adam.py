@@ -5,8 +5,8 @@ The rank-flat state is cut into sub-groups (sized to the shard and the host budg
 is one file, stepped by :class:`~.adam_step.AdamStep` through the read / compute / write
 pipeline of :mod:`.pipeline`, which also says what a failed step leaves.
 
-``offload_optimizer_fraction`` keeps the leading sub-groups' state in host memory instead
-(:func:`.sizing.optimizer_split`). Every sub-group runs the same kernel on the same elements,
+``offload_optimizer_fraction`` keeps some sub-groups' state in host memory instead, spread
+between those in files (:func:`.sizing.optimizer_split`, :func:`.sizing.host_placement`). Every sub-group runs the same kernel on the same elements,
 so where a sub-group lives changes no bit.
 
 The fp32 gradient shard stays in host memory when it fits the host budget beside the
@@ -51,7 +51,7 @@ from .adam_step import AdamStep
 from .early import EarlyUpdate
 from .group_step import GroupStep
 from .pipeline import SubGroupPipeline
-from .sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
+from .sizing import PIPELINE_BUFFERS, OptimizerSplit, host_placement, optimizer_split
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
@@ -87,8 +87,10 @@ class NvmeAdam(Updater):
         self.sizing = self.split.sizing
         self.group = self.sizing.group
         self.bounds = chunks(numel, self.group)
-        # the leading sub-groups whose [master | m | v] stay in host memory, back to back
-        self.host_groups = -(-self.split.host_numel // self.group)
+        # the sub-groups whose [master | m | v] stay in host memory, back to back in
+        # host_state (all whole sub-groups: the short last one is in files unless all are here)
+        self.on_host = host_placement(len(self.bounds), -(-self.split.host_numel // self.group))
+        self._host_slot = {i: k for k, i in enumerate(i for i, h in enumerate(self.on_host) if h)}
         self.host_state = torch.zeros(3 * self.split.host_numel, dtype=torch.float32)
         need = self.sizing.host_bytes(numel, dtype_bytes)
         if need > budget:
@@ -141,7 +143,7 @@ class NvmeAdam(Updater):
         self.out_itemsize = torch.empty(0, dtype=dtype).element_size()
         self.steps = 0
         self.last_timings = StepTimings()
-        self.pipeline = SubGroupPipeline(self.bounds, self.host_groups)
+        self.pipeline = SubGroupPipeline(self.bounds, self.on_host)
         self._loading: tuple[int, HostBuffer] | None = None
         self.early: EarlyUpdate | None = None  # the pass of this window's backward, running
         log.info(
@@ -149,7 +151,7 @@ class NvmeAdam(Updater):
             "buffers of %.1f MiB%s",
             len(self.bounds),
             self.group,
-            self.host_groups,
+            len(self._host_slot),
             self.swapper.pool.count,
             ADAM_STATE_BYTES * self.group / 2**20,
             "; gradients on NVMe too" if on_disk else "",
@@ -161,10 +163,12 @@ class NvmeAdam(Updater):
 
     def host_view(self, i: int) -> torch.Tensor | None:
         """Sub-group i's [master | m | v] as a (3, n) view when it lives in host memory."""
-        if i >= self.host_groups:
+        slot = self._host_slot.get(i)
+        if slot is None:
             return None
         lo, hi = self.bounds[i]
-        return self.host_state[3 * lo : 3 * hi].view(3, hi - lo)
+        start = 3 * slot * self.group
+        return self.host_state[start : start + 3 * (hi - lo)].view(3, hi - lo)
 
     # -- state in -------------------------------------------------------------------------
     def load_state(
@@ -264,7 +268,7 @@ class NvmeAdam(Updater):
         gradients are in files, or no sub-group is, or the state is unsound."""
         if grads is None or self.disk_grads is not None or is_fake(grads):
             return None  # (a rehearsal's fake gradients have no values to step)
-        if not self.pipeline.sound or self.host_groups >= len(self.bounds):
+        if not self.pipeline.sound or all(self.on_host):
             return None
         step = self.steps + 1
         self.early = EarlyUpdate(

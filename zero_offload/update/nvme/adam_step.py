@@ -48,7 +48,7 @@ class AdamStep:
             timings.bytes_read += adam.out_itemsize * (hi - lo)
             return timed(adam.swapper.prefetch(out_key(i)), "read_s", timings), None
         state = grad = None
-        if i >= adam.host_groups:
+        if not adam.on_host[i]:
             timings.bytes_read += ADAM_STATE_BYTES * (hi - lo)
             state = timed(adam.swapper.prefetch(adam.state_key(i)), "read_s", timings)
         if adam.disk_grads is not None:
@@ -94,7 +94,7 @@ class AdamStep:
         if i in self.replay:
             adam.swapper.discard(out_key(i), at_once=False)  # read once
             return
-        if i >= adam.host_groups:
+        if not adam.on_host[i]:
             adam.swapper.release(adam.state_key(i))
         if adam.disk_grads is not None:
             adam.disk_grads.release(i)
@@ -104,9 +104,9 @@ class AdamStep:
         if i in self.replay:  # the new state too, where it did not take over
             adam.swapper.discard(out_key(i))
             adam.swapper.discard(next_key(i))
-        if i >= adam.host_groups and changed:
+        if not adam.on_host[i] and changed:
             adam.swapper.discard(adam.state_key(i))  # frees the disk too (ENOSPC)
-        elif i >= adam.host_groups:
+        elif not adam.on_host[i]:
             adam.swapper.release(adam.state_key(i))
         if adam.disk_grads is not None:
             adam.disk_grads.release(i)

@@ -126,7 +126,7 @@ class EarlyUpdate:
     def _run(self) -> None:
         adam, swapper = self.adam, self.adam.swapper
         yield_to_compute(adam.threads)  # the backward's compute first (device.threads)
-        todo = list(range(len(adam.bounds) - 1, adam.host_groups - 1, -1))
+        todo = [i for i in reversed(range(len(adam.bounds))) if not adam.on_host[i]]
         ahead: tuple[int, Future] | None = None  # a read started before its turn
         try:
             for n, i in enumerate(todo):

@@ -1,7 +1,7 @@
 """One NVMe sub-group's update in host memory, and where its new parameter values go.
 
 The kernel steps a sub-group's (3, n) [master | m | v] where it was read (a pipeline buffer,
-or host memory for the leading sub-groups). Its new compute-dtype values go straight into
+or host memory for the sub-groups kept there). Its new compute-dtype values go straight into
 their place in the parameter store when the caller names one (``targets``), the rest into a
 buffer of one sub-group; in fp32 the master itself is what the sink receives
 (:class:`GroupStep`). Any other state policy's sub-group is stepped the same way, its arrays

@@ -19,13 +19,13 @@ __all__ = ["AdamFiles", "SubGroupFiles"]
 
 
 class SubGroupFiles(Protocol):
-    """Sub-groups of a rank-flat optimizer state, those from ``host_groups`` on in files."""
+    """Sub-groups of a rank-flat optimizer state, those not ``on_host`` in files."""
 
     BUFFERS: int  # pool buffers a read ahead needs beside the one stepped
     numel: int
     steps: int  # updates applied so far
     bounds: list[tuple[int, int]]
-    host_groups: int
+    on_host: tuple[bool, ...]  # per sub-group: its state is in host memory, not a file
     swapper: Swapper
     group_step: GroupStep
     threads: ThreadBudget

@@ -1,10 +1,11 @@
 """The sub-group pipeline both NVMe updaters step through, and what a failed step leaves.
 
-A step reads sub-group k+1 while sub-group k is stepped in its host buffer and k−1 is written
-back, so the disk and the CPU work at the same time. The leading sub-groups, kept in host
-memory (``offload_optimizer_fraction``), are stepped while the first read from disk is in
-flight: they hide its latency rather than add a phase. With fewer than three pool buffers
-there is no room to read ahead, and each sub-group is read after the one before is written.
+A step reads the next sub-group in files while sub-group k is stepped in its host buffer and
+the one before is written back, so the disk and the CPU work at the same time. The sub-groups
+kept in host memory (``offload_optimizer_fraction``, spread between the others by
+:func:`~.sizing.host_placement`) are stepped while the next read from disk is in flight: they
+hide its time rather than add to it. With fewer than three pool buffers there is no room to
+read ahead, and each sub-group is read after the one before is written.
 
 What a sub-group is (fp32 [master | m | v], or a state policy's arrays) is the updater's: it
 says how one is read, stepped, given back and dropped (:class:`SubGroups`). The pipeline owns
@@ -57,12 +58,13 @@ class SubGroups(Protocol):
 
 
 class SubGroupPipeline:
-    """Steps an updater's sub-groups ``bounds`` in order, the first ``host_groups`` of them in
-    host memory, and keeps which sub-groups a failed step left undefined."""
+    """Steps an updater's sub-groups ``bounds`` in order, those marked ``on_host`` in host
+    memory, and keeps which sub-groups a failed step left undefined."""
 
-    def __init__(self, bounds: list[tuple[int, int]], host_groups: int) -> None:
+    def __init__(self, bounds: list[tuple[int, int]], on_host: tuple[bool, ...]) -> None:
+        assert len(on_host) == len(bounds)
         self.bounds = bounds
-        self.host_groups = host_groups
+        self.on_host = on_host
         self.io_clock = IoClock()  # times the disk requests of the step that runs
         self.stale: set[int] = set()  # sub-groups whose files a failed step left undefined
         self.stale_cause = ""
@@ -109,9 +111,11 @@ class SubGroupPipeline:
     def _walk(
         self, groups: SubGroups, lookahead: bool, timings: StepTimings
     ) -> Generator[int, None, None]:
-        first, last = self.host_groups, len(self.bounds) - 1
-        pending = groups.read_group(first, timings) if first <= last else None
+        in_files = [i for i, host in enumerate(self.on_host) if not host]
+        after = dict(zip(in_files, in_files[1:]))  # the next sub-group in files
+        pending = groups.read_group(in_files[0], timings) if in_files else None
         writes: dict[int, Future] = {}  # sub-group -> its write-back
+        stepped: int | None = None  # the sub-group in files stepped last, buffers still held
 
         def release(j: int) -> None:
             """Give sub-group j's buffers back once its write-back is done; a failed one
@@ -122,26 +126,29 @@ class SubGroupPipeline:
             groups.release_group(j)
 
         for i, (_, hi) in enumerate(self.bounds):
-            if i < first:  # in host memory: only its gradients may be in files
+            if self.on_host[i]:  # only its gradients may be in files
                 groups.step_group(i, _results(groups.read_group(i, timings)), timings)
                 groups.release_group(i)
                 yield hi
                 continue
             assert pending is not None
             got = _results(pending)
-            if lookahead and i < last:
-                pending = groups.read_group(i + 1, timings)
+            nxt = after.get(i)
+            if lookahead and nxt is not None:
+                pending = groups.read_group(nxt, timings)
             write = groups.step_group(i, got, timings)
             if write is not None:
                 writes[i] = write
-            if i > first:
-                release(i - 1)
-            if not lookahead and i < last:
+            if stepped is not None:
+                release(stepped)
+            stepped = i
+            if not lookahead and nxt is not None:
                 release(i)
-                pending = groups.read_group(i + 1, timings)
+                stepped = None
+                pending = groups.read_group(nxt, timings)
             yield hi
-        if first <= last:
-            release(last)
+        if stepped is not None:
+            release(stepped)
         self.io_clock.wait_idle()  # completion callbacks may still be running
         for write in writes.values():
             write.result()  # a failed write-back fails the step

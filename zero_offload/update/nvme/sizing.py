@@ -6,10 +6,11 @@ stepped, one written back). With the old rule, a sub-group of ``sub_group_size``
 than the shard made each buffer the whole optimizer state; here the default sub-group is
 what keeps the disk busy, and the fp32 gradient shard shares the same budget.
 
-The leading sub-groups (in pipeline order) may keep their [master | m | v] in host memory
-(``offload_optimizer_fraction``): :func:`host_groups` says how many, from a fixed NVMe share
-or, with "auto", from what the budget has left beside the pipeline. The engine and the
-planner both call it, so the split the plan shows is the one a run gets.
+Some sub-groups may keep their [master | m | v] in host memory (``offload_optimizer_fraction``):
+:func:`host_groups` says how many, from a fixed NVMe share or, with "auto", from what the
+budget has left beside the pipeline, and :func:`host_placement` which ones: the sub-groups in
+files spread evenly between them. The engine and the planner both call these, so the split
+the plan shows is the one a run gets.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "NvmeSizing",
     "OptimizerSplit",
     "host_groups",
+    "host_placement",
     "nvme_sizing",
     "optimizer_split",
 ]
@@ -99,8 +101,9 @@ def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) 
 
 @dataclass(frozen=True)
 class OptimizerSplit:
-    """Where a shard of ``numel`` optimizer elements lives: the first ``host_numel`` (whole
-    sub-groups) in host memory, the rest in files; ``sizing`` is the NVMe pipeline's."""
+    """Where a shard of ``numel`` optimizer elements lives: ``host_numel`` of them (whole
+    sub-groups, placed by :func:`host_placement`) in host memory, the rest in files;
+    ``sizing`` is the NVMe pipeline's."""
 
     numel: int
     sizing: NvmeSizing
@@ -127,7 +130,7 @@ class OptimizerSplit:
 
 
 def host_groups(numel: int, group: int, fraction: float | str | None, spare: int) -> int:
-    """Leading sub-groups of ``group`` elements whose state stays in host memory.
+    """How many sub-groups of ``group`` elements keep their state in host memory.
 
     ``fraction``: the share in files (None: 1.0, all of it); the host keeps the nearest
     whole number of sub-groups to the rest. ``"auto"``: as many as ``spare`` bytes hold at
@@ -142,6 +145,24 @@ def host_groups(numel: int, group: int, fraction: float | str | None, spare: int
     target = (1.0 - float(fraction)) * numel  # elements in host memory, as asked
     below = min(groups, int(target // group))
     return min((below, min(groups, below + 1)), key=lambda k: abs(min(k * group, numel) - target))
+
+
+def host_placement(groups: int, host: int) -> tuple[bool, ...]:
+    """Which of ``groups`` sub-groups (in pipeline order) keep their state in host memory,
+    ``host`` of them: the ones in files spread evenly between them, the first after a
+    stretch in host memory and the last (the shard's short remainder) last.
+
+    Every update steps the sub-groups in order, under the next forward as it reaches their
+    units, and the pipeline reads one sub-group in files ahead. Spread, the disk reads the
+    next file while the sub-groups in host memory before it are stepped and their units
+    computed. With the host ones leading, the disk idled through that first stretch and the
+    forward then waited on every read: at 99M with half the state in files the forward took
+    its compute plus the update's disk time."""
+    files = groups - host
+    on_host = [True] * groups
+    for j in range(files):
+        on_host[-(-(j + 1) * groups // files) - 1] = False
+    return tuple(on_host)
 
 
 def optimizer_split(

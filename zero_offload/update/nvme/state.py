@@ -8,8 +8,9 @@ k's state (master, compensation, moments as values / absmax / side arrays, see
 of its span: the disk moves what the policy keeps, not 12 bytes a parameter. A step reads
 sub-group k+1 while the kernel steps sub-group k where it was read
 (:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as HostState steps its
-ranges) and sub-group k-1 is written back (:mod:`.pipeline`). The leading sub-groups stay in
-host memory (``offload_optimizer_fraction``, the one rule of :mod:`.sizing`). Every sub-group
+ranges) and sub-group k-1 is written back (:mod:`.pipeline`). Some sub-groups stay in host
+memory, spread between the others (``offload_optimizer_fraction``, the one rule of
+:mod:`.sizing`). Every sub-group
 runs the same kernel on the same elements as HostState, so the tier changes no bit.
 
 The concatenated sub-group arrays are the run's arrays, so :meth:`native_tensors` is what
@@ -43,7 +44,7 @@ from ..host_state import SECTION_OF, restore_native
 from ..updater import Updater
 from .group_step import StateGroupStep
 from .pipeline import Reads, SubGroupPipeline
-from .sizing import PIPELINE_BUFFERS, OptimizerSplit, optimizer_split
+from .sizing import PIPELINE_BUFFERS, OptimizerSplit, host_placement, optimizer_split
 
 if TYPE_CHECKING:
     from .early import EarlyUpdate
@@ -98,9 +99,13 @@ class NvmeState(Updater):
         self.split = split
         self.bounds = group_bounds(layout, split.sizing.group)
         self.spans = [layout.span(lo, hi) for lo, hi in self.bounds]
-        self.host_groups = sum(1 for lo, _ in self.bounds if lo < split.host_numel)
-        self.resident = [ShardState.zeros(s) for s in self.spans[: self.host_groups]]
-        on_disk = self.spans[self.host_groups :]
+        # as many sub-groups in host memory as cover the split's host share, spread
+        host = sum(1 for lo, _ in self.bounds if lo < split.host_numel)
+        self.on_host = host_placement(len(self.bounds), host)
+        self.resident = {
+            i: ShardState.zeros(s) for i, s in enumerate(self.spans) if self.on_host[i]
+        }
+        on_disk = [s for i, s in enumerate(self.spans) if not self.on_host[i]]
         self.file_bytes = max((buffer_bytes(s) for s in on_disk), default=0)
         self.swapper = Swapper(
             off.nvme_dir,
@@ -133,7 +138,7 @@ class NvmeState(Updater):
         )
         self.steps = 0
         self.last_timings = StepTimings()
-        self.pipeline = SubGroupPipeline(self.bounds, self.host_groups)
+        self.pipeline = SubGroupPipeline(self.bounds, self.on_host)
         self._loading: tuple[int, ShardState, HostBuffer] | None = None
 
     @staticmethod
@@ -160,7 +165,7 @@ class NvmeState(Updater):
             a, b = max(lo, offset), min(hi, end)
             if a >= b:
                 continue
-            if i < self.host_groups:
+            if self.on_host[i]:
                 state = self.resident[i]
             else:
                 if self._loading is None or self._loading[0] != i:
@@ -173,7 +178,7 @@ class NvmeState(Updater):
                 if src is not None:
                     values[name] = src[a - offset : b - offset]
             state.narrow(self.layout.span(a, b)).load_fp32(values)
-            if b == hi and i >= self.host_groups:
+            if b == hi and not self.on_host[i]:
                 self._write_loaded(i)
             if b == hi:
                 self.pipeline.loaded(i)
@@ -245,7 +250,7 @@ class NvmeState(Updater):
         for i, (a, b) in enumerate(self.bounds):
             if b <= lo or a >= hi:
                 continue
-            if i < self.host_groups:
+            if self.on_host[i]:
                 yield i, self.resident[i]
                 continue
             buf = self.swapper.swap_in(self.state_key(i)).result()
@@ -279,7 +284,7 @@ class NvmeState(Updater):
         restore_native(dict(whole.tensors()), tensors, self.policy)
         for i, span in enumerate(self.spans):
             part = dict(whole.narrow(span).tensors())
-            if i < self.host_groups:
+            if self.on_host[i]:
                 for name, t in self.resident[i].tensors():
                     t.copy_(part[name])
                 continue
@@ -311,8 +316,10 @@ class NvmeState(Updater):
         return master
 
     def add_to(self, report: MemoryReport) -> None:
-        on_disk = sum(buffer_bytes(s) for s in self.spans[self.host_groups :])
-        held = sum(t.numel() * t.element_size() for s in self.resident for _, t in s.tensors())
+        on_disk = sum(buffer_bytes(s) for i, s in enumerate(self.spans) if not self.on_host[i])
+        held = sum(
+            t.numel() * t.element_size() for s in self.resident.values() for _, t in s.tensors()
+        )
         out = self.group_step.out
         report.add("nvme", "optimizer", on_disk)
         report.add(
@@ -345,7 +352,7 @@ class _StateStep:
 
     def read_group(self, i: int, timings: StepTimings) -> Reads:
         owner = self.owner
-        if i < owner.host_groups:
+        if owner.on_host[i]:
             return ()
         timings.bytes_read += buffer_bytes(owner.spans[i])
         read = owner.swapper.prefetch(owner.state_key(i))
@@ -372,12 +379,12 @@ class _StateStep:
         return owner.pipeline.io_clock.timed(write, "write_s", timings)
 
     def release_group(self, i: int) -> None:
-        if i >= self.owner.host_groups:
+        if not self.owner.on_host[i]:
             self.owner.swapper.release(self.owner.state_key(i))
 
     def drop_group(self, i: int, changed: bool) -> None:
         owner = self.owner
-        if i >= owner.host_groups and changed:
+        if not owner.on_host[i] and changed:
             owner.swapper.discard(owner.state_key(i))  # frees the disk too (ENOSPC)
-        elif i >= owner.host_groups:
+        elif not owner.on_host[i]:
             owner.swapper.release(owner.state_key(i))
