@@ -356,8 +356,9 @@ def test_a_write_takes_the_buffer_of_its_own_stale_read_ahead_first(tmp_path):
 def test_param_pool_holds_write_back_buffers_only_for_an_nvme_update(tmp_path, optimizer):
     """Only the NVMe optimizer's update writes new shards back beside the passes; with the
     optimizer in host memory the pool's buffers for those write-backs would sit idle (4 ×
-    the largest shard: 650 MB a rank at 13B on 4 ranks). The estimate counts what the
-    engine allocates."""
+    the largest shard: 650 MB a rank at 13B on 4 ranks). With it on NVMe, one buffer per
+    unit a sub-group's step puts at once (at least 4): counted here from the optimizer's
+    own sub-groups and the units. The estimate counts what the engine allocates."""
     engine = zo.initialize(
         TinyGPT(layers=4, width=64),
         stage=3,
@@ -368,6 +369,47 @@ def test_param_pool_holds_write_back_buffers_only_for_an_nvme_update(tmp_path, o
     )
     try:
         pool = engine.param_store.swapper.pool
-        assert pool.count == 2 + 2 + (WRITE_BACK_BUFFERS if optimizer == "nvme" else 0)
+        write_backs = 0
+        if optimizer == "nvme":
+            ends = [(u.shard_offset, u.shard_offset + u.shard_numel) for u in engine.units]
+            per_group = [
+                sum(1 for a, b in ends if b > b_lo and a < b_hi and b > a)
+                for b_lo, b_hi in engine._state.stepper.updater.bounds
+            ]
+            write_backs = max(WRITE_BACK_BUFFERS, *per_group)
+            assert max(per_group) > WRITE_BACK_BUFFERS  # the case the rule is for
+        assert pool.count == 2 + 2 + write_backs
+    finally:
+        engine.close()
+
+
+def test_an_update_under_the_forward_puts_a_sub_groups_units_without_waiting(tmp_path):
+    """A sub-group's step under the forward puts the new shards of every unit it covers
+    at once. With 4 write-back buffers for a block of 10 units (99M) each put took the
+    buffer of a read ahead the forward was about to gather and waited for its write:
+    0.3 s of a 1.3 s forward. Now no read ahead is given up for room, and every gather
+    was read ahead but each step's first (with 4 buffers here: 4 given up, 7 unread)."""
+    torch.manual_seed(0)
+    engine = zo.initialize(
+        TinyGPT(layers=8, width=64),
+        stage=3,
+        lr=1e-2,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        nvme_path=tmp_path,
+        overlap_step=True,
+        step_during_backward=False,
+    )
+    store = engine.param_store
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for step in range(3):
+            x, y = batch("gpt", 4, gen)
+            if step == 1:  # from the first update under the forward on
+                store.given_up_ahead = store.unread_ahead = 0
+            engine.backward(loss_fn("gpt", engine(x), y))
+            engine.step()
+        assert store.given_up_ahead == 0
+        assert store.unread_ahead <= 2  # one a step (its first gather starts cold)
     finally:
         engine.close()

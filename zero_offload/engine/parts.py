@@ -29,13 +29,14 @@ from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
 from ..grads.reducer import GradReducer
 from ..grads.target import GradTarget, ResidentGrads
 from ..params.gather import ParamGatherer
-from ..params.store import ParamStore, param_host_numel, param_pool_bytes
+from ..params.store import ParamStore, param_host_numel, param_pool_bytes, units_per_sub_group
 from ..params.unit_state import UnitStates
 from ..params.units import UnitPlan, plan_units, trainable_numel
 from ..swap.budget import activation_host_share, host_memory_budget
 from ..swap.budget import split_host_budget as split_budget
 from ..update.factory import make_updater, params_are_master
 from ..update.host_state import run_layout
+from ..update.nvme.sizing import full_group
 from ..update.stepper import ShardStepper
 from ..update.window import WindowCoordinator
 from ..weak import weak_hook
@@ -142,7 +143,9 @@ def split_host_budget(
     if off.optimizer_tier.offloaded and device.type == "cuda":
         largest = max((p.shard_numel for p in plans if not p.frozen), default=0)
         staging = staging_bytes(largest, torch.empty(0, dtype=dtype).element_size())
-    pool = param_pool_bytes(config, max((p.shard_numel for p in plans), default=0), dtype)
+    pool = param_pool_bytes(
+        config, max((p.shard_numel for p in plans), default=0), dtype, update_writes(config, plans)
+    )
     budget = host_memory_budget(off.host_memory_limit)
     acts = (
         activation_host_share(budget, off.param_tier, off.optimizer_tier, staging)
@@ -152,6 +155,17 @@ def split_host_budget(
     return (
         *split_budget(budget - acts, pool, off.param_tier, off.optimizer_tier, staging),
         acts,
+    )
+
+
+def update_writes(config: ZeroConfig, plans: list[UnitPlan]) -> int:
+    """Units whose new shards one sub-group's step of the NVMe optimizer puts at once (0:
+    the optimizer is not on NVMe): the parameter pool's write-backs are sized to it."""
+    if not config.offload.optimizer_tier.on_nvme:
+        return 0
+    group = full_group(trainable_numel(plans), config.offload.sub_group_size)
+    return units_per_sub_group(
+        [(p.shard_offset, p.shard_numel) for p in plans if not p.frozen], group
     )
 
 
@@ -197,6 +211,7 @@ def build_parts(
                 [(p.shard_offset, p.shard_numel) for p in plans], config.offload.param_fraction
             ),
             threads.io,
+            update_writes(config, plans),
         )
         if stage.shards_params
         else None

@@ -11,7 +11,7 @@ from ...grads.host import STAGING_BUFFERS
 from ...grads.reducer import reductions_alive
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
-from ...params.store import param_host_numel, param_pool_buffers
+from ...params.store import param_host_numel
 from ...params.units import unit_build_bytes
 from ...policies import Stage, Tier
 from .optimizer_terms import OptimizerTerms
@@ -99,10 +99,11 @@ class TermBuilder:
                 BUFFER,
                 _pool(
                     b * math.ceil(lay.largest / self.shards),
-                    param_pool_buffers(prefetch_depth, self.optimizer_tier.on_nvme),
+                    self.host.param_buffers,
                     self.host.param_budget,
                 ),
-                "(prefetch_depth + 2, + 4 with the optimizer on NVMe) × largest module's shard, "
+                "(prefetch_depth + 2, + the units of an optimizer sub-group's step, at least 4, "
+                "with the optimizer on NVMe) × largest module's shard, "
                 "as the pool rounds it",
             )
 

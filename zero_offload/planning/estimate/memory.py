@@ -33,9 +33,10 @@ from ...memory.sizes import dtype_bytes as _dtype_bytes
 from ...memory.sizes import dtype_name as _dtype_name
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
-from ...params.store import param_pool_buffers
+from ...params.store import param_pool_buffers, units_per_sub_group
 from ...policies import OFFLOAD_KEYWORDS, Stage, Tier
 from ...swap.budget import activation_host_share, host_memory_budget, split_host_budget
+from ...update.nvme.sizing import full_group
 from .activations import ActivationEstimate
 from .builder import TermBuilder
 from .result import TIERS, MemoryEstimate
@@ -283,11 +284,12 @@ def _split_host(
         if optimizer_tier.offloaded and not on_cpu
         else 0
     )
-    param_pool = _pool(
-        b * math.ceil(layout.largest / shards),
-        param_pool_buffers(prefetch_depth, optimizer_tier.on_nvme),
-        None,
+    param_buffers = param_pool_buffers(
+        prefetch_depth,
+        optimizer_tier.on_nvme,
+        _update_writes(layout, shards, sub_group_size) if optimizer_tier.on_nvme else 0,
     )
+    param_pool = _pool(b * math.ceil(layout.largest / shards), param_buffers, None)
     acts = (
         activation_host_share(budget, param_tier, optimizer_tier, staging)
         if offload_activations
@@ -305,4 +307,17 @@ def _split_host(
         offload_optimizer_fraction if optimizer_tier.on_nvme else None,
         state_rate(policy, layout.plans),
     )
-    return HostSplit(budget, staging, param_budget, split)
+    return HostSplit(budget, staging, param_budget, split, param_buffers)
+
+
+def _update_writes(layout: Layout, shards: int, sub_group_size: int) -> int:
+    """Units one sub-group's step of the NVMe optimizer puts at once, as the engine counts
+    them (``engine.parts.update_writes``); for a parameter count, units of the largest
+    trainable module's shard back to back."""
+    group = full_group(layout.s_t, sub_group_size)
+    if layout.plans is not None:
+        trained = [(p.shard_offset, p.shard_numel) for p in layout.plans if not p.frozen]
+    else:
+        size = max(1, math.ceil(layout.largest_t / shards))
+        trained = [(k * size, size) for k in range(-(-layout.s_t // size))]
+    return units_per_sub_group(trained, group)

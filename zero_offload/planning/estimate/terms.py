@@ -82,3 +82,4 @@ class HostSplit:
     staging: int  # the device-to-host gradient staging buffers, taken first
     param_budget: int  # the NVMe parameter pool's share
     split: StateSplit  # the optimizer's state between host memory and files
+    param_buffers: int = 0  # the NVMe parameter pool's buffers (``param_pool_buffers``)

@@ -5,8 +5,9 @@ The rank-flat state is cut into sub-groups (sized to the shard and the host budg
 is one file, stepped by :class:`~.adam_step.AdamStep` through the read / compute / write
 pipeline of :mod:`.pipeline`, which also says what a failed step leaves.
 
-``offload_optimizer_fraction`` keeps some sub-groups' state in host memory instead, spread
-between those in files (:func:`.sizing.optimizer_split`, :func:`.sizing.host_placement`). Every sub-group runs the same kernel on the same elements,
+``offload_optimizer_fraction`` keeps some sub-groups' state in host memory instead,
+spread between those in files (:func:`.sizing.optimizer_split` and
+:func:`.sizing.host_placement`). Every sub-group runs the same kernel on the same elements,
 so where a sub-group lives changes no bit.
 
 The fp32 gradient shard stays in host memory when it fits the host budget beside the

@@ -26,6 +26,7 @@ __all__ = [
     "PIPELINE_BUFFERS",
     "NvmeSizing",
     "OptimizerSplit",
+    "full_group",
     "host_groups",
     "host_placement",
     "nvme_sizing",
@@ -68,6 +69,18 @@ class NvmeSizing:
         return DiskGrads.host_bytes(self.group, self.buffers) if self.grads_on_disk else 4 * numel
 
 
+def full_group(numel: int, sub_group_size: int) -> int:
+    """The sub-group before any budget shrinks it: ``sub_group_size`` at most,
+    :data:`FULL_SPEED_GROUP` by default, and a quarter of a smaller shard, in whole pages."""
+    pages = -(-numel // _PAGE_ELEMS)
+    size = min(
+        sub_group_size // _PAGE_ELEMS,
+        FULL_SPEED_GROUP // _PAGE_ELEMS,
+        -(-pages // _PIPELINE_GROUPS),
+    )
+    return max(1, size) * _PAGE_ELEMS
+
+
 def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) -> NvmeSizing:
     """Size the NVMe optimizer to its shard and budget, not the budget to the setting.
 
@@ -75,13 +88,7 @@ def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) 
     quarter of a smaller shard. The fp32 gradient shard stays in host memory when it fits the
     budget beside the pipeline (which may shrink to 1M-param sub-groups for it); otherwise
     gradients go to files and the sub-group shrinks until everything fits."""
-    pages = -(-numel // _PAGE_ELEMS)
-    size = min(
-        sub_group_size // _PAGE_ELEMS,
-        FULL_SPEED_GROUP // _PAGE_ELEMS,
-        -(-pages // _PIPELINE_GROUPS),
-    )
-    size = max(1, size) * _PAGE_ELEMS
+    size = full_group(numel, sub_group_size)
 
     def sizing(n: int, on_disk: bool) -> NvmeSizing:
         groups = -(-numel // n) if numel else 1
