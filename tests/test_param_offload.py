@@ -278,12 +278,9 @@ def test_forward_reads_ahead_beside_an_update_that_writes_parameters_back(tmp_pa
     engine.close()
 
 
-def test_a_buffer_needed_now_takes_only_the_read_ahead_needed_last(tmp_path):
-    """With every pool buffer taken, a read or write that cannot wait gets one buffer: the
-    read ahead started last (the one its pass needs last) goes, the others stay. Giving
-    back every read ahead made the next gathers read again from the disk what the update
-    had just left in the buffers (the update under the forward at 99M: 20 of a forward's
-    gathers waited on the disk, 0.7 s a step; 0 and 0.03 s once only one goes)."""
+def _full_pool(tmp_path):
+    """An engine after one step whose NVMe parameter pool has four buffers, three of them
+    reads ahead of the first units in files and one lent for a write to come; the units."""
     torch.manual_seed(0)
     engine = zo.initialize(
         TinyGPT(layers=6, width=128),
@@ -307,6 +304,17 @@ def test_a_buffer_needed_now_takes_only_the_read_ahead_needed_last(tmp_path):
     assert list(store._prefetched) == [u.index for u in units[:3]] and pool.available == 1
     store.target(units[3])  # the last free buffer, for a write to come
     assert pool.available == 0
+    return engine, units
+
+
+def test_a_buffer_needed_now_takes_only_the_read_ahead_needed_last(tmp_path):
+    """With every pool buffer taken, a read or write that cannot wait gets one buffer: the
+    read ahead started last (the one its pass needs last) goes, the others stay. Giving
+    back every read ahead made the next gathers read again from the disk what the update
+    had just left in the buffers (the update under the forward at 99M: 20 of a forward's
+    gathers waited on the disk, 0.7 s a step; 0 and 0.03 s once only one goes)."""
+    engine, units = _full_pool(tmp_path)
+    store = engine.param_store
     lent = store.lend(units[4])  # needed now: the read ahead of units[2] makes room
     assert list(store._prefetched) == [u.index for u in units[:2]]
     assert store.unread_ahead == 1
@@ -320,27 +328,8 @@ def test_a_write_takes_the_buffer_of_its_own_stale_read_ahead_first(tmp_path):
     """A unit about to be written whose old shard was read ahead gives that buffer up
     before any other read ahead: the write makes it stale, while the others are the next
     gathers' shards. A target and a copying put each need a buffer with none free."""
-    torch.manual_seed(0)
-    engine = zo.initialize(
-        TinyGPT(layers=6, width=128),
-        stage=3,
-        lr=1e-2,
-        offload_optimizer="cpu",  # a pool of prefetch_depth + 2 = 4 buffers
-        offload_param="nvme",
-        nvme_path=tmp_path,
-    )
+    engine, units = _full_pool(tmp_path)
     store = engine.param_store
-    x, y = batch("gpt", 4, torch.Generator().manual_seed(0))
-    engine.backward(loss_fn("gpt", engine(x), y))
-    engine.step()
-    store.drop_prefetched()
-    pool = store.swapper.pool
-    units = [u for u in engine.units if u.shard_numel and store.view(u) is None]
-    assert pool.count == 4 and len(units) >= 4
-    for u in units[:3]:
-        store.prefetch(u)
-    store.target(units[3])  # the last free buffer
-    assert pool.available == 0
     target = store.target(units[1])  # units[1]'s read ahead goes, not units[2]'s
     assert list(store._prefetched) == [units[0].index, units[2].index]
     store.put(units[1], target)  # its new values stay as its read ahead
