@@ -83,15 +83,25 @@ def _train(engine: zo.Engine, what: str, rank: int = 0, world: int = 1) -> tuple
 
 
 @pytest.mark.parametrize(
-    "stage,dtype", [(3, torch.bfloat16), (3, torch.float32), (2, torch.bfloat16)]
+    "stage,dtype,fraction",
+    [
+        (3, torch.bfloat16, None),
+        (3, torch.float32, None),
+        (2, torch.bfloat16, None),
+        (3, torch.bfloat16, 0.5),  # host sub-groups between the ones in files: step() has them
+    ],
 )
-def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stage, dtype):
-    ref = _engine(tmp_path / "ref", early=False, dtype=dtype, stage=stage)
+def test_sub_groups_stepped_during_backward_equal_the_step(tmp_path, waits, stage, dtype, fraction):
+    kw = {} if fraction is None else {"offload_optimizer_fraction": fraction}
+    ref = _engine(tmp_path / "ref", early=False, dtype=dtype, stage=stage, **kw)
     ref_losses, ref_early = _train(ref, "plain")
-    engine = _engine(tmp_path / "early", early=True, dtype=dtype, stage=stage)
+    engine = _engine(tmp_path / "early", early=True, dtype=dtype, stage=stage, **kw)
     losses, early = _train(engine, "plain")
     assert ref_early == [0] * STEPS
-    assert all(n > 0 for n in early), early  # every disk sub-group, waited for
+    in_files = sum(not h for h in engine._state.stepper.updater.on_host)
+    assert early == [in_files] * STEPS, early  # every disk sub-group, waited for
+    if fraction is not None:
+        assert 0 < in_files < len(engine._state.stepper.updater.on_host)
     assert losses == ref_losses
     assert_bit_equal(training_state(engine), training_state(ref))
     engine.close()
