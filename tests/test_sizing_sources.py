@@ -16,7 +16,7 @@ from zero_offload.grads.host import staging_bytes
 from zero_offload.grads.reducer import reductions_alive
 from zero_offload.memory.sizes import pool_bytes
 from zero_offload.params.module_units import gathered_units
-from zero_offload.params.store import WRITE_BACK_BUFFERS
+from zero_offload.params.sizing import WRITE_BACK_BUFFERS
 from zero_offload.params.units import unit_build_bytes
 from zero_offload.partition import build_layout, padded_numel
 from zero_offload.planning.estimate import builder as memory_builder

@@ -29,7 +29,8 @@ from ..grads.host import HostGradQueue, host_grad_dtype, staging_bytes
 from ..grads.reducer import GradReducer
 from ..grads.target import GradTarget, ResidentGrads
 from ..params.gather import ParamGatherer
-from ..params.store import ParamStore, param_host_numel, param_pool_bytes, units_per_sub_group
+from ..params.sizing import param_host_numel, param_pool_bytes, units_per_sub_group
+from ..params.store import ParamStore
 from ..params.unit_state import UnitStates
 from ..params.units import UnitPlan, plan_units, trainable_numel
 from ..swap.budget import activation_host_share, host_memory_budget

@@ -4,7 +4,7 @@
 memory (pinned with CUDA), ``"nvme"`` in one file per unit behind a small pool of host buffers
 (``prefetch_depth + 2`` of them, so reads for the next modules run while one computes).
 With ``offload_param_fraction`` the leading units (in rank-flat order) keep their shards in
-host memory instead and only the rest are in files (:func:`param_host_numel`, the rule the
+host memory instead and only the rest are in files (:func:`.sizing.param_host_numel`, the rule the
 engine and ``estimate_memory`` share).
 The optimizer writes new values through :meth:`put` after a step — the only time a shard
 changes, so a shard is written back only then. An update that runs on under the next forward
@@ -20,7 +20,6 @@ has read it); :meth:`load` gives a copy of the caller's own.
 
 from __future__ import annotations
 
-import bisect
 import time
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
@@ -30,21 +29,14 @@ import torch
 from ..config import ZeroConfig
 from ..device.streams import Streams
 from ..memory.ledger import MemoryReport
-from ..policies import Tier
-from ..swap.buffers import HostBuffer, pool_footprint
+from ..swap.buffers import HostBuffer
 from ..swap.io import DEFAULT_QUEUE_DEPTH
 from ..swap.pinned import host_empty, pinned_nbytes, pins, unpin
 from ..swap.swapper import Swapper
+from .sizing import param_pool_buffers
 from .units import FlatUnit
 
-__all__ = [
-    "Lent",
-    "ParamStore",
-    "param_host_numel",
-    "param_pool_buffers",
-    "param_pool_bytes",
-    "units_per_sub_group",
-]
+__all__ = ["Lent", "ParamStore"]
 
 HELD_RESERVE = 1
 """Pool buffers never held by gathered units (:meth:`ParamStore.can_hold`): the one left
@@ -68,77 +60,6 @@ class Lent(NamedTuple):
     ``give_back`` (None: until the unit's next :meth:`ParamStore.put`)."""
 
 
-WRITE_BACK_BUFFERS = 4
-"""The fewest pool buffers for an update's write-backs beside the passes (``overlap_step``,
-``step_during_backward``): each new shard stays in its buffer as the unit's read ahead until
-the forward gathers it. Without them those buffers leave fewer than two free, and the forward
-starts no reads ahead (``prefetch``) and waits on the disk for most of its gathers."""
-
-
-def param_pool_buffers(
-    prefetch_depth: int, optimizer_on_nvme: bool, units_per_group: int = 0
-) -> int:
-    """Host buffers the NVMe parameter pool wants: one per read ahead, the one being
-    gathered, one for a write-back after the step, and, where the optimizer state is on NVMe
-    (only that update runs beside the passes), one per unit whose new shard one optimizer
-    sub-group's step puts (``units_per_group``, :func:`units_per_sub_group`), at least
-    :data:`WRITE_BACK_BUFFERS`. A step puts them all at once and each stays as the unit's
-    read ahead until the forward gathers it.
-
-    With 4 at 99M (10 units a sub-group, a block's modules), a step's put waited for the
-    write of the buffer it took from a read ahead: 0.3 s of each forward's 1.3 s with half
-    the state in files; 0.02 s of a 0.9 s forward with 10. Decided by the tiers and the
-    units alone, so that the estimate and the engine agree: with ``overlap_step`` and
-    ``step_during_backward`` both off those buffers go unused."""
-    write_backs = max(WRITE_BACK_BUFFERS, units_per_group)
-    return prefetch_depth + 2 + (write_backs if optimizer_on_nvme else 0)
-
-
-def units_per_sub_group(shards: list[tuple[int, int]], group: int) -> int:
-    """The most units whose shards, each (shard_offset, shard_numel) of the rank-flat order,
-    meet one sub-group of ``group`` elements (the optimizer's, from the shard's start)."""
-    spans = sorted((offset, offset + numel) for offset, numel in shards if numel > 0)
-    if not spans or group <= 0:
-        return 0
-    starts, ends = [a for a, _ in spans], [b for _, b in spans]
-    return max(
-        bisect.bisect_left(starts, lo + group) - bisect.bisect_right(ends, lo)
-        for lo in range(0, ends[-1], group)
-    )
-
-
-def shards_in_host_memory(param_tier: Tier, device_type: str) -> bool:
-    """Whether stage 3's whole-shard buffer (``ParamStore.resident``) is host memory, where the
-    CPU Adam writes its new values straight in: offloaded to the CPU, or a CPU device. NVMe
-    shards have no such buffer."""
-    return param_tier.on_host or (not param_tier.offloaded and device_type == "cpu")
-
-
-def param_host_numel(shards: list[tuple[int, int]], fraction: float | None) -> int:
-    """Rank-flat elements of the leading units whose shards stay in host memory, given each
-    unit's (shard_offset, shard_numel) and the share in files (None: all in files): the unit
-    boundary nearest to ``1 - fraction`` of the shard."""
-    if fraction is None or not shards:
-        return 0
-    ends = sorted(offset + numel for offset, numel in shards)
-    target = (1.0 - fraction) * ends[-1]
-    return min([0, *ends], key=lambda end: abs(end - target))
-
-
-def param_pool_bytes(
-    cfg: ZeroConfig, largest_shard: int, dtype: torch.dtype, units_per_group: int = 0
-) -> int:
-    """Host bytes the NVMe parameter pool wants (0 off NVMe): :func:`param_pool_buffers` of
-    the largest unit's shard, as the pool rounds them; its share of the host budget."""
-    if not cfg.offload.param_tier.on_nvme or largest_shard <= 0:
-        return 0
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    buffers = param_pool_buffers(
-        cfg.prefetch_depth, cfg.offload.optimizer_tier.on_nvme, units_per_group
-    )
-    return buffers * pool_footprint(largest_shard * itemsize)
-
-
 class ParamStore:
     def __init__(
         self,
@@ -155,7 +76,7 @@ class ParamStore:
         units_per_group: int = 0,
     ) -> None:
         """``host_numel``: with ``offload_param="nvme"``, the rank-flat prefix kept in host
-        memory (whole units, :func:`param_host_numel`). ``io_threads``: NVMe requests in
+        memory (whole units, :func:`.sizing.param_host_numel`). ``io_threads``: NVMe requests in
         flight (the rank's thread budget)."""
         self.tier = cfg.offload.param_tier
         self.streams = streams

@@ -11,7 +11,7 @@ from ...grads.host import STAGING_BUFFERS
 from ...grads.reducer import reductions_alive
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
-from ...params.store import param_host_numel
+from ...params.sizing import param_host_numel
 from ...params.units import unit_build_bytes
 from ...policies import Stage, Tier
 from .optimizer_terms import OptimizerTerms

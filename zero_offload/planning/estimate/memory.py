@@ -33,7 +33,7 @@ from ...memory.sizes import dtype_bytes as _dtype_bytes
 from ...memory.sizes import dtype_name as _dtype_name
 from ...memory.sizes import pool_bytes as _pool
 from ...optim.policy import StatePolicy
-from ...params.store import param_pool_buffers, units_per_sub_group
+from ...params.sizing import param_pool_buffers, units_per_sub_group
 from ...policies import OFFLOAD_KEYWORDS, Stage, Tier
 from ...swap.budget import activation_host_share, host_memory_budget, split_host_budget
 from ...update.nvme.sizing import full_group

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...optim.policy import MasterPrecision, StatePolicy
-from ...params.store import shards_in_host_memory
+from ...params.sizing import shards_in_host_memory
 from ...policies import Stage, Tier
 from ...update.updaters import GRAD_SLICE
 from .state import StateSplit, moment_bytes, per_param_text, state_names
