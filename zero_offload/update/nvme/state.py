@@ -10,8 +10,8 @@ sub-group k+1 while the kernel steps sub-group k where it was read
 (:meth:`ShardState.from_buffer`, :func:`zero_offload.optim.step`, as HostState steps its
 ranges) and sub-group k-1 is written back (:mod:`.pipeline`). Some sub-groups stay in host
 memory, spread between the others (``offload_optimizer_fraction``, the one rule of
-:mod:`.sizing`). Every sub-group
-runs the same kernel on the same elements as HostState, so the tier changes no bit.
+:mod:`.sizing`). Every sub-group runs the same kernel on the same elements as HostState, so
+the tier changes no bit.
 
 The concatenated sub-group arrays are the run's arrays, so :meth:`native_tensors` is what
 HostState keeps and checkpoints move between the two. fp32 AdamW stays with
