@@ -120,7 +120,7 @@ class Comm:
             return _Done()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        return work if async_op and work is not None else _Done()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy rank ``src``'s tensor (a rank of this group) to every rank."""

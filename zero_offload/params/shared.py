@@ -21,7 +21,7 @@ __all__ = ["SharedStorage", "can_share"]
 def can_share(full: torch.Tensor, shard: torch.Tensor) -> bool:
     """Whether ``shard`` (host memory holding all of ``full``'s values, in its dtype) can be
     ``full``'s storage while gathered."""
-    return (
+    return bool(
         hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # recent torch; else gathers copy
         and full.device.type == "cpu"
         and shard.device.type == "cpu"
