@@ -2,10 +2,11 @@
 
 ``offload_param="none"`` keeps them in one rank-flat buffer on the device, ``"cpu"`` in host
 memory (pinned with CUDA), ``"nvme"`` in one file per unit behind a small pool of host buffers
-(``prefetch_depth + 2`` of them, so reads for the next modules run while one computes).
-With ``offload_param_fraction`` the leading units (in rank-flat order) keep their shards in
-host memory instead and only the rest are in files (:func:`.sizing.param_host_numel`, the rule the
-engine and ``estimate_memory`` share).
+(``prefetch_depth + 2`` of them, so reads for the next modules run while one computes, and
+with the optimizer on NVMe one more per unit a sub-group's step puts, at least 4:
+:func:`.sizing.param_pool_buffers`). With ``offload_param_fraction`` the leading units (in
+rank-flat order) keep their shards in host memory instead and only the rest are in files
+(:func:`.sizing.param_host_numel`; ``estimate_memory`` counts by the same rules).
 The optimizer writes new values through :meth:`put` after a step — the only time a shard
 changes, so a shard is written back only then. An update that runs on under the next forward
 (``overlap_step``) stores a unit before its shard is read: :attr:`before_read`. A CPU
