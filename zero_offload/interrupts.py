@@ -23,6 +23,7 @@ one such state the library keeps, as signal dispositions are per process.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal.signal and getsignal wrap it in enums
 import contextlib
 import functools
 import signal
@@ -63,12 +64,14 @@ def signals_held() -> Iterator[None]:
         yield
         return
     if held.depth == 0:
+        # The engine holds signals hundreds of times a step (each piece of bookkeeping in
+        # forward and backward): the C module's calls take 1 µs a block, signal's 20 µs.
         for sig in HELD_SIGNALS:
-            previous = signal.getsignal(sig)
+            previous = _signal.getsignal(sig)
             if previous is None or previous == signal.SIG_IGN:  # not Python's, or ignored
                 continue
             held.previous[sig] = previous
-            signal.signal(sig, held.record)
+            _signal.signal(sig, held.record)
     held.depth += 1
     try:
         yield
@@ -77,8 +80,8 @@ def signals_held() -> Iterator[None]:
         if held.depth == 0:
             replaced, held.previous = held.previous, {}
             for number, disposition in replaced.items():
-                if signal.getsignal(number) == held.record:  # not if the block put its own
-                    signal.signal(number, disposition)
+                if _signal.getsignal(number) == held.record:  # not if the block put its own
+                    _signal.signal(number, disposition)
             arrived, held.arrived = held.arrived, []
             for signum in arrived:  # as if it arrived now: its handler runs (and may raise) here
                 signal.raise_signal(signum)
