@@ -139,12 +139,12 @@ class StepDriver:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._record.step_ended(parts, self._comm, applied)
-        if parts.gatherer or coordinator.boundaries == 1:
-            # Stage 3: the pages of the units the backward released go back before the
-            # reads ahead for the next step take fresh blocks, which would leave RSS
-            # wandering with them. Any stage, once: the first step laid its blocks out while
-            # glibc's mmap threshold was still rising (large blocks mapped apart), so the
-            # next forward, whose blocks land in the heap, would not reuse its free pages.
+        if coordinator.boundaries == 1:
+            # Once: the first step laid its blocks out while glibc's mmap threshold was still
+            # rising (large blocks mapped apart), so the next forward, whose blocks land in
+            # the heap, would not reuse its free pages. Not at every step: the pages the
+            # backward freed are the ones the next forward's activations take again (each
+            # given back is faulted in again; see _backward).
             return_freed_memory()
         if parts.gatherer:
             parts.gatherer.prefetch_first()

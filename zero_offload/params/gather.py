@@ -96,7 +96,7 @@ class ParamGatherer:
         self._access_on = False
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
-        self._freed = FreedMemory()  # pages freed with released units go back to the system
+        self._freed = FreedMemory()  # backward: pages freed with released units go back
         # Every module that holds parameters, directly or below: a use found at run time is
         # charged to the innermost running one, and released when it returns.
         hooked = [
@@ -160,7 +160,8 @@ class ParamGatherer:
             self._by_ptr.pop(storage_key(unit.full), None)
             self.states.free(unit)
             self.gathered_bytes -= unit.full_bytes
-            self._freed.freed(unit.full_bytes)
+            if self.states.in_backward:  # see FreedMemory: the forward's pages are reused
+                self._freed.freed(unit.full_bytes)
 
     def release_all(self) -> None:
         for unit in self.units:
