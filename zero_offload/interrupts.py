@@ -65,7 +65,7 @@ def signals_held() -> Iterator[None]:
         return
     if held.depth == 0:
         # The engine holds signals hundreds of times a step (each piece of bookkeeping in
-        # forward and backward): the C module's calls take 1 µs a block, signal's 20 µs.
+        # forward and backward): the C module's calls take under 3 µs a block, signal's 21.
         for sig in HELD_SIGNALS:
             previous = _signal.getsignal(sig)
             if previous is None or previous == signal.SIG_IGN:  # not Python's, or ignored
