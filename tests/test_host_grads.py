@@ -46,9 +46,49 @@ def test_pieces_are_summed_across_micro_steps():
             q.accumulate_grad(lo, piece, final=False)
         q.flush()
         assert torch.equal(grads, expected)
-    q.zero_grad()
-    assert not grads.any()
+    q.zero_grad()  # a new window in which only (60, 100) gets a piece
+    piece = torch.randn(40, generator=gen).bfloat16()
+    q.accumulate_grad(60, piece, final=True)
+    q.flush()
+    assert torch.equal(grads[60:], piece.float()) and not grads[:60].any()
     q.close()
+
+
+def test_zero_grad_writes_nothing_and_the_window_reads_whole():
+    """``zero_grad`` leaves the shard as it is (no pass over it): a region's first piece of
+    the window is copied in, later ones summed, and ``flush`` zeroes the regions no piece
+    reached. Where autograd sums into the shard (an alias handed out), it zeroes at once."""
+    grads = torch.zeros(96)
+    target = ResidentGrads(grads)
+    target.accumulate_grad(0, torch.full((32,), 5.0), final=True)
+    target.accumulate_grad(32, torch.full((32,), 6.0), final=True)
+    target.accumulate_grad(64, torch.full((32,), 7.0), final=True)
+    target.flush()
+    target.zero_grad()
+    assert grads.eq(torch.tensor([5.0, 6.0, 7.0]).repeat_interleave(32)).all()  # untouched
+    target.accumulate_grad(64, torch.full((32,), 1.0), final=False)
+    target.accumulate_grad(64, torch.full((32,), 2.0), final=False)
+    region = target.region(0, torch.empty(32))
+    assert region is not None and target.region(0, torch.empty(32)) is None
+    region.fill_(4.0)  # overwritten whole by its caller
+    target.flush()
+    assert torch.equal(grads[:32], torch.full((32,), 4.0))
+    assert not grads[32:64].any()  # no piece this window: zero
+    assert torch.equal(grads[64:], torch.full((32,), 3.0))  # copied, then summed
+    target.accumulate_grad(32, torch.full((32,), 1.5), final=True)  # after the flush: summed
+    assert torch.equal(grads[32:64], torch.full((32,), 1.5))
+    target.zero_grad()  # every region reached: the flush writes nothing (an update that
+    for lo in (0, 32, 64):  # stepped the landed units during backward stays valid)
+        target.accumulate_grad(lo, torch.full((32,), 1.0), final=True)
+    version = grads._version
+    target.flush()
+    assert grads._version == version and torch.equal(grads, torch.ones(96))
+
+    aliased = ResidentGrads(torch.ones(64))
+    view = aliased.alias(0, torch.empty(64))
+    assert view is not None
+    aliased.zero_grad()
+    assert not view.any()
 
 
 def test_flush_raises_the_first_failure_after_summing_the_rest():

@@ -267,6 +267,10 @@ class Engine:
 
     @property
     def grads(self) -> torch.Tensor | None:
+        """This rank's reduced gradient shard, the window's gradients so far (None: they
+        are in files)."""
+        if self._parts.grads is not None and not self._lifecycle.closed:
+            self._parts.reducer.target.flush()  # regions no piece reached yet read as zeros
         return self._parts.grads
 
     @property

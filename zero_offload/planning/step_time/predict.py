@@ -36,7 +36,9 @@ __all__ = [
 
 PHASES = ("forward", "backward", "step")
 _UNITS = {"bytes": (1e9, "GB"), "FLOP": (1e12, "TFLOP"), "params": (1e9, "G params")}
-_HOST_PASSES = 2  # step(): the gradient shard read for the norm / overflow check, then zeroed
+# step(): the gradient shard read for the norm / overflow check (not zeroed after: the next
+# window's first pieces overwrite it, grads.ResidentGrads)
+_HOST_PASSES = 1
 
 
 @dataclass(frozen=True)
@@ -292,8 +294,8 @@ def predict(work: Workload, rates: Rates) -> StepPrediction:
         left = 0.0
     if left > 0:
         parts["step"]["disk"] += left * io
-        # the pipeline overlaps Adam with the disk; the step's passes over the gradients
-        # (norm, zeroing) run before and after it on the same cores
+        # the pipeline overlaps Adam with the disk; the step's pass over the gradients
+        # (their norm) runs before it on the same cores
         passes = work.step.host / rates.host_memory
         parts["step"]["CPU optimizer"] = left * adam + passes
     phases = tuple(Phase(n, max(parts[n].values()), parts[n]) for n in PHASES)
