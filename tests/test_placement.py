@@ -104,3 +104,32 @@ def test_a_requested_cuda_device_is_made_current(monkeypatch):
     assert fake.current == [torch.device("cuda", 5)]
     assert placement.select_device(torch.device("cpu")) == torch.device("cpu")
     assert fake.current == [torch.device("cuda", 5)]
+
+
+def test_a_cpu_device_without_low_precision_matmuls_warns_once(monkeypatch, caplog):
+    """A CPU device computing in bf16 where the CPU has no bf16 matrix instructions (torch
+    then multiplies in a reference kernel, tens of times slower than fp32) gets one warning
+    that names the fix; fp32, a GPU, or a CPU that has them get none."""
+    monkeypatch.setattr(placement, "native_cpu_matmul", lambda dtype: dtype == torch.float32)
+    placement.warn_if_slow_on_cpu.cache_clear()
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger=placement.__name__):
+        engine = zo.initialize(TinyGPT(), stage=3, dtype=torch.bfloat16, lr=1e-3)
+        engine.close()
+        zo.initialize(TinyGPT(), stage=3, dtype=torch.bfloat16, lr=1e-3).close()
+    warned = [r.getMessage() for r in caplog.records if "matrix instructions" in r.getMessage()]
+    assert len(warned) == 1 and "dtype=torch.float32" in warned[0]
+    assert not placement.warn_if_slow_on_cpu(cpu, torch.float32)
+    assert not placement.warn_if_slow_on_cpu(torch.device("cuda", 0), torch.float16)
+    monkeypatch.setattr(placement, "native_cpu_matmul", lambda dtype: True)
+    placement.warn_if_slow_on_cpu.cache_clear()
+    assert not placement.warn_if_slow_on_cpu(cpu, torch.bfloat16)
+    placement.warn_if_slow_on_cpu.cache_clear()
+
+
+def test_the_matrix_instructions_check_is_answered_by_this_torch():
+    """The check asks oneDNN (a private torch op: a torch without it would silently never
+    warn, so the torch releases we test must have it); fp32 never needs it."""
+    assert placement.native_cpu_matmul(torch.float32)
+    for name in ("_is_mkldnn_bf16_supported", "_is_mkldnn_fp16_supported"):
+        assert isinstance(getattr(torch.ops.mkldnn, name)(), bool)

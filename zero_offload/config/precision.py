@@ -22,7 +22,9 @@ class PrecisionConfig:
         "compute dtype of the parameters and gradients: float32, bfloat16 or float16 (a torch "
         "dtype or its name). The optimizer's master copy is `master_precision`: with float32 "
         "at stage 0, or at stage 3 with the shards beside the optimizer, the parameters "
-        "themselves",
+        "themselves. On a CPU device without bf16 / fp16 matrix instructions (AVX512-BF16, "
+        "AMX, AVX512-FP16) torch multiplies those in a reference kernel, tens of times slower "
+        "than float32: the engine logs a warning there",
     )
     initial_loss_scale: float = keyword(2.0**16, "float16: the dynamic loss scale's start")
     loss_scale_window: int = keyword(1000, "float16: overflow-free steps before the scale doubles")

@@ -1,5 +1,5 @@
-"""The one function that copies model values onto the compute device while the engine builds
-its units or exports them.
+"""The compute device a rank uses (and whether its dtype runs well there), and the one
+function that copies model values onto it while the engine builds its units or exports them.
 
 Stage 3 exists for models that do not fit on one device, so ``initialize`` and
 ``full_state_dict`` must never hold more than one unit there at a time. Every such copy goes
@@ -9,14 +9,19 @@ machine, the CPU included, where a "move" costs nothing and hides the difference
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import platform
 
 import torch
 import torch.nn as nn
 
 from ..policies import Stage
 
-__all__ = ["move_model", "select_device", "to_device"]
+__all__ = ["move_model", "select_device", "to_device", "warn_if_slow_on_cpu"]
+
+log = logging.getLogger(__name__)
 
 
 def to_device(
@@ -39,6 +44,42 @@ def select_device(requested: torch.device | None) -> torch.device:
     if requested.type == "cuda" and requested.index is not None:
         torch.cuda.set_device(requested)
     return requested
+
+
+def native_cpu_matmul(dtype: torch.dtype) -> bool:
+    """Whether this x86 CPU multiplies ``dtype`` matrices in hardware (oneDNN's bf16 needs
+    AVX512-BF16 or AMX, its fp16 AVX512-FP16). Without it torch falls back to a reference
+    kernel: a bf16 GEMM at 0.3-1 GFLOP/s on a 2-vCPU AVX2 host (AMD EPYC) where fp32 made
+    80. True where it cannot tell (another architecture, an older
+    torch)."""
+    if dtype not in (torch.bfloat16, torch.float16) or platform.machine().lower() not in (
+        "x86_64",
+        "amd64",
+    ):
+        return True
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_slow_on_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    """Log once per process when a CPU device computes in a dtype this CPU has no matrix
+    instructions for (a step would take tens of times longer than in fp32); returns
+    whether it warned."""
+    if device.type != "cpu" or native_cpu_matmul(dtype):
+        return False
+    name = str(dtype).removeprefix("torch.")
+    log.warning(
+        "zero_offload: this CPU has no %s matrix instructions (AVX512-BF16 / AMX / "
+        "AVX512-FP16): torch multiplies %s matrices in a reference kernel, tens of times "
+        "slower than float32. On a CPU device use dtype=torch.float32, or train on a GPU",
+        name,
+        name,
+    )
+    return True
 
 
 def move_model(model: nn.Module, device: torch.device, stage: Stage) -> None:

@@ -86,6 +86,7 @@ def compose(
     however the engine ends."""
     comm = Comm(config.process_group)
     device = placement.select_device(config.device)
+    placement.warn_if_slow_on_cpu(device, config.dtype)
     threads = ThreadBudget.decide(device.type, config.threads)
     threads.apply_compute()
     streams = runtime.streams(device)
