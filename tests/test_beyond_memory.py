@@ -89,7 +89,7 @@ TRAIN = textwrap.dedent("""
     import zero_offload as zo
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
     limit = {limit}
-    cfg = GPTConfig(layers=9, width=640, heads=10, vocab=8192, seq=32)
+    cfg = GPTConfig(layers=9, width=640, heads=10, vocab=8192, seq=16)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -100,7 +100,7 @@ TRAIN = textwrap.dedent("""
     if limit:
         kwargs["host_memory_limit"] = limit
     engine = zo.initialize(model, **kwargs)
-    x, y = synthetic_batch(cfg, 2, torch.Generator().manual_seed(0))
+    x, y = synthetic_batch(cfg, 1, torch.Generator().manual_seed(0))  # few matmul FLOPs
     losses = []
     for _ in range(3):
         loss = engine(x, y)

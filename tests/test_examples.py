@@ -80,6 +80,12 @@ def test_train_gpt_small_preset_everything_on_nvme_under_torchrun(tmp_path):
             str(tmp_path),
             "--steps",
             "4",
+            # a short micro-batch: the preset's model and lr, a tenth of its matmul work
+            # (a CPU without bf16 matrix instructions multiplies bf16 at ~1 GFLOP/s)
+            "--batch",
+            "1",
+            "--seq",
+            "32",
             timeout=600,
         )
     )
