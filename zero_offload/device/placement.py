@@ -19,7 +19,13 @@ import torch.nn as nn
 
 from ..policies import Stage
 
-__all__ = ["move_model", "select_device", "to_device", "warn_if_slow_on_cpu"]
+__all__ = [
+    "move_model",
+    "native_cpu_matmul",
+    "select_device",
+    "to_device",
+    "warn_if_slow_on_cpu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +54,9 @@ def select_device(requested: torch.device | None) -> torch.device:
 
 def native_cpu_matmul(dtype: torch.dtype) -> bool:
     """Whether this x86 CPU multiplies ``dtype`` matrices in hardware (oneDNN's bf16 needs
-    AVX512-BF16 or AMX, its fp16 AVX512-FP16). Without it torch falls back to a reference
-    kernel: a bf16 GEMM at 0.3-1 GFLOP/s on a 2-vCPU AVX2 host (AMD EPYC) where fp32 made
-    80. True where it cannot tell (another architecture, an older
-    torch)."""
+    AVX512-BF16 or AMX, its fp16 AVX512-FP16 or AMX-FP16). Without it torch falls back to a
+    reference kernel: a bf16 GEMM at 0.3-1 GFLOP/s on a 2-vCPU AVX2 host (AMD EPYC) where
+    fp32 made 80. True where it cannot tell (another architecture, an older torch)."""
     if dtype not in (torch.bfloat16, torch.float16) or platform.machine().lower() not in (
         "x86_64",
         "amd64",
@@ -72,11 +77,13 @@ def warn_if_slow_on_cpu(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or native_cpu_matmul(dtype):
         return False
     name = str(dtype).removeprefix("torch.")
+    needs = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16"
     log.warning(
-        "zero_offload: this CPU has no %s matrix instructions (AVX512-BF16 / AMX / "
-        "AVX512-FP16): torch multiplies %s matrices in a reference kernel, tens of times "
-        "slower than float32. On a CPU device use dtype=torch.float32, or train on a GPU",
+        "zero_offload: this CPU has no %s matrix instructions (%s): torch multiplies %s "
+        "matrices in a reference kernel, tens of times slower than float32. On a CPU "
+        "device use dtype=torch.float32, or train on a GPU",
         name,
+        needs,
         name,
     )
     return True
