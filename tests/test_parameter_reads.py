@@ -1,7 +1,7 @@
 """Stage 3 parameters read outside a forward while the engine is open: between gathers their
 memory is released, so each read either sees the right values (inside
 ``engine.gathered_parameters()``) or raises an error naming that fix — never reads freed
-memory. Each pattern runs in a subprocess: a crash shows as the exit code."""
+memory. The patterns run in one subprocess per tier: a crash shows as its exit code."""
 
 from __future__ import annotations
 
@@ -32,66 +32,95 @@ ACCESSES = {
     "deepcopy": "__import__('copy').deepcopy(model)",
 }
 
+# Every access pattern in turn, each on a fresh model and engine, in one process per tier (a
+# process per pattern spent most of its time importing torch). A crash ends the process: the
+# patterns after it then show no lines and their tests fail with its stderr.
+SCRIPT = """
+import sys, torch, zero_offload as zo
+from zero_offload.params.released import ParameterNotGatheredError
+from support.models import TinyGPT, batch, loss_fn
+offload_param, nvme = sys.argv[1], sys.argv[2]
+{accesses}
+def run(name, access):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = zo.initialize(model, stage=3, lr=1e-2, offload_param=offload_param,
+                           nvme_path=f"{{nvme}}/{{name}}")
+    def step(i):
+        x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
+        engine.backward(loss_fn("gpt", engine(x), y)); engine.step()
+    step(0)
+    first = next(model.parameters())
+    try:
+        access(model, first)
+    except ParameterNotGatheredError as err:
+        assert "engine.gathered_parameters()" in str(err), err
+        print(name, "refused", flush=True)
+    trained = engine.full_state_dict()
+    with engine.gathered_parameters():
+        access(model, first)
+        state = model.state_dict()
+        model(batch("gpt", 2, torch.Generator().manual_seed(5))[0])  # evaluation
+        assert torch.equal(first.detach(), state["wte.weight"])
+        after = model.state_dict()
+    assert set(state) == set(trained)
+    for k, v in trained.items():
+        assert torch.equal(state[k], v), k
+        assert torch.equal(after[k], v), k
+    step(1)
+    engine.close()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    print(name, "survived", float(first.sum()), flush=True)
+for name in {names!r}:
+    run(name, globals()["access_" + name])
+"""
 
-def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+
+def _script() -> str:
+    accesses = "".join(
+        f"def access_{name}(model, first):\n    {code}\n" for name, code in ACCESSES.items()
     )
+    return textwrap.dedent(SCRIPT).format(accesses=accesses, names=list(ACCESSES))
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory):
+    """offload_param -> the finished process that ran every access pattern on that tier."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def get(offload_param: str) -> subprocess.CompletedProcess:
+        if offload_param not in done:
+            env = dict(
+                os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1"
+            )
+            nvme = tmp_path_factory.mktemp(f"reads_{offload_param}")
+            done[offload_param] = subprocess.run(
+                [sys.executable, "-c", _script(), offload_param, str(nvme)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        return done[offload_param]
+
+    return get
 
 
 @pytest.mark.parametrize("access", list(ACCESSES))
 @pytest.mark.parametrize("offload_param", ["none", "nvme"])
 def test_a_released_parameter_read_raises_a_clear_error_and_reads_right_when_gathered(
-    tmp_path, access, offload_param
+    reads, access, offload_param
 ):
     """Outside a forward: the read raises ParameterNotGatheredError naming
     gathered_parameters() (on the old code: SIGSEGV, or a raw setStorage error for repr).
     Inside ``engine.gathered_parameters()``: the values are the trained ones
     (``full_state_dict``), a forward inside keeps them gathered, and the engine trains on."""
-    result = _run(
-        f"""
-        import torch, zero_offload as zo
-        from zero_offload.params.released import ParameterNotGatheredError
-        from support.models import TinyGPT, batch, loss_fn
-        torch.manual_seed(0)
-        model = TinyGPT()
-        engine = zo.initialize(model, stage=3, lr=1e-2, offload_param={offload_param!r},
-                               nvme_path={str(tmp_path)!r})
-        def step(i):
-            x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
-            engine.backward(loss_fn("gpt", engine(x), y)); engine.step()
-        step(0)
-        first = next(model.parameters())
-        def access():
-            {ACCESSES[access]}
-        try:
-            access()
-        except ParameterNotGatheredError as err:
-            assert "engine.gathered_parameters()" in str(err), err
-            print("refused")
-        trained = engine.full_state_dict()
-        with engine.gathered_parameters():
-            access()
-            state = model.state_dict()
-            model(batch("gpt", 2, torch.Generator().manual_seed(5))[0])  # evaluation
-            assert torch.equal(first.detach(), state["wte.weight"])
-            after = model.state_dict()
-        assert set(state) == set(trained)
-        for k, v in trained.items():
-            assert torch.equal(state[k], v), k
-            assert torch.equal(after[k], v), k
-        step(1)
-        engine.close()
-        assert all(type(p) is torch.nn.Parameter for p in model.parameters())
-        print("survived", float(first.sum()))
-    """,
-        tmp_path,
+    result = reads(offload_param)
+    lines = [line.split()[:2] for line in result.stdout.splitlines()]
+    assert [access, "refused"] in lines and [access, "survived"] in lines, (
+        f"exit {result.returncode}: {result.stderr[-3000:]}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "refused" in result.stdout and "survived" in result.stdout
 
 
 def test_metadata_stays_readable_and_other_stages_need_no_gather():
