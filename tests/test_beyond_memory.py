@@ -89,7 +89,7 @@ TRAIN = textwrap.dedent("""
     import zero_offload as zo
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
     limit = {limit}
-    cfg = GPTConfig(layers=9, width=640, heads=10, vocab=8192, seq=16)
+    cfg = GPTConfig(layers=9, width=640, heads=10, vocab=8192, seq=4)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
