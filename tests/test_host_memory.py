@@ -332,7 +332,7 @@ RUN = textwrap.dedent("""
     from zero_offload.bench.gpt import GPT, GPTConfig, synthetic_batch
     from zero_offload.bench.training.rss import PeakSampler, rss
     torch.set_num_threads(1)
-    cfg = GPTConfig(layers=4, width=384, heads=6, vocab=8192, seq=16)
+    cfg = GPTConfig(layers=4, width=384, heads=6, vocab=8192, seq=4)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
