@@ -45,51 +45,78 @@ TIERS = [
 ]
 
 
-@pytest.mark.parametrize("tier", TIERS, ids=lambda t: "-".join(map(str, t.values())))
-def test_closed_model_holds_trained_values_and_trains_again_as_if_fresh(tmp_path, tier):
+def _tier_id(tier: dict) -> str:
+    return "-".join(map(str, tier.values()))
+
+
+# Every tier in turn in one process (a process per tier spent most of its time importing
+# torch): each prints "survived <tier>"; a crash ends the process and the tiers after it print
+# nothing, so their tests fail with its stderr.
+CLOSE_AND_REUSE = """
+import copy, sys, torch, zero_offload as zo
+from support.models import TinyGPT, batch, loss_fn
+def steps(engine, n):
+    for i in range(n):
+        x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
+        engine.backward(loss_fn("gpt", engine(x), y)); engine.step()
+def run(name, tier):
+    kw = dict(tier, lr=1e-2, nvme_path=f"{{sys.argv[1]}}/{{name}}")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = zo.initialize(model, **kw)
+    steps(engine, 2)
+    trained = engine.full_state_dict()
+    engine.close()
+    state = model.state_dict()
+    assert set(state) == set(trained)
+    for k, v in trained.items():
+        assert torch.equal(state[k], v), k
+        assert state[k].device.type == "cpu"
+    total = sum(float(p.sum()) for p in model.parameters())
+    x, _ = batch("gpt", 2, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model(x)
+    fresh = copy.deepcopy(model)
+    again = zo.initialize(model, **kw)
+    steps(again, 2)
+    reference = zo.initialize(fresh, **kw)
+    steps(reference, 2)
+    a, b = again.full_state_dict(), reference.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], trained[k]) for k in a)  # it did train on
+    again.close(); reference.close()
+    print("survived", name, total, flush=True)
+for name, tier in {tiers!r}:
+    run(name, tier)
+"""
+
+
+@pytest.fixture(scope="module")
+def closed_and_reused(tmp_path_factory) -> subprocess.CompletedProcess:
+    tmp = tmp_path_factory.mktemp("close_and_reuse")
+    script = CLOSE_AND_REUSE.format(tiers=[(_tier_id(t), t) for t in TIERS])
+    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-c", script, str(tmp)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=_tier_id)
+def test_closed_model_holds_trained_values_and_trains_again_as_if_fresh(closed_and_reused, tier):
     """Train, close, then use the model as a fine-tune ends (state_dict, forward) and as a
     sweep goes on (initialize the same model again): the values are the ones
     full_state_dict() gave before close, and the second engine trains exactly like one built
     on a fresh copy of those values."""
-    result = _run(
-        f"""
-        import copy, torch, zero_offload as zo
-        from support.models import TinyGPT, batch, loss_fn
-        kw = dict({tier!r}, lr=1e-2, nvme_path={str(tmp_path)!r})
-        def steps(engine, n):
-            for i in range(n):
-                x, y = batch("gpt", 4, torch.Generator().manual_seed(i))
-                engine.backward(loss_fn("gpt", engine(x), y)); engine.step()
-        torch.manual_seed(0)
-        model = TinyGPT()
-        engine = zo.initialize(model, **kw)
-        steps(engine, 2)
-        trained = engine.full_state_dict()
-        engine.close()
-        state = model.state_dict()
-        assert set(state) == set(trained)
-        for k, v in trained.items():
-            assert torch.equal(state[k], v), k
-            assert state[k].device.type == "cpu"
-        total = sum(float(p.sum()) for p in model.parameters())
-        x, _ = batch("gpt", 2, torch.Generator().manual_seed(9))
-        with torch.no_grad():
-            model(x)
-        fresh = copy.deepcopy(model)
-        again = zo.initialize(model, **kw)
-        steps(again, 2)
-        reference = zo.initialize(fresh, **kw)
-        steps(reference, 2)
-        a, b = again.full_state_dict(), reference.full_state_dict()
-        assert all(torch.equal(a[k], b[k]) for k in a)
-        assert any(not torch.equal(a[k], trained[k]) for k in a)  # it did train on
-        again.close(); reference.close()
-        print("survived", total)
-    """,
-        tmp_path,
-    )
+    result = closed_and_reused
+    survived = [
+        line.split()[1] for line in result.stdout.splitlines() if line.startswith("survived")
+    ]
+    assert _tier_id(tier) in survived, f"exit {result.returncode}: {result.stderr[-3000:]}"
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "survived" in result.stdout
 
 
 def _hook_counts(model: nn.Module) -> tuple[int, int]:
