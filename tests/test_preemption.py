@@ -23,27 +23,28 @@ sys.path.insert(0, "tests")
 import zero_offload as zo
 from support.models import TinyGPT, batch, loss_fn
 
-mode, ckpt, nvme, until, out = sys.argv[1:6]
-kwargs = json.loads(sys.argv[6])
+ckpt, nvme = sys.argv[1:3]
+kwargs = json.loads(sys.argv[3])
 kwargs["dtype"] = getattr(torch, kwargs["dtype"])
 stop = []
 signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
-torch.manual_seed(0)
-engine = zo.initialize(TinyGPT(), nvme_path=nvme, **kwargs)
-if mode == "resume":
-    engine.load_checkpoint(ckpt)
-i = engine.optimizer_steps
-while i < int(until) and not stop:
-    x, y = batch("gpt", 8, torch.Generator().manual_seed(100 + i))
-    engine.backward(loss_fn("gpt", engine(x), y))
-    engine.step()
-    i += 1
-    print("step", i, flush=True)
-if stop:  # preempted: the step that was running has ended; keep it
-    engine.save_checkpoint(ckpt)
-print("ended", engine.optimizer_steps, flush=True)
-torch.save(engine.full_state_dict(), out)
-engine.close()
+for mode, until, out in json.loads(sys.argv[4]):  # the runs, one after another
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(), nvme_path=nvme, **kwargs)
+    if mode == "resume":
+        engine.load_checkpoint(ckpt)
+    i = engine.optimizer_steps
+    while i < until and not stop:
+        x, y = batch("gpt", 8, torch.Generator().manual_seed(100 + i))
+        engine.backward(loss_fn("gpt", engine(x), y))
+        engine.step()
+        i += 1
+        print("step", i, flush=True)
+    if stop:  # preempted: the step that was running has ended; keep it
+        engine.save_checkpoint(ckpt)
+    print("ended", engine.optimizer_steps, flush=True)
+    torch.save(engine.full_state_dict(), out)
+    engine.close()
 """
 
 CONFIGS = {
@@ -63,20 +64,38 @@ CONFIGS = {
 }
 
 
-def _start(tmp: Path, mode: str, until: int, out: str, kwargs: dict) -> subprocess.Popen:
-    args = [mode, str(tmp / "ckpt"), str(tmp / "nvme"), str(until), str(tmp / out)]
-    return start_python(textwrap.dedent(LOOP), *args, json.dumps(kwargs))
+def _start(tmp: Path, kwargs: dict, *runs: tuple[str, int, str]) -> subprocess.Popen:
+    """A child that makes ``runs`` (mode, steps to reach, output file) one after another: a
+    resumed run and then the uninterrupted one share a process (torch is imported once)."""
+    runs_json = json.dumps([(mode, until, str(tmp / out)) for mode, until, out in runs])
+    args = [str(tmp / "ckpt"), str(tmp / "nvme"), json.dumps(kwargs), runs_json]
+    return start_python(textwrap.dedent(LOOP), *args)
 
 
 def _line(proc: subprocess.Popen) -> str:
     return next_line(proc, T)
 
 
-def _ended(proc: subprocess.Popen) -> int:
-    """The child's optimizer steps at its end, once it exited cleanly."""
+def _ended(proc: subprocess.Popen) -> list[int]:
+    """The optimizer steps at the end of each of the child's runs, once it exited cleanly."""
     out, err = proc.communicate(timeout=T)
     assert proc.returncode == 0, err[-3000:]
-    return int(out.strip().splitlines()[-1].split()[1])
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith("ended")]
+
+
+def _resume_matches_straight(tmp: Path, kwargs: dict, saved: int) -> None:
+    """Resume from the checkpoint in a new process, then run uninterrupted to the same step;
+    both end bit for bit alike, and no swap folder is left."""
+    both = _start(
+        tmp, kwargs, ("resume", saved + 2, "resumed.pt"), ("straight", saved + 2, "straight.pt")
+    )
+    assert _ended(both) == [saved + 2, saved + 2]
+    a = torch.load(tmp / "straight.pt")
+    b = torch.load(tmp / "resumed.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert list((tmp / "nvme").iterdir()) == []  # every run's swap folder went with it
 
 
 @pytest.mark.multiprocess
@@ -84,21 +103,12 @@ def _ended(proc: subprocess.Popen) -> int:
 def test_sigterm_mid_run_saves_at_the_step_end_and_resumes_bit_exact(name, tmp_path):
     kwargs = CONFIGS[name]
     (tmp_path / "nvme").mkdir()
-    first = _start(tmp_path, "preempted", 10_000, "first.pt", kwargs)
+    first = _start(tmp_path, kwargs, ("preempted", 10_000, "first.pt"))
     assert _line(first) == "step 1"
     first.send_signal(signal.SIGTERM)  # lands wherever step 2 (or a later one) is
-    saved = _ended(first)
+    [saved] = _ended(first)
     assert saved >= 1
-    resumed = _start(tmp_path, "resume", saved + 2, "resumed.pt", kwargs)
-    assert _ended(resumed) == saved + 2
-    straight = _start(tmp_path, "straight", saved + 2, "straight.pt", kwargs)
-    assert _ended(straight) == saved + 2
-    a = torch.load(tmp_path / "straight.pt")
-    b = torch.load(tmp_path / "resumed.pt")
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    assert list((tmp_path / "nvme").iterdir()) == []  # every run's swap folder went with it
+    _resume_matches_straight(tmp_path, kwargs, saved)
 
 
 @pytest.mark.multiprocess
@@ -111,20 +121,11 @@ def test_save_on_preemption_saves_at_the_step_end_and_exits_with_the_signal(tmp_
         max_grad_norm=None,  # with the pass during backward too
     )
     (tmp_path / "nvme").mkdir()
-    first = _start(tmp_path, "preempted", 10_000, "first.pt", kwargs)
+    first = _start(tmp_path, kwargs, ("preempted", 10_000, "first.pt"))
     assert _line(first) == "step 1"
     first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=T)
     assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
     saved = int((tmp_path / "ckpt" / "latest").read_text().removeprefix("step"))
     assert saved >= 1
-    resumed = _start(tmp_path, "resume", saved + 2, "resumed.pt", kwargs)
-    assert _ended(resumed) == saved + 2
-    straight = _start(tmp_path, "straight", saved + 2, "straight.pt", kwargs)
-    assert _ended(straight) == saved + 2
-    a = torch.load(tmp_path / "straight.pt")
-    b = torch.load(tmp_path / "resumed.pt")
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    assert list((tmp_path / "nvme").iterdir()) == []
+    _resume_matches_straight(tmp_path, kwargs, saved)
