@@ -11,30 +11,16 @@ import gc
 import logging
 import os
 import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from support.children import run_python
 from support.models import MLP, batch, loss_fn
 
 import zero_offload as zo
-
-TESTS = Path(__file__).resolve().parent
-PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent  # the zero_offload under test
-
-
-def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
-
 
 TIERS = [
     dict(stage=0),
@@ -94,15 +80,7 @@ for name, tier in {tiers!r}:
 @pytest.fixture(scope="module")
 def closed_and_reused(tmp_path_factory) -> subprocess.CompletedProcess:
     tmp = tmp_path_factory.mktemp("close_and_reuse")
-    script = CLOSE_AND_REUSE.format(tiers=[(_tier_id(t), t) for t in TIERS])
-    env = dict(os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-c", script, str(tmp)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_python(CLOSE_AND_REUSE.format(tiers=[(_tier_id(t), t) for t in TIERS]), str(tmp))
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=_tier_id)
@@ -159,9 +137,10 @@ def test_a_closed_engine_refuses_work(tmp_path):
             call()
 
 
-def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error(tmp_path):
-    result = _run(
-        """
+def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error():
+    result = run_python(
+        textwrap.dedent(
+            """
         import torch, zero_offload as zo
         from support.models import MLP
         model = MLP()
@@ -170,8 +149,8 @@ def test_initialize_again_while_a_stage3_engine_is_open_is_a_clear_error(tmp_pat
             zo.initialize(model, stage=3)
         except RuntimeError as err:
             print(err)
-    """,
-        tmp_path,
+    """
+        )
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "still open" in result.stdout and "close()" in result.stdout

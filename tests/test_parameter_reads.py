@@ -5,22 +5,17 @@ memory. The patterns run in one subprocess per tier: a crash shows as its exit c
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from support.children import run_python
 from support.distributed import run_ranks
 from support.models import MLP, batch, loss_fn
 
 import zero_offload as zo
-
-TESTS = Path(__file__).resolve().parent
-PACKAGE_ROOT = Path(zo.__file__).resolve().parent.parent
 
 ACCESSES = {
     "sum": "float(sum(p.sum() for p in model.parameters()))",
@@ -90,17 +85,8 @@ def reads(tmp_path_factory):
 
     def get(offload_param: str) -> subprocess.CompletedProcess:
         if offload_param not in done:
-            env = dict(
-                os.environ, PYTHONPATH=f"{PACKAGE_ROOT}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1"
-            )
             nvme = tmp_path_factory.mktemp(f"reads_{offload_param}")
-            done[offload_param] = subprocess.run(
-                [sys.executable, "-c", _script(), offload_param, str(nvme)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            done[offload_param] = run_python(_script(), offload_param, str(nvme))
         return done[offload_param]
 
     return get

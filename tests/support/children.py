@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import zero_offload
+
 REPO = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(zero_offload.__file__).resolve().parent.parent  # the zero_offload under test
 
 
 def start_python(code: str, *args: str) -> subprocess.Popen:
@@ -20,6 +24,20 @@ def start_python(code: str, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+    )
+
+
+def run_python(code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -c code args...`` to its end (for cases that would crash the interpreter when
+    they go wrong), with the zero_offload under test and tests/ on its path and one OpenMP
+    thread; its output captured as text."""
+    path = os.pathsep.join([str(PACKAGE_ROOT), str(REPO / "tests")])
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
