@@ -52,6 +52,10 @@ def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     rc, rep = _bench(
         capsys, *TINY, "--offload-optimizer", "none", "cpu", "nvme", "--nvme-path", str(tmp_path)
     )
+    rss_after = psutil.Process().memory_info().rss
+    # a floor the process's RSS cannot have left during the bench: memory freed in it (an
+    # earlier test's garbage collected, an arena trimmed) lowers the RSS after it, not before
+    rss_floor = min(rss_before, rss_after)
     assert rc == 0
     assert rep["model"]["params"] > 0 and rep["steps"] == 2 and rep["sweep"] is None
     assert rep["baseline"]["read_gbps"] > 0 and rep["baseline"]["write_gbps"] > 0
@@ -70,7 +74,7 @@ def test_every_optimizer_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
             assert s["fwd_s"] + s["bwd_s"] == pytest.approx(s["fwd_bwd_s"])
             assert s["fwd_bwd_s"] + s["step_s"] == pytest.approx(s["total_s"])
             assert 0 < s["peak_rss"] <= r["peak_rss"]
-        assert r["peak_rss"] >= 0.9 * rss_before  # the process's RSS, not a difference
+        assert r["peak_rss"] >= 0.9 * rss_floor  # the process's RSS, not a difference
         assert 0 < med["overlap"] <= 1.05, (name, med["overlap"])
     nvme = runs["nvme"]["median"]
     assert nvme["opt_read_s"] > 0 and nvme["opt_write_s"] > 0
