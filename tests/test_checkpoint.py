@@ -3,6 +3,7 @@ memory, and damaged or interrupted checkpoints that never replace a good one."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -67,20 +69,24 @@ def _optimizer_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _train(rank, world, ckpt, nvme, phase):
-    """phase 'straight': 6 steps; 'first': 3 steps + save; 'resume': load + 3 steps."""
+    """phase 'before': for every config, 6 steps straight, then 3 steps + save in a fresh
+    engine; 'resume': load + 3 steps (in processes that did not save)."""
     out = {}
     for stage, offload in CONFIGS:
-        torch.manual_seed(0 if phase != "resume" else 1)  # resume must not rely on init
-        engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
-        if phase == "resume":
-            engine.load_checkpoint(ckpt, tag=f"s{stage}-{offload}")
-            _steps(engine, rank, world, 3, 6)
-        else:
-            _steps(engine, rank, world, 0, 3 if phase == "first" else 6)
-            if phase == "first":
-                engine.save_checkpoint(ckpt, tag=f"s{stage}-{offload}")
-        out[(stage, offload)] = (engine.full_state_dict(), _optimizer_state(engine))
-        engine.close()
+        runs = ("straight", "first") if phase == "before" else ("resume",)
+        for run in runs:
+            torch.manual_seed(0 if run != "resume" else 1)  # resume must not rely on init
+            engine = zo.initialize(TinyGPT(), **_kwargs(stage, offload, nvme))
+            if run == "resume":
+                engine.load_checkpoint(ckpt, tag=f"s{stage}-{offload}")
+                _steps(engine, rank, world, 3, 6)
+            else:
+                _steps(engine, rank, world, 0, 3 if run == "first" else 6)
+                if run == "first":
+                    engine.save_checkpoint(ckpt, tag=f"s{stage}-{offload}")
+            if run != "first":
+                out[(stage, offload)] = (engine.full_state_dict(), _optimizer_state(engine))
+            engine.close()
     return out
 
 
@@ -89,10 +95,10 @@ def _train(rank, world, ckpt, nvme, phase):
 def test_resume_in_a_new_process_is_bit_exact(world, tmp_path):
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
-    straight = run_ranks(world, _train, str(tmp_path), nvme, "straight")
-    run_ranks(world, _train, str(tmp_path), nvme, "first")
+    straight = run_ranks(world, _train, str(tmp_path), nvme, "before")
     resumed = run_ranks(world, _train, str(tmp_path), nvme, "resume")
     for rank in range(world):
+        assert set(straight[rank]) == set(resumed[rank]) == set(CONFIGS)
         for key in straight[rank]:
             params_a, opt_a = straight[rank][key]
             params_b, opt_b = resumed[rank][key]
@@ -100,6 +106,28 @@ def test_resume_in_a_new_process_is_bit_exact(world, tmp_path):
                 assert torch.equal(params_a[name], params_b[name]), (key, name)
             for name in opt_a:
                 assert torch.equal(opt_a[name], opt_b[name]), (key, name)
+
+
+RESHARD_STAGES = (0, 1, 2, 3)
+
+
+def _reshard_paths(root, stage):
+    """The checkpoint folder and the NVMe folder of one stage's case."""
+    return os.path.join(root, f"stage{stage}"), os.path.join(root, f"nvme{stage}")
+
+
+def _each_stage(fn, rank, world, root):
+    """fn(stage, ckpt, nvme, offload) for every stage, in one set of processes (spawning costs
+    seconds; the cases are tiny). A stage that raises reports its traceback and the others
+    still run: every rank takes the same path, so they all leave a failing stage together."""
+    out = {}
+    for stage in RESHARD_STAGES:
+        ckpt, nvme = _reshard_paths(root, stage)
+        try:
+            out[stage] = fn(rank, world, ckpt, nvme, stage, "none" if stage == 0 else "nvme")
+        except Exception:  # noqa: BLE001 - reported by that stage's test
+            out[stage] = traceback.format_exc()
+    return out
 
 
 def _save_then_report(rank, world, ckpt, nvme, stage, offload):
@@ -123,16 +151,32 @@ def _load_then_report(rank, world, ckpt, nvme, stage, offload):
     return sd, steps
 
 
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Every stage saved on two ranks, then loaded on one and on four: three spawns in all."""
+    root = str(tmp_path_factory.mktemp("reshard"))
+    for stage in RESHARD_STAGES:
+        os.makedirs(_reshard_paths(root, stage)[1])
+    saved = run_ranks(2, functools.partial(_each_stage, _save_then_report), root)[0]
+    loaded = {
+        world: run_ranks(world, functools.partial(_each_stage, _load_then_report), root)
+        for world in (1, 4)
+    }
+    return root, saved, loaded
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_saved_on_two_ranks_loads_on_one_and_four(stage, tmp_path):
-    nvme = str(tmp_path / "nvme")
-    os.makedirs(nvme)
-    offload = "none" if stage == 0 else "nvme"
-    saved = run_ranks(2, _save_then_report, str(tmp_path), nvme, stage, offload)[0]
-    consolidated = zo.consolidate_checkpoint(tmp_path)
+@pytest.mark.parametrize("stage", RESHARD_STAGES)
+def test_saved_on_two_ranks_loads_on_one_and_four(stage, resharded):
+    root, saved, loaded = resharded
+    saved = saved[stage]
+    assert not isinstance(saved, str), saved
+    consolidated = zo.consolidate_checkpoint(_reshard_paths(root, stage)[0])
     for world in (1, 4):
-        for sd, steps in run_ranks(world, _load_then_report, str(tmp_path), nvme, stage, offload):
+        assert len(loaded[world]) == world
+        for rank_results in loaded[world]:
+            assert not isinstance(rank_results[stage], str), rank_results[stage]
+            sd, steps = rank_results[stage]
             assert steps == 2
             for name in saved:
                 assert torch.equal(saved[name], sd[name]), (world, name)
