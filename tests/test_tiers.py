@@ -144,54 +144,72 @@ def test_every_split_trains_to_the_bits_of_the_unsplit_runs(world, tmp_path):
         assert results[(2, True, "nvme", "auto")][1] < results[(2, True, "nvme", 0.0)][1]
 
 
-def _resume_across(rank: int, world: int, ckpt: str, nvme: str, stage: int, phase: str) -> dict:
-    """'straight': 4 steps at ½ on NVMe; 'save': 2 steps at ½ and save; 'resume': load into
-    every other placement and take the last 2 steps; 'load': just load."""
+def _resume_across(rank: int, world: int, root: str, phase: str) -> dict:
+    """For stages 2 and 3 in one set of processes: 'before': 4 steps straight at ½ on NVMe,
+    then 2 steps at ½ and save; 'resume' (new processes): load into every placement and take
+    the last 2 steps; 'load' (one rank): just load. Keyed (stage, run, placement)."""
     out = {}
     saved_as = ("nvme", 0.5)
-    wanted = [saved_as] if phase in ("straight", "save") else PLACEMENTS
-    for opt, fraction in wanted:
-        torch.manual_seed(0 if phase in ("straight", "save") else 3)
-        engine = zo.initialize(TinyGPT(), **_kwargs(stage, opt, fraction, nvme))
-        if phase == "straight":
-            _steps(engine, rank, world, 0, 4)
-        elif phase == "save":
-            _steps(engine, rank, world, 0, 2)
-            engine.save_checkpoint(ckpt, tag="half")
-        else:
-            engine.load_checkpoint(ckpt)
-            if phase == "resume":
-                _steps(engine, rank, world, 2, 4)
-        out[(opt, fraction)] = (
-            _state(engine)
-            if phase != "load"
-            else (
-                {k: v for k, v in _state(engine).items() if k.startswith("param.")},
-                engine.optimizer_steps,
-            )
-        )
-        engine.close()
+    for stage in (2, 3):
+        ckpt, nvme = _across_paths(root, stage)
+        runs = ("straight", "save") if phase == "before" else (phase,)
+        for run in runs:
+            for opt, fraction in [saved_as] if phase == "before" else PLACEMENTS:
+                torch.manual_seed(0 if phase == "before" else 3)
+                engine = zo.initialize(TinyGPT(), **_kwargs(stage, opt, fraction, nvme))
+                if run == "straight":
+                    _steps(engine, rank, world, 0, 4)
+                elif run == "save":
+                    _steps(engine, rank, world, 0, 2)
+                    engine.save_checkpoint(ckpt, tag="half")
+                else:
+                    engine.load_checkpoint(ckpt)
+                    if run == "resume":
+                        _steps(engine, rank, world, 2, 4)
+                out[(stage, run, (opt, fraction))] = (
+                    _state(engine)
+                    if run != "load"
+                    else (
+                        {k: v for k, v in _state(engine).items() if k.startswith("param.")},
+                        engine.optimizer_steps,
+                    )
+                )
+                engine.close()
     return out
+
+
+def _across_paths(root: str, stage: int) -> tuple[str, str]:
+    return os.path.join(root, f"ckpt{stage}"), os.path.join(root, f"nvme{stage}")
+
+
+@pytest.fixture(scope="module")
+def across(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict], dict]:
+    """Both stages' runs in three spawns: before (two ranks), resume (two), load (one)."""
+    root = str(tmp_path_factory.mktemp("across"))
+    for stage in (2, 3):
+        os.makedirs(_across_paths(root, stage)[1])
+    before = run_ranks(2, _resume_across, root, "before")
+    resumed = run_ranks(2, _resume_across, root, "resume")
+    loaded = run_ranks(1, _resume_across, root, "load")[0]
+    return before, resumed, loaded
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_moves_between_splits_and_world_sizes_exactly(stage, tmp_path):
+def test_checkpoint_moves_between_splits_and_world_sizes_exactly(stage, across):
     """Saved with half the optimizer state on NVMe by two ranks: loaded into host memory
     (cpu), all-NVMe, fraction 0, 1 or auto, the run goes on to the bits of the straight run;
     one rank loads it into every placement with the same parameters and step count."""
-    ckpt, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
-    os.makedirs(nvme)
-    straight = run_ranks(2, _resume_across, ckpt, nvme, stage, "straight")
-    saved = run_ranks(2, _resume_across, ckpt, nvme, stage, "save")
-    resumed = run_ranks(2, _resume_across, ckpt, nvme, stage, "resume")
+    before, resumed, loaded = across
+    saved_as = ("nvme", 0.5)
     for rank in range(2):
-        for placement, state in resumed[rank].items():
-            _assert_same(state, straight[rank][("nvme", 0.5)], (rank, placement))
-    want = {k: v for k, v in saved[0][("nvme", 0.5)].items() if k.startswith("param.")}
-    for placement, (params, steps) in run_ranks(1, _resume_across, ckpt, nvme, stage, "load")[
-        0
-    ].items():
+        for placement in PLACEMENTS:
+            state = resumed[rank][(stage, "resume", placement)]
+            _assert_same(state, before[rank][(stage, "straight", saved_as)], (rank, placement))
+    saved = before[0][(stage, "save", saved_as)]
+    want = {k: v for k, v in saved.items() if k.startswith("param.")}
+    for placement in PLACEMENTS:
+        params, steps = loaded[(stage, "load", placement)]
         assert steps == 2, placement
         _assert_same(params, want, placement)
 
