@@ -430,23 +430,30 @@ static inline __attribute__((always_inline)) void store_moment_v(int prec, void*
     else _mm_storeu_si128((__m128i*)((uint16_t*)a + i), bf16_sr_v(x, r));
 }
 
+static inline __attribute__((always_inline)) void dense8(const zo_cfg* c, void* const* P, void* ma, void* va,
+                                                         int64_t i, const int prec, const int two) {
+    __m256 m = load_moment_v(prec, ma, i);
+    __m256 v = two ? load_moment_v(prec, va, i) : _mm256_setzero_ps();
+    __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
+    store_master_v(c, P, i, p);
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
+    __m256i r = _mm256_setzero_si256();
+    if (prec == MOM_BF16) r = fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_m)));
+    store_moment_v(prec, ma, i, m, r);
+    if (two) store_moment_v(prec, va, i, v, _mm256_srli_epi32(r, 16));
+}
+
 static inline __attribute__((always_inline)) void dense_range(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int64_t side) {
     const int two = two_moments(c);
     const int prec = side >= 0 ? MOM_F32 : c->moments;
     void* ma = side >= 0 ? (void*)((float*)P[P_M_SIDE] + side - a) : P[P_M];
     void* va = !two ? NULL : side >= 0 ? (void*)((float*)P[P_V_SIDE] + side - a) : P[P_V];
     int64_t i = a;
-    for (; i + 8 <= b; i += 8) {
-        __m256 m = load_moment_v(prec, ma, i);
-        __m256 v = two ? load_moment_v(prec, va, i) : _mm256_setzero_ps();
-        __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
-        store_master_v(c, P, i, p);
-        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
-        __m256i r = _mm256_setzero_si256();
-        if (prec == MOM_BF16) r = fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_m)));
-        store_moment_v(prec, ma, i, m, r);
-        if (two) store_moment_v(prec, va, i, v, _mm256_srli_epi32(r, 16));
+    for (; i + 16 <= b; i += 16) { /* two independent halves in flight: 2-5% less time */
+        dense8(c, P, ma, va, i, prec, two);
+        dense8(c, P, ma, va, i + 8, prec, two);
     }
+    for (; i + 8 <= b; i += 8) dense8(c, P, ma, va, i, prec, two);
     dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
 }
 
@@ -1179,19 +1186,49 @@ static inline __attribute__((always_inline)) void quantized_row(const zo_cfg* c,
 #define ZO_QUANTIZE quantize_range
 #endif
 
+/* One row, its storage as the cfg says. */
+static inline __attribute__((always_inline)) void row_stored(const zo_cfg* c, void* const* P, const int64_t* row) {
+    int64_t off = row[0], n = row[1], phase = row[2], side = row[3], blk = row[4];
+    if (c->moments == MOM_INT8 && phase >= 0) ZO_QUANTIZED(c, P, off, n, (int)phase, blk);
+    else ZO_DENSE(c, P, off, off + n, c->moments == MOM_INT8 ? side : -1);
+}
+
+/* AdamW's row with low-precision moments, an fp32 master and one of the two usual grad / param
+ * dtypes (fp32 grads stepped in place, or bf16 grads in and bf16 params out), all fixed:
+ * constants, so their loops keep no dtype branches (AVX2, 100M params, 2 threads: 12-17% less
+ * time with bf16 moments, 4-15% with 8-bit ones). */
+static inline __attribute__((always_inline)) void row_fixed(zo_cfg* c, void* const* P, const int64_t* row,
+                                                            const int moments, const int g_dtype, const int out_dtype) {
+    c->moments = moments;
+    c->master = MA_F32;
+    c->g_dtype = g_dtype;
+    c->out_dtype = out_dtype;
+    row_stored(c, P, row);
+}
+
 /* One row with the kind fixed: the local copies (whose address never escapes) let the
- * compiler keep every scalar in a register and fold those branches away
- * (the precisions' and dtypes' branches stay: loop-invariant, and fewer copies build faster). */
+ * compiler keep every scalar in a register and fold those branches away. The other
+ * precisions' and dtypes' branches stay (loop-invariant, and fewer copies build faster). */
 static inline __attribute__((always_inline)) void row_as(const zo_cfg* cp, void* const* P,
                                                          const int64_t* row, const int kind) {
     zo_cfg c = *cp;
     void* L[NUM_PTRS];
     memcpy(L, P, sizeof(L));
     c.kind = kind;
-    const int moments = c.moments;
-    int64_t off = row[0], n = row[1], phase = row[2], side = row[3], blk = row[4];
-    if (moments == MOM_INT8 && phase >= 0) ZO_QUANTIZED(&c, L, off, n, (int)phase, blk);
-    else ZO_DENSE(&c, L, off, off + n, moments == MOM_INT8 ? side : -1);
+    if (kind == K_ADAMW && c.master == MA_F32 && c.moments != MOM_F32) {
+        const int q = c.moments == MOM_INT8;
+        if (c.g_dtype == ZO_F32 && c.out_dtype == ZO_NONE) {
+            if (q) row_fixed(&c, L, row, MOM_INT8, ZO_F32, ZO_NONE);
+            else row_fixed(&c, L, row, MOM_BF16, ZO_F32, ZO_NONE);
+            return;
+        }
+        if (c.g_dtype == ZO_BF16 && c.out_dtype == ZO_BF16) {
+            if (q) row_fixed(&c, L, row, MOM_INT8, ZO_BF16, ZO_BF16);
+            else row_fixed(&c, L, row, MOM_BF16, ZO_BF16, ZO_BF16);
+            return;
+        }
+    }
+    row_stored(&c, L, row);
 }
 
 static void run_row(const zo_cfg* c, void* const* P, const int64_t* row) {

@@ -24,6 +24,8 @@ POLICIES = [
     StatePolicy("adagrad", "fp32", "fp32"),
 ]
 LENGTHS = (1, 15, 17, 255, 256, 257, 1000, 4099)
+USUAL_FP32 = (torch.float32, None)  # fp32 grads, the master stepped in place
+USUAL_BF16 = (torch.bfloat16, torch.bfloat16)  # bf16 grads in, bf16 params out
 
 
 def _name(p: StatePolicy) -> str:
@@ -135,17 +137,26 @@ def test_every_path_gives_the_reference_bits(reference, policy, case) -> None:
         pytest.skip("the decision points are the 8-bit quantization's")
     paths = _paths()
     for i, lay in enumerate(_layouts(policy)):
-        gd = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
-        od = (None, torch.bfloat16, torch.float32, torch.float16)[i % 4]
-        want, want_out = _run(reference, policy, lay, case, gd, od)
-        for k in paths:
-            got, got_out = _run(k, policy, lay, case, gd, od)
-            for (name, a), (_, b) in zip(got.tensors(), want.tensors()):
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
-                    f"{k.vec_path} {name} n={lay.numel}"
-                )
-            if want_out is not None:
-                assert torch.equal(got_out.view(torch.uint8), want_out.view(torch.uint8))
+        # every layout with the two usual dtypes (the kernel has copies fixed to them), and
+        # the others in turn
+        odd = (
+            (torch.float32, torch.bfloat16, torch.float16)[i % 3],
+            (None, torch.bfloat16, torch.float32, torch.float16)[i % 4],
+        )
+        for gd, od in dict.fromkeys([USUAL_FP32, USUAL_BF16, odd]):
+            _compare(reference, paths, policy, lay, case, gd, od)
+
+
+def _compare(reference, paths, policy, lay, case, gd, od) -> None:
+    want, want_out = _run(reference, policy, lay, case, gd, od)
+    for k in paths:
+        got, got_out = _run(k, policy, lay, case, gd, od)
+        for (name, a), (_, b) in zip(got.tensors(), want.tensors()):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
+                f"{k.vec_path} {name} n={lay.numel}"
+            )
+        if want_out is not None:
+            assert torch.equal(got_out.view(torch.uint8), want_out.view(torch.uint8))
 
 
 def test_thresholds_case_hits_every_decision_point(reference) -> None:
