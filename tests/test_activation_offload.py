@@ -5,6 +5,7 @@ what it does when the host budget runs out."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -225,12 +226,18 @@ def test_hf_llama_one_rank():
     _assert_offload_changes_nothing(_llama_cases(0, 1, ALL))
 
 
+@functools.lru_cache(maxsize=None)
+def _two_rank_runs() -> list[list[tuple]]:
+    """Every case on two ranks, in one spawn (the tests below check one kind each)."""
+    return run_ranks(2, _llama_cases, ALL)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_hf_llama_two_ranks(reentrant):
     """Every stage on two ranks, under each kind of checkpointing."""
-    cases = [(stage, r) for stage, r in ALL if r == reentrant]
-    results = run_ranks(2, _llama_cases, cases)
+    results = [[run for run in runs if run[0][1] == reentrant] for runs in _two_rank_runs()]
+    assert [len(runs) for runs in results] == [8, 8]  # 4 stages, offload off and on
     for runs in results:
         _assert_offload_changes_nothing(runs)
     for a, b in zip(*results):  # the ranks agree on the parameters they trained

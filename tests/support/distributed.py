@@ -21,9 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "zero_offload", "support.distributed", "support.models"]
-"""What the fork server imports once for every rank it forks (a name that fails to import
-is skipped by multiprocessing)."""
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "zero_offload",
+    "support.distributed",
+    "support.models",
+    # the Hugging Face models the multi-rank HF tests build: 7 s of imports a rank otherwise
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+]
+"""What the fork server imports once for every rank it forks (a name that fails to import,
+transformers where it is not installed, is skipped by multiprocessing)."""
 
 
 def _entry(
