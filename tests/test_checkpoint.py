@@ -117,9 +117,10 @@ def _reshard_paths(root, stage):
 
 
 def _each_stage(fn, rank, world, root):
-    """fn(stage, ckpt, nvme, offload) for every stage, in one set of processes (spawning costs
-    seconds; the cases are tiny). A stage that raises reports its traceback and the others
-    still run: every rank takes the same path, so they all leave a failing stage together."""
+    """fn(rank, world, ckpt, nvme, stage, offload) for every stage, in one set of processes
+    (spawning costs seconds; the cases are tiny). A stage that raises reports its traceback
+    and the others still run: the ranks run the same code, so an error leaves the stage on
+    every rank, not in the middle of a collective that the others wait in."""
     out = {}
     for stage in RESHARD_STAGES:
         ckpt, nvme = _reshard_paths(root, stage)

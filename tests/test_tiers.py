@@ -144,17 +144,19 @@ def test_every_split_trains_to_the_bits_of_the_unsplit_runs(world, tmp_path):
         assert results[(2, True, "nvme", "auto")][1] < results[(2, True, "nvme", 0.0)][1]
 
 
+SAVED_AS = ("nvme", 0.5)  # the placement the split-to-split checkpoints are saved from
+
+
 def _resume_across(rank: int, world: int, root: str, phase: str) -> dict:
     """For stages 2 and 3 in one set of processes: 'before': 4 steps straight at ½ on NVMe,
     then 2 steps at ½ and save; 'resume' (new processes): load into every placement and take
     the last 2 steps; 'load' (one rank): just load. Keyed (stage, run, placement)."""
     out = {}
-    saved_as = ("nvme", 0.5)
     for stage in (2, 3):
         ckpt, nvme = _across_paths(root, stage)
         runs = ("straight", "save") if phase == "before" else (phase,)
         for run in runs:
-            for opt, fraction in [saved_as] if phase == "before" else PLACEMENTS:
+            for opt, fraction in [SAVED_AS] if phase == "before" else PLACEMENTS:
                 torch.manual_seed(0 if phase == "before" else 3)
                 engine = zo.initialize(TinyGPT(), **_kwargs(stage, opt, fraction, nvme))
                 if run == "straight":
@@ -179,6 +181,7 @@ def _resume_across(rank: int, world: int, root: str, phase: str) -> dict:
 
 
 def _across_paths(root: str, stage: int) -> tuple[str, str]:
+    """The checkpoint folder and the NVMe folder of one stage's runs."""
     return os.path.join(root, f"ckpt{stage}"), os.path.join(root, f"nvme{stage}")
 
 
@@ -201,12 +204,11 @@ def test_checkpoint_moves_between_splits_and_world_sizes_exactly(stage, across):
     (cpu), all-NVMe, fraction 0, 1 or auto, the run goes on to the bits of the straight run;
     one rank loads it into every placement with the same parameters and step count."""
     before, resumed, loaded = across
-    saved_as = ("nvme", 0.5)
     for rank in range(2):
         for placement in PLACEMENTS:
             state = resumed[rank][(stage, "resume", placement)]
-            _assert_same(state, before[rank][(stage, "straight", saved_as)], (rank, placement))
-    saved = before[0][(stage, "save", saved_as)]
+            _assert_same(state, before[rank][(stage, "straight", SAVED_AS)], (rank, placement))
+    saved = before[0][(stage, "save", SAVED_AS)]
     want = {k: v for k, v in saved.items() if k.startswith("param.")}
     for placement in PLACEMENTS:
         params, steps = loaded[(stage, "load", placement)]
