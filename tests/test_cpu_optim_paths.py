@@ -139,11 +139,11 @@ def test_every_path_gives_the_reference_bits(reference, policy, case) -> None:
     for i, lay in enumerate(_layouts(policy)):
         # every layout with the two usual dtypes (the kernel has copies fixed to them), and
         # the others in turn
-        odd = (
+        in_turn = (
             (torch.float32, torch.bfloat16, torch.float16)[i % 3],
             (None, torch.bfloat16, torch.float32, torch.float16)[i % 4],
         )
-        for gd, od in dict.fromkeys([USUAL_FP32, USUAL_BF16, odd]):
+        for gd, od in dict.fromkeys([USUAL_FP32, USUAL_BF16, in_turn]):
             _compare(reference, paths, policy, lay, case, gd, od)
 
 
@@ -153,10 +153,12 @@ def _compare(reference, paths, policy, lay, case, gd, od) -> None:
         got, got_out = _run(k, policy, lay, case, gd, od)
         for (name, a), (_, b) in zip(got.tensors(), want.tensors()):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
-                f"{k.vec_path} {name} n={lay.numel}"
+                f"{k.vec_path} {name} n={lay.numel} grads {gd} out {od}"
             )
         if want_out is not None:
-            assert torch.equal(got_out.view(torch.uint8), want_out.view(torch.uint8))
+            assert torch.equal(got_out.view(torch.uint8), want_out.view(torch.uint8)), (
+                f"{k.vec_path} out n={lay.numel} grads {gd} out {od}"
+            )
 
 
 def test_thresholds_case_hits_every_decision_point(reference) -> None:
