@@ -461,9 +461,9 @@ static inline __attribute__((always_inline)) __m256 abs_v(__m256 x) {
     return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
 }
 
-/* max as the scalar path computes it: x > acc ? x : acc */
+/* max as the scalar path computes it: x > acc ? x : acc (vmaxps's own rule, NaN included) */
 static inline __attribute__((always_inline)) __m256 max_v(__m256 acc, __m256 x) {
-    return _mm256_blendv_ps(acc, x, _mm256_cmp_ps(x, acc, _CMP_GT_OQ));
+    return _mm256_max_ps(x, acc);
 }
 
 static inline __attribute__((always_inline)) void block_range(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int j0,
