@@ -41,3 +41,17 @@ def test_state_variants_report_bytes_and_ratios(capsys: pytest.CaptureFixture) -
 def test_unknown_state_label_is_refused(capsys: pytest.CaptureFixture) -> None:
     assert adam.main(["--params", "1000", "--states", "adamw 4-bit"]) == 2
     assert "adamw 4-bit" in capsys.readouterr().err
+
+
+def test_progress_in_a_log_is_one_line_per_variant(capsys: pytest.CaptureFixture) -> None:
+    """Piped to a file (``2>&1 | tee bench.log``), the progress must read as lines, not one
+    long line of carriage returns and padding."""
+    assert (
+        adam.main(["--params", "2000", "--rounds", "2", "--threads", "1", "--states", "none"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\033" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("round ")]
+    assert lines[0] == "round 1/2: mem ceiling: read 4 / write 3 fp32 (C)"
+    assert sum(ln.startswith("round 2/2: ") for ln in lines) == len(lines) // 2 > 0
+    assert all(ln == ln.rstrip() for ln in lines)

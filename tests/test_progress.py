@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import zero_offload as zo
-from zero_offload.progress import Progress
+from zero_offload.progress import Progress, clear_status, show_status
 
 
 def _percents(caplog, what: str) -> list[int]:
@@ -28,6 +28,17 @@ def _percents(caplog, what: str) -> list[int]:
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+def test_a_benchmark_status_updates_one_terminal_line_and_writes_lines_to_a_log(monkeypatch):
+    terminal, log = _Terminal(), io.StringIO()
+    for stream in (terminal, log):
+        monkeypatch.setattr(sys, "stderr", stream)
+        show_status("round 1/2: fp32")
+        show_status("round 2/2: fp32")
+        clear_status()
+    assert terminal.getvalue() == "\r\033[Kround 1/2: fp32\r\033[Kround 2/2: fp32\r\033[K"
+    assert log.getvalue() == "round 1/2: fp32\nround 2/2: fp32\n"
 
 
 def test_a_log_line_at_each_tenth(caplog):

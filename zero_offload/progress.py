@@ -1,5 +1,5 @@
 """Progress of long operations: building a large model, loading its weights, saving, loading
-and consolidating checkpoints.
+and consolidating checkpoints; and the benchmarks' status line.
 
 Run interactively (stderr is a terminal) with tqdm installed, a progress bar; otherwise (a
 batch job, a log file) a log line at each tenth of the work, so that a job log shows how far
@@ -15,15 +15,34 @@ import sys
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "clear_status", "show_status"]
 
 log = logging.getLogger(__name__)
 
 
+def _on_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    return callable(isatty) and bool(isatty())
+
+
+def show_status(msg: str) -> None:
+    """What a benchmark is running now: one updating line on a terminal, and a plain line each
+    otherwise, so that a log reads line by line."""
+    if _on_terminal():
+        print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def clear_status() -> None:
+    """Erase the status line before the report (a log keeps its lines)."""
+    if _on_terminal():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
 def _bar(what: str, total: float, unit: str) -> Any:
     """A tqdm bar when stderr is a terminal and tqdm is installed, else None."""
-    isatty = getattr(sys.stderr, "isatty", None)
-    if not (callable(isatty) and isatty()):
+    if not _on_terminal():
         return None
     try:
         tqdm = importlib.import_module("tqdm.auto").tqdm  # optional: no hard dependency

@@ -26,6 +26,7 @@ import torch
 
 from zero_offload.optim.native import KernelBuildError, build, load_library
 from zero_offload.optim.native import adam_kernel as K
+from zero_offload.progress import clear_status, show_status
 
 from .adam_states import POLICIES, Variant, state_variants
 
@@ -264,12 +265,11 @@ def run(args: argparse.Namespace) -> int:
         v.fn()
     for r in range(rounds):
         for v in variants:
-            sys.stderr.write(f"\rround {r + 1}/{rounds}: {v.path} {v.name:<50}")
-            sys.stderr.flush()
+            show_status(f"round {r + 1}/{rounds}: {v.path} {v.name}")
             t0 = time.perf_counter()
             v.fn()
             v.seconds.append(time.perf_counter() - t0)
-    sys.stderr.write("\r" + " " * 80 + "\r")
+    clear_status()
     rows = _summarize(variants, n)
     kernel = K.kernel_status()
     load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"  # others running skew absolutes

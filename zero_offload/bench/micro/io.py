@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...progress import clear_status, show_status
 from ...quantities import parse_size
 from ...swap.buffers import HostBuffer
 from ...swap.io import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, FileIOEngine
@@ -79,14 +80,6 @@ class OpResult:
 
     def ratio(self) -> float:
         return statistics.median(self.ours) / statistics.median(self.baseline)
-
-
-def show_progress(msg: str) -> None:
-    """One updating line on a terminal, plain lines otherwise."""
-    if sys.stderr.isatty():
-        print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
-    else:
-        print(msg, file=sys.stderr, flush=True)
 
 
 def fs_type(directory: Path) -> str:
@@ -224,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.path / f"zo_bench_io_{os.getpid()}.dat"
     results = {"write": OpResult(), "read": OpResult()}
     try:
-        show_progress(f"bench io: allocating {min(size, MAX_BUFFER) >> 20} MiB huge-page buffer")
+        show_status(f"bench io: allocating {min(size, MAX_BUFFER) >> 20} MiB huge-page buffer")
         buf = HostBuffer(min(size, MAX_BUFFER))
-        show_progress(f"bench io: filling {size / 2**30:.2f} GiB test file (untimed)")
+        show_status(f"bench io: filling {size / 2**30:.2f} GiB test file (untimed)")
         raw_direct_io(path, "write", size, buf)
         baseline: Callable[[str], float] = (
             (lambda op: _fio(path, op, size))
@@ -241,13 +234,12 @@ def run(args: argparse.Namespace) -> int:
                         ("ours", lambda o: _ours(engine, path, o, size, buf)),
                     ]
                     for name, fn in order if r % 2 == 0 else order[::-1]:
-                        show_progress(f"bench io: round {r + 1}/{args.rounds} {op} {name}")
+                        show_status(f"bench io: round {r + 1}/{args.rounds} {op} {name}")
                         getattr(results[op], name).append(fn(op))
         buf.close()
     finally:
         path.unlink(missing_ok=True)
-        if sys.stderr.isatty():
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        clear_status()
     base_name = (
         f"fio libaio --direct=1 --iomem=shmhuge bs={FIO_BS >> 20}MiB iodepth={FIO_IODEPTH}"
         if use_fio

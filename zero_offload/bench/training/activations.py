@@ -42,8 +42,8 @@ import torch.utils.checkpoint
 import zero_offload as zo
 
 from ...activations.tiled_loss import tiled_lm_loss
+from ...progress import clear_status, show_status
 from ..gpt import GPT, GPTConfig, synthetic_batch
-from ..micro.io import show_progress
 from .rss import PeakSampler
 
 __all__ = ["add_arguments", "run", "CASES"]
@@ -230,11 +230,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for i in range(args.rounds):
         results = {}
         for case in cases:
-            show_progress(f"bench activations: round {i + 1}/{args.rounds}: {case}")
+            show_status(f"bench activations: round {i + 1}/{args.rounds}: {case}")
             results[case] = _child(case, args, argv)
         rounds.append(results)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+    clear_status()
     rows = _summary(rounds, cases)
     if args.json:
         print(json.dumps({"args": argv, "rounds": rounds, "summary": rows}, indent=2))

@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from ...planning.estimate.state import FP32_STATE, state_bytes
+from ...progress import clear_status, show_status
 from ...quantities import parse_size
 from ..gpt import GPTConfig
-from ..micro.io import MEMORY_FILESYSTEMS, check_path, disk_baseline, fs_type, show_progress
+from ..micro.io import MEMORY_FILESYSTEMS, check_path, disk_baseline, fs_type
 from .step_report import (
     REFERENCE_DEPTH,
     depth_sweep,
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if args.baseline_size > 0:
             gib = args.baseline_size / 2**30
-            show_progress(f"bench step: raw O_DIRECT baseline, {gib:.2f} GiB")
+            show_status(f"bench step: raw O_DIRECT baseline, {gib:.2f} GiB")
             baseline = disk_baseline(args.nvme_path, args.baseline_size)
     load_start = os.getloadavg()[0]
     wanted = _runs_wanted(args)
@@ -266,8 +267,7 @@ def run(args: argparse.Namespace) -> int:
             )
             res.io_efficiency = max(ideal, m["opt_compute_s"]) / m["opt_wall_s"]
         results.append(res)
-    if sys.stderr.isatty():
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    clear_status()
     report = {
         "model": {**asdict(cfg), "params": cfg.num_params},
         "batch": args.batch,

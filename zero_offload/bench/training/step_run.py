@@ -16,8 +16,8 @@ import torch
 
 import zero_offload as zo
 
+from ...progress import show_status
 from ..gpt import GPT, GPTConfig, synthetic_batch
-from ..micro.io import show_progress
 from .high_water import HighWater
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +135,7 @@ def run_one(
         return res
     try:
         for i in range(args.warmup + args.steps):
-            show_progress(
+            show_status(
                 f"bench step: {res.label}: step {i + 1}/{args.warmup + args.steps}"
                 + (" (warm-up)" if i < args.warmup else "")
             )
