@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import zero_offload as zo
 from zero_offload.bench.gpt import GPT, GPTConfig
 from zero_offload.cli import main
+from zero_offload.optim import StatePolicy
 from zero_offload.planning.estimate.activations import DecoderShape
 from zero_offload.planning.estimate.memory import estimate_memory
 from zero_offload.planning.step_time.advice import predict_step
@@ -138,6 +140,40 @@ def test_thirteen_b_on_4090s_is_disk_bound_and_low_precision_states_move_it():
     assert str(pred).startswith("predicted step:")
 
 
+def test_a_state_precision_moves_its_bytes_at_its_own_rate():
+    """The workload keeps the estimate's state precision: the disk moves that policy's bytes
+    a parameter, and the CPU optimizer steps at that policy's measured rate (``--probe``
+    measures it), the fp32 kernel's where none was measured."""
+    eight = StatePolicy("adamw", "8bit", "bf16_sr")
+    kw = dict(num_gpus=4, stage=3, offload_optimizer="nvme", offload_param="none")
+    kw.update(host_available=128 * 10**9, offload_optimizer_fraction=1.0)
+    e32 = estimate_memory(13e9, **kw)
+    e8 = estimate_memory(13e9, **kw, moment_precision="8bit", master_precision="bf16_sr")
+    w32, w8 = workload(e32, tokens=2048), workload(e8, tokens=2048)
+    assert w8.policy == eight and w8.state_bytes == eight.bytes_per_param
+    ratio = eight.bytes_per_param / 12
+    assert w8.update.disk_read == pytest.approx(ratio * w32.update.disk_read, rel=1e-3)
+    rates = target_rates("rtx4090", nvme="samsung-990pro")
+    measured = replace(rates, optimizer_rates=((eight, rates.adam / 4),))
+    assert (
+        measured.adam_for(eight) == rates.adam / 4
+        and measured.adam_for(StatePolicy()) == rates.adam
+    )
+
+    def cpu_seconds(w, r):
+        return predict(w, r).totals["CPU optimizer"][0]
+
+    assert cpu_seconds(w8, rates) == pytest.approx(cpu_seconds(w32, rates))
+    assert cpu_seconds(w8, measured) == pytest.approx(4 * cpu_seconds(w8, rates))
+    assert cpu_seconds(w32, measured) == pytest.approx(cpu_seconds(w32, rates))
+    # the low-precision suggestion runs at its own rate too
+    slow_low = replace(rates, optimizer_rates=((eight, rates.adam / 100),))
+    fast, slow = predict_step(w32, rates).advice, predict_step(w32, slow_low).advice
+    low = [a for a in fast if a.startswith("low-precision")]
+    low_slow = [a for a in slow if a.startswith("low-precision")]
+    assert low and low_slow and low != low_slow and "CPU optimizer-bound" in low_slow[0]
+
+
 def test_rates_from_names_and_flags():
     assert parse_rate("6GB/s") == 6e9 and parse_rate("2GiB/s") == 2 * 2**30
     assert parse_rate("1.5e9") == 1.5e9
@@ -235,13 +271,18 @@ def test_plan_asks_for_the_tokens_of_a_step(capsys):
 
 
 def test_probe_measures_this_machine(tmp_path):
-    """``--probe``'s rates are positive, from a GEMM, the CPU Adam and the disk here."""
+    """``--probe``'s rates are positive, from a GEMM, the CPU optimizer (fp32 AdamW's and
+    each other state asked for, once) and the disk here."""
     from zero_offload.bench.micro.probe import probe
 
-    p = probe(tmp_path, seconds=0.1)
+    eight = StatePolicy("adamw", "8bit", "bf16_sr")
+    p = probe(tmp_path, seconds=0.1, policies=[StatePolicy(), eight, eight])
     r = p.rates()
     assert r.flops > 0 and r.adam > 0 and r.disk_read and r.disk_write and r.cpu_device
     assert "probed here" in r.source and r.efficiency == PROBE_EFFICIENCY
+    assert [q for q, _ in p.optimizer_rates] == [eight]  # fp32 AdamW is ``adam`` itself
+    assert r.adam_for(eight) == p.optimizer_rates[0][1] > 0
+    assert "adamw 8bit/bf16_sr" in r.source
 
 
 def test_probe_runs_a_decoder_block_of_the_models_shape():

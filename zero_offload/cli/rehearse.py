@@ -261,4 +261,5 @@ def _predicted(result: Any, args: argparse.Namespace) -> Any:
     shape = None
     if args.probe:  # the probes run the model's shapes
         shape = DecoderShape.of(build_model(args.model, attention=args.attention))
-    return predicted_step(result, step_time.rates(args, shape, result.micro_batch))
+    rates = step_time.rates(args, shape, result.micro_batch, result.estimate.policy)
+    return predicted_step(result, rates)

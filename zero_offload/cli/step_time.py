@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from ..optim.policy import StatePolicy
 from ..planning.estimate.activations import DecoderShape
 from ..planning.search.planner import Plan
-from ..planning.step_time.advice import predict_step
+from ..planning.step_time.advice import low_precision, predict_step
 from ..planning.step_time.hardware import (
     GPU_EFFICIENCY,
     GPUS,
@@ -78,10 +79,13 @@ def rates(
     args: argparse.Namespace,
     shape: DecoderShape | None = None,
     micro_batch: tuple[int, int] | None = None,
+    policy: StatePolicy | None = None,
 ) -> Rates:
     """The rates the arguments name, explicit figures over named or probed ones
     (ValueError: what is missing or wrong). ``shape`` and ``micro_batch``: the model's, for
-    the probes (a GEMM at its MLP's matmul, a decoder block of its width on its tokens)."""
+    the probes (a GEMM at its MLP's matmul, a decoder block of its width on its tokens);
+    ``policy``: the optimizer state the step runs, whose CPU optimizer rate the probes
+    measure beside its low-precision alternative's."""
     if args.probe:
         from ..bench.micro.probe import probe
 
@@ -91,7 +95,9 @@ def rates(
         if shape is not None and micro_batch is not None:
             b, s = micro_batch
             mlp, decoder = (b * s, shape.hidden, shape.intermediate), (shape, micro_batch)
-        r = probe(disk, dtype=dtype, shape=mlp, decoder=decoder).rates()
+        policies = [] if policy is None else [policy, low_precision(policy)]
+        states = [p for p in policies if p is not None]
+        r = probe(disk, dtype=dtype, shape=mlp, decoder=decoder, policies=states).rates()
     elif args.gpu:
         r = target_rates(args.gpu, pcie=args.pcie, nvme=args.nvme_drive, drives=args.nvme_drives)
     elif args.tflops:
@@ -142,4 +148,4 @@ def for_plan(p: Plan, args: argparse.Namespace, model: Any, micro_batch: Any) ->
         checkpointing=bool(m is not None and m.checkpointing),
         attention_flops=0.0 if shape is None else attention_flops(shape, b, s),
     )
-    return predict_step(work, rates(args, shape, micro_batch))
+    return predict_step(work, rates(args, shape, micro_batch, work.policy))

@@ -60,7 +60,7 @@ POLICIES = [
 ]
 
 
-def _ours(
+def kernel_variant(
     label: str,
     policy: StatePolicy,
     path: str,
@@ -69,6 +69,8 @@ def _ours(
     out: torch.Tensor | None,
     threads: int,
 ) -> Variant:
+    """Our kernel stepping ``policy``'s state over ``master32``'s values (stepped in place
+    where the master is fp32), ``grad`` in, ``out`` (None: none) out."""
     n = master32.numel()
     span = StateLayout.uniform(policy, n).span()
     state = ShardState.zeros(span)
@@ -143,6 +145,8 @@ def state_variants(
                 continue
             grad = g32 if path == "fp32" else g16
             out.append(
-                _ours(label, policy, path, p, grad, None if path == "fp32" else out16, threads)
+                kernel_variant(
+                    label, policy, path, p, grad, None if path == "fp32" else out16, threads
+                )
             )
     return out + (_foreign(p, g32, threads) if kinds is None else [])

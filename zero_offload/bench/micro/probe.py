@@ -1,7 +1,8 @@
 """Short probes of this machine's rates for a step-time prediction (``--probe``): a GEMM's
 FLOP/s in the compute dtype, a decoder block's forward and backward at the model's shape
-(the share of the GEMM's rate that a step's model FLOPs reach), the CPU Adam's params/s
-(``bench adam``'s kernel, the offload path: bf16 gradients in, bf16 parameters out) and,
+(the share of the GEMM's rate that a step's model FLOPs reach), the CPU optimizer's params/s
+on fp32 AdamW state and on the other state precisions asked for (``bench adam``'s kernels, the
+offload path: bf16 gradients in, bf16 parameters out) and,
 given a folder on the swap disk, raw O_DIRECT read and write GB/s (``bench step``'s baseline,
 ``bench io``'s loop). Each takes a second or a few; a shared host's load moves them, so the
 report says when they ran."""
@@ -11,19 +12,29 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ...optim.native import adam_kernel as K
+from ...optim.native import default_num_threads
+from ...optim.policy import StatePolicy
 from ...planning.estimate.activations import DecoderShape
 from ...planning.step_time.hardware import PROBE_EFFICIENCY, Rates
 from ..gpt import Block, GPTConfig
+from .adam_states import kernel_variant
 from .io import disk_baseline
 
-__all__ = ["ProbeResult", "probe_gemm", "probe_block", "probe_adam", "probe_disk", "probe"]
+__all__ = [
+    "ProbeResult",
+    "probe_gemm",
+    "probe_block",
+    "probe_adam",
+    "probe_optimizer",
+    "probe_disk",
+    "probe",
+]
 
 _GEMM_SIZE = 1024  # bf16 on a CPU: large enough for the blocked kernel's full rate
 _ADAM_PARAMS = 1 << 24  # 16M params: 450 MB of traffic a step, well past the caches
@@ -109,31 +120,27 @@ def probe_block(
     return 3 * _block_flops(shape.hidden, b, s) / _median(step, seconds), (b, s)
 
 
-def probe_adam(threads: int | None = None, seconds: float = 1.0) -> float:
-    """Params/s of the CPU Adam on the offload path (bf16 gradients in, bf16 out)."""
+def probe_optimizer(policy: StatePolicy, threads: int | None = None, seconds: float = 1.0) -> float:
+    """Params/s of the CPU optimizer on ``policy``'s state, on the offload path (bf16
+    gradients in, bf16 parameters out)."""
     n = _ADAM_PARAMS
-    p = torch.randn(n)
-    m, v = torch.zeros(n), torch.zeros(n)
-    g = torch.randn(n).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
-    step = [0]
-    threads = threads or K.default_num_threads()
+    grad = torch.randn(n).to(torch.bfloat16)
+    variant = kernel_variant(
+        policy.describe(),
+        policy,
+        "bf16",
+        torch.randn(n),
+        grad,
+        out,
+        threads or default_num_threads(),
+    )
+    return n / _median(variant.fn, seconds)
 
-    def adam() -> None:
-        step[0] += 1
-        hyper = K.AdamHyper(
-            step=step[0],
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            adamw=True,
-            grad_scale=1.0,
-        )
-        K.adam_update(p, g, m, v, out=out, num_threads=threads, **hyper)
 
-    return n / _median(adam, seconds)
+def probe_adam(threads: int | None = None, seconds: float = 1.0) -> float:
+    """Params/s of the CPU Adam (fp32 AdamW state) on the offload path."""
+    return probe_optimizer(StatePolicy(), threads, seconds)
 
 
 def probe_disk(directory: Path, size: int = _DISK_BYTES) -> tuple[float, float]:
@@ -152,6 +159,8 @@ class ProbeResult:
     load_average: float
     block_flops: float | None = None  # a decoder block's model FLOP/s (None: not probed)
     block_tokens: tuple[int, int] | None = None  # the (sequences, seq) it ran
+    # params/s of the CPU optimizer on other state precisions and kinds
+    optimizer_rates: tuple[tuple[StatePolicy, float], ...] = ()
 
     @property
     def efficiency(self) -> float:
@@ -172,12 +181,19 @@ class ProbeResult:
             adam=self.adam_params_per_s,
             disk_read=self.disk_read,
             disk_write=self.disk_write,
+            optimizer_rates=self.optimizer_rates,
             source=(
                 f"probed here: GEMM {self.gemm_flops / 1e9:.0f} GFLOP/s x {efficiency:.2f}"
                 f"{self._block_note()}, "
-                f"Adam {self.adam_params_per_s / 1e6:.0f} Mparam/s{disk}, "
+                f"Adam {self.adam_params_per_s / 1e6:.0f} Mparam/s{self._states_note()}{disk}, "
                 f"{self.threads} threads, load {self.load_average:.1f}"
             ),
+        )
+
+    def _states_note(self) -> str:
+        return "".join(
+            f", {p.kind.value} {p.moments.value}/{p.master.value} {r / 1e6:.0f} Mparam/s"
+            for p, r in self.optimizer_rates
         )
 
     def _block_note(self) -> str:
@@ -193,18 +209,23 @@ def probe(
     seconds: float = 1.0,
     shape: tuple[int, int, int] | None = None,
     decoder: tuple[DecoderShape, tuple[int, int]] | None = None,
+    policies: Sequence[StatePolicy] = (),
 ) -> ProbeResult:
     """This machine's rates, each probe about ``seconds`` long (the disk: 256 MiB each way);
     ``shape``: the model's MLP matmul (``probe_gemm``); ``decoder``: the model's shape and
-    micro-batch, for ``probe_block``."""
+    micro-batch, for ``probe_block``; ``policies``: optimizer states whose CPU optimizer rate
+    to measure beside fp32 AdamW's (``probe_optimizer``)."""
     gemm = probe_gemm(dtype, seconds=seconds, shape=shape)
     block = block_tokens = None
     if decoder is not None:
         block, block_tokens = probe_block(*decoder, dtype=dtype, gemm_flops=gemm, seconds=seconds)
     adam = probe_adam(seconds=seconds)
+    others = tuple(dict.fromkeys(p for p in policies if not p.is_default))
+    states = tuple((p, probe_optimizer(p, seconds=seconds)) for p in others)
     read = write = None
     if nvme_path is not None:
         Path(nvme_path).mkdir(parents=True, exist_ok=True)
         read, write = probe_disk(Path(nvme_path))
     load = os.getloadavg()[0]
-    return ProbeResult(gemm, adam, read, write, torch.get_num_threads(), load, block, block_tokens)
+    threads = torch.get_num_threads()
+    return ProbeResult(gemm, adam, read, write, threads, load, block, block_tokens, states)

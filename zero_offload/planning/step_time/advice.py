@@ -6,15 +6,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...optim.policy import MasterPrecision, MomentPrecision, StatePolicy
+from ...optim.policy import MasterPrecision, MomentPrecision, OptimizerKind, StatePolicy
+from ..estimate.state import per_param_text
 from .hardware import Rates
 from .predict import PhaseWork, StepPrediction, Workload, predict
 
-__all__ = ["predict_step", "advice", "with_state_bytes", "LOW_PRECISION"]
+__all__ = ["predict_step", "advice", "with_policy", "low_precision"]
 
-LOW_PRECISION = StatePolicy(moments=MomentPrecision.INT8, master=MasterPrecision.BF16_SR)
-"""8-bit moments and a bf16 master (stochastic rounding): the smallest optimizer state the
-library offers for AdamW (``docs/optimizer_states.md``)."""
+
+def low_precision(policy: StatePolicy) -> StatePolicy | None:
+    """The smallest state the library offers for ``policy``'s kind: 8-bit moments and a bf16
+    master with stochastic rounding (``docs/optimizer_states.md``); None for Adagrad, whose
+    accumulator keeps fp32."""
+    if policy.kind is OptimizerKind.ADAGRAD:
+        return None
+    return replace(policy, moments=MomentPrecision.INT8, master=MasterPrecision.BF16_SR)
+
 
 _MORE_HOST = 100e9  # the host memory suggestion: this much more per node
 
@@ -39,13 +46,15 @@ def advice(pred: StepPrediction) -> list[str]:
             f"(offload_optimizer_fraction {_fraction(w, u.nvme_params - moved)}): "
             f"{_seconds(t, r, pred)}"
         )
-        low = LOW_PRECISION.bytes_per_param
-        if low < w.state_bytes:
-            t = with_state_bytes(w, low)
+        low = low_precision(w.policy)
+        if low is not None and low.bytes_per_param < w.state_bytes:
+            t = with_policy(w, low)
             out.append(
-                f"low-precision optimizer states (8-bit moments + bf16 master, {low:.1f} "
-                f"instead of {w.state_bytes:.0f} bytes/param, the same host memory for them: "
-                f"{_fraction(t, t.update.nvme_params)} on NVMe): {_seconds(t, r, pred)}"
+                f"low-precision optimizer states (8-bit moments + bf16 master, "
+                f"{per_param_text(low.bytes_per_param)} instead of "
+                f"{per_param_text(w.state_bytes)} bytes/param, the same host memory for them: "
+                f"{_fraction(t, t.update.nvme_params)} on NVMe"
+                f"{_rate_note(r, low)}): {_seconds(t, r, pred)}"
             )
     if pred.bound != "compute" and w.tokens:
         doubled = replace(w, forward=_twice(w.forward), backward=_twice(w.backward))
@@ -93,11 +102,11 @@ def _with_nvme_params(w: Workload, nvme: float) -> Workload:
     )
 
 
-def with_state_bytes(w: Workload, state_bytes: float) -> Workload:
-    """The update with ``state_bytes`` a parameter, its host memory for the optimizer state
-    unchanged: smaller states keep more sub-groups in host memory, and move fewer bytes for
-    those left in files."""
-    u = w.update
+def with_policy(w: Workload, policy: StatePolicy) -> Workload:
+    """The update with ``policy``'s state, its host memory for the optimizer state unchanged:
+    smaller states keep more sub-groups in host memory, and move fewer bytes for those left
+    in files."""
+    u, state_bytes = w.update, policy.bytes_per_param
     host_bytes = w.state_bytes * (u.cpu_params - u.nvme_params)
     nvme = max(0.0, u.cpu_params - host_bytes / state_bytes)
     moved = _with_nvme_params(w, nvme)
@@ -105,6 +114,12 @@ def with_state_bytes(w: Workload, state_bytes: float) -> Workload:
     v = moved.update
     return replace(
         moved,
-        state_bytes=state_bytes,
+        policy=policy,
         update=replace(v, disk_read=v.disk_read + d, disk_write=v.disk_write + d),
     )
+
+
+def _rate_note(r: Rates, policy: StatePolicy) -> str:
+    """Whether the suggestion's CPU optimizer rate was measured for its state."""
+    measured = any(p == policy for p, _ in r.optimizer_rates)
+    return "" if measured else "; its CPU optimizer taken at the fp32 kernel's rate"

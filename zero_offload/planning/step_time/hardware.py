@@ -11,6 +11,9 @@ tables below for target hardware. Every figure in the tables is a vendor's datas
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
+
+from ...optim.policy import StatePolicy
 
 __all__ = [
     "Rates",
@@ -62,12 +65,37 @@ class Rates:
     pcie: float | None = None  # bytes/s per direction per GPU (None: a CPU device)
     interconnect: float | None = None  # bytes/s per rank of all-gather / reduce-scatter
     device_memory: float | None = None  # bytes/s of the device's memory (its own Adam)
+    # params/s of the CPU optimizer on other state precisions and kinds, as measured
+    optimizer_rates: tuple[tuple[StatePolicy, float], ...] = ()
     source: str = ""  # where these came from, for the report
 
     def __post_init__(self) -> None:
         for name in ("flops", "efficiency", "adam"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def adam_for(self, policy: StatePolicy) -> float:
+        """Params/s of the CPU optimizer on ``policy``'s state: as measured (``--probe``
+        measures the plan's), else ``adam``, the fp32 kernel's. Smaller states move fewer
+        bytes, but on a few cores 8-bit moments are bound by their compute and step slower
+        than fp32 (docs/optimizer_states.md), so only a measurement says which."""
+        for measured, rate in self.optimizer_rates:
+            if measured == policy:
+                return rate
+        return self.adam
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "optimizer_rates"}
+        out["optimizer_rates"] = [
+            {
+                "optimizer_type": p.kind.value,
+                "moment_precision": p.moments.value,
+                "master_precision": p.master.value,
+                "params_per_s": rate,
+            }
+            for p, rate in self.optimizer_rates
+        ]
+        return out
 
     @property
     def cpu_device(self) -> bool:

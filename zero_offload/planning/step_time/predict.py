@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...memory.sizes import dtype_bytes
-from ...optim.policy import ADAM_STATE_BYTES
+from ...optim.policy import StatePolicy
 from ..estimate.activations import DecoderShape
 from ..estimate.memory import MemoryEstimate
+from ..estimate.state import FP32_STATE
 from .hardware import Rates
 
 __all__ = [
@@ -79,9 +80,14 @@ class Workload:
     overlap_step: bool = False
     step_during_backward: bool = False
     tokens: int = 0  # per rank per step
-    state_bytes: float = ADAM_STATE_BYTES  # optimizer state bytes per parameter
+    policy: StatePolicy = FP32_STATE  # the optimizer's kind and state precisions
     offload_optimizer: str = "none"
     nvme_fraction: float | None = None
+
+    @property
+    def state_bytes(self) -> float:
+        """Optimizer state bytes per parameter."""
+        return self.policy.bytes_per_param
 
     def phase(self, name: str) -> PhaseWork:
         return {"forward": self.forward, "backward": self.backward, "step": self.step}[name]
@@ -138,7 +144,8 @@ class StepPrediction:
             "headline": self.headline(),
             "phases": {p.name: {"seconds": p.seconds, "parts": p.parts} for p in self.phases},
             "totals": {k: {"seconds": v[0], "amount": v[1]} for k, v in self.totals.items()},
-            "rates": {k: v for k, v in vars(self.rates).items()},
+            "rates": self.rates.to_dict(),
+            "optimizer_state": self.work.policy.describe(),
             "advice": list(self.advice),
         }
 
@@ -162,7 +169,6 @@ def workload(
     checkpointing: bool = False,
     overlap_step: bool = True,
     step_during_backward: bool = True,
-    state_bytes: float = ADAM_STATE_BYTES,
     attention_flops: float = 0.0,
 ) -> Workload:
     """One rank's step of the configuration ``e`` describes, ``tokens`` tokens a micro-batch.
@@ -170,8 +176,8 @@ def workload(
     FLOPs: 2 · params · tokens forward (+ ``attention_flops``), twice that backward, and one
     forward more with ``checkpointing``. Bytes: stage 3 gathers every unit in forward and
     again in backward (from host memory over PCIe, or read from NVMe); gradients of an
-    offloaded optimizer go to the host; the update moves ``state_bytes`` a parameter each
-    way for its sub-groups in files, and writes new parameters kept on NVMe."""
+    offloaded optimizer go to the host; the update moves the state's bytes a parameter (``e``'s
+    policy) each way for its sub-groups in files, and writes new parameters kept on NVMe."""
     n, b = e.num_gpus, dtype_bytes(e.dtype)
     s, s_t = e.shard_numel, e.trainable_shard_numel
     shards = (n - 1) / n if n > 1 else 0.0
@@ -209,7 +215,8 @@ def workload(
         nvme = round(e.nvme_fraction * s_t) if e.nvme_fraction is not None else 0
         # fp32 gradients in files (a host budget too small for them): written in backward,
         # read by the update (``OptimizerSplit.disk_bytes_per_step`` counts them)
-        grad_files = 4 * s_t if e.disk_bytes_per_step - 24 * nvme > 4 * s_t else 0
+        state_bytes = e.policy.bytes_per_param
+        grad_files = 4 * s_t if e.disk_bytes_per_step - 2 * state_bytes * nvme > 4 * s_t else 0
         bwd = replace(bwd, disk_write=bwd.disk_write + grad_files)
         params_out = b * s if stage.shards_params and param.on_nvme else 0.0
         update = UpdateWork(
@@ -229,7 +236,7 @@ def workload(
         overlap_step=overlap_step and stage.shards_params and opt.on_nvme,
         step_during_backward=sdb,
         tokens=tokens,
-        state_bytes=state_bytes,
+        policy=e.policy,
         offload_optimizer=e.offload_optimizer,
         nvme_fraction=e.nvme_fraction,
     )
@@ -272,7 +279,7 @@ def predict(work: Workload, rates: Rates) -> StepPrediction:
     node = work.ranks_per_node
     u = work.update
     parts = {name: _parts(work.phase(name), rates, node) for name in PHASES}
-    adam = node * u.cpu_params / rates.adam
+    adam = node * u.cpu_params / rates.adam_for(work.policy)
     if u.device_params:  # torch's fused AdamW on the device: memory-bound, 28 B a param
         mem = rates.device_memory or rates.host_memory
         parts["step"]["compute"] += 28 * u.device_params / mem
