@@ -153,6 +153,13 @@ def test_a_state_precision_moves_its_bytes_at_its_own_rate():
     assert w8.policy == eight and w8.state_bytes == eight.bytes_per_param
     ratio = eight.bytes_per_param / 12
     assert w8.update.disk_read == pytest.approx(ratio * w32.update.disk_read, rel=1e-3)
+    # a host too small for the gradients: fp32 gradients in files, written and read, beside
+    # the state's own bytes
+    tiny = dict(num_gpus=1, stage=3, offload_optimizer="nvme", host_available=2 * 10**9)
+    e = estimate_memory(2e9, **tiny, moment_precision="8bit", master_precision="bf16_sr")
+    w, s_t = workload(e, tokens=1024), e.trainable_shard_numel
+    assert w.backward.disk_write == 4 * s_t
+    assert w.update.disk_read == pytest.approx((eight.bytes_per_param + 4) * s_t, rel=1e-3)
     rates = target_rates("rtx4090", nvme="samsung-990pro")
     measured = replace(rates, optimizer_rates=((eight, rates.adam / 4),))
     assert (
