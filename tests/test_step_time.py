@@ -18,7 +18,7 @@ from zero_offload.cli import main
 from zero_offload.optim import StatePolicy
 from zero_offload.planning.estimate.activations import DecoderShape
 from zero_offload.planning.estimate.memory import estimate_memory
-from zero_offload.planning.step_time.advice import predict_step
+from zero_offload.planning.step_time.advice import low_precision, predict_step
 from zero_offload.planning.step_time.hardware import PROBE_EFFICIENCY, Rates, target_rates
 from zero_offload.planning.step_time.predict import attention_flops, predict, workload
 from zero_offload.quantities import parse_rate
@@ -179,6 +179,10 @@ def test_a_state_precision_moves_its_bytes_at_its_own_rate():
     low = [a for a in fast if a.startswith("low-precision")]
     low_slow = [a for a in slow if a.startswith("low-precision")]
     assert low and low_slow and low != low_slow and "CPU optimizer-bound" in low_slow[0]
+    assert "taken at the fp32 kernel's rate" in low[0] and "fp32 kernel" not in low_slow[0]
+    # the suggestion keeps the kind: Lion's one moment, none for Adagrad (fp32 only)
+    assert low_precision(StatePolicy("lion")).bytes_per_param == pytest.approx(3.02, abs=0.01)
+    assert low_precision(StatePolicy("adagrad")) is None
 
 
 def test_rates_from_names_and_flags():
