@@ -121,5 +121,6 @@ def with_policy(w: Workload, policy: StatePolicy) -> Workload:
 
 def _rate_note(r: Rates, policy: StatePolicy) -> str:
     """Whether the suggestion's CPU optimizer rate was measured for its state."""
-    measured = any(p == policy for p, _ in r.optimizer_rates)
-    return "" if measured else "; its CPU optimizer taken at the fp32 kernel's rate"
+    if r.measured_rate(policy) is not None:
+        return ""
+    return "; its CPU optimizer taken at the fp32 kernel's rate"

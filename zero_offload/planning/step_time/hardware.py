@@ -79,10 +79,12 @@ class Rates:
         measures the plan's), else ``adam``, the fp32 kernel's. Smaller states move fewer
         bytes, but on a few cores 8-bit moments are bound by their compute and step slower
         than fp32 (docs/optimizer_states.md), so only a measurement says which."""
-        for measured, rate in self.optimizer_rates:
-            if measured == policy:
-                return rate
-        return self.adam
+        measured = self.measured_rate(policy)
+        return self.adam if measured is None else measured
+
+    def measured_rate(self, policy: StatePolicy) -> float | None:
+        """``policy``'s params/s in ``optimizer_rates``, None where it was not measured."""
+        return dict(self.optimizer_rates).get(policy)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "optimizer_rates"}
