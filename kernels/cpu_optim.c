@@ -325,17 +325,29 @@ static inline __attribute__((always_inline)) __m256i nan_to_bf16(__m256 x, __m25
     return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
 }
 
-static inline __attribute__((always_inline)) __m128i bf16_rne_v(__m256 x) {
+/* x rounded to the nearest bf16 (ties to even), in 32-bit lanes (each <= 0xffff) */
+static inline __attribute__((always_inline)) __m256i bf16_rne32_v(__m256 x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    return pack16(nan_to_bf16(x, r));
+    return nan_to_bf16(x, r);
 }
 
-static inline __attribute__((always_inline)) __m128i bf16_sr_v(__m256 x, __m256i h) {
+static inline __attribute__((always_inline)) __m128i bf16_rne_v(__m256 x) { return pack16(bf16_rne32_v(x)); }
+
+/* x stochastically rounded to bf16 by 16 random bits of h, in 32-bit lanes (each <= 0xffff) */
+static inline __attribute__((always_inline)) __m256i bf16_sr32_v(__m256 x, __m256i h) {
     __m256i u = _mm256_castps_si256(x);
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), 16);
-    return pack16(nan_to_bf16(x, r));
+    return nan_to_bf16(x, r);
+}
+
+static inline __attribute__((always_inline)) __m128i bf16_sr_v(__m256 x, __m256i h) { return pack16(bf16_sr32_v(x, h)); }
+
+/* 16 bf16 values from two 8-lane halves (bf16_sr32_v's): one pack, one permute, one store */
+static inline __attribute__((always_inline)) void store_bf16x16(void* a, int64_t i, __m256i lo, __m256i hi) {
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    _mm256_storeu_si256((__m256i*)((uint16_t*)a + i), p);
 }
 
 static inline __attribute__((always_inline)) __m256 widen_bf16_v(__m128i h) {
@@ -356,7 +368,15 @@ static inline __attribute__((always_inline)) __m256 load_master_v(const zo_cfg* 
     return p;
 }
 
-static inline __attribute__((always_inline)) void store_master_v(const zo_cfg* c, void* const* P, int64_t i, __m256 p) {
+/* bf16 params out of an fp32 master: stored by dense_range, 16 at a time */
+static inline __attribute__((always_inline)) int bf16_out_of_f32(const zo_cfg* c) {
+    return c->master == MA_F32 && c->out_dtype == ZO_BF16;
+}
+
+/* idx: the 8 elements' indices, index_base + i + lane (the stochastic rounding's counter);
+ * out_by_caller: bf16 params out of an fp32 master are left to the caller */
+static inline __attribute__((always_inline)) void store_master_v(const zo_cfg* c, void* const* P, int64_t i, __m256i idx, __m256 p,
+                                                                 const int out_by_caller) {
     __m256 val = p;
     __m128i hi = _mm_setzero_si128();
     if (c->master == MA_F32) {
@@ -369,12 +389,12 @@ static inline __attribute__((always_inline)) void store_master_v(const zo_cfg* c
             _mm_storeu_si128((__m128i*)((uint16_t*)P[P_COMP] + i), lo);
             val = _mm256_add_ps(hf, widen_bf16_v(lo));
         } else {
-            __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
             hi = bf16_sr_v(p, fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_master))));
             val = widen_bf16_v(hi);
         }
         _mm_storeu_si128((__m128i*)((uint16_t*)P[P_MASTER] + i), hi);
     }
+    if (out_by_caller && bf16_out_of_f32(c)) return;
     if (c->out_dtype == ZO_BF16)
         _mm_storeu_si128((__m128i*)((uint16_t*)P[P_OUT] + i), c->master == MA_F32 ? bf16_rne_v(val) : hi);
     else if (c->out_dtype == ZO_F16)
@@ -425,22 +445,30 @@ static inline __attribute__((always_inline)) __m256 load_moment_v(int prec, cons
     return widen_bf16_v(_mm_loadu_si128((const __m128i*)((const uint16_t*)a + i)));
 }
 
-static inline __attribute__((always_inline)) void store_moment_v(int prec, void* a, int64_t i, __m256 x, __m256i r) {
-    if (prec == MOM_F32) _mm256_storeu_ps((float*)a + i, x);
-    else _mm_storeu_si128((__m128i*)((uint16_t*)a + i), bf16_sr_v(x, r));
+static inline __attribute__((always_inline)) __m256i indices_v(const zo_cfg* c, int64_t i) {
+    return _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
 }
 
+/* 8 elements' update. fp32 moments are stored; bf16 ones (*rm, *rv) and bf16 params out of an
+ * fp32 master (*ro) come back rounded in 32-bit lanes for the caller to store two halves at a
+ * time (store_bf16x16: in cache, bf16 moments took 16% less time than with 8-lane stores). */
 static inline __attribute__((always_inline)) void dense8(const zo_cfg* c, void* const* P, void* ma, void* va,
-                                                         int64_t i, const int prec, const int two) {
+                                                         int64_t i, __m256i idx, const int prec, const int two,
+                                                         __m256i* rm, __m256i* rv, __m256i* ro) {
     __m256 m = load_moment_v(prec, ma, i);
     __m256 v = two ? load_moment_v(prec, va, i) : _mm256_setzero_ps();
     __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
-    store_master_v(c, P, i, p);
-    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(c->index_base + i)), iota8());
-    __m256i r = _mm256_setzero_si256();
-    if (prec == MOM_BF16) r = fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_m)));
-    store_moment_v(prec, ma, i, m, r);
-    if (two) store_moment_v(prec, va, i, v, _mm256_srli_epi32(r, 16));
+    store_master_v(c, P, i, idx, p, 1);
+    if (bf16_out_of_f32(c)) *ro = bf16_rne32_v(p);
+    if (prec == MOM_F32) {
+        _mm256_storeu_ps((float*)ma + i, m);
+        if (two) _mm256_storeu_ps((float*)va + i, v);
+        return;
+    }
+    /* one hash per element rounds both moments: m takes its low half, v its high */
+    __m256i r = fmix32_v(_mm256_xor_si256(idx, _mm256_set1_epi32((int)c->key_m)));
+    *rm = bf16_sr32_v(m, r);
+    if (two) *rv = bf16_sr32_v(v, _mm256_srli_epi32(r, 16));
 }
 
 static inline __attribute__((always_inline)) void dense_range(const zo_cfg* c, void* const* P, int64_t a, int64_t b, int64_t side) {
@@ -448,12 +476,30 @@ static inline __attribute__((always_inline)) void dense_range(const zo_cfg* c, v
     const int prec = side >= 0 ? MOM_F32 : c->moments;
     void* ma = side >= 0 ? (void*)((float*)P[P_M_SIDE] + side - a) : P[P_M];
     void* va = !two ? NULL : side >= 0 ? (void*)((float*)P[P_V_SIDE] + side - a) : P[P_V];
+    const __m256i eight = _mm256_set1_epi32(8);
+    __m256i idx = indices_v(c, a);
+    __m256i m0 = _mm256_setzero_si256(), m1 = m0, v0 = m0, v1 = m0, o0 = m0, o1 = m0;
     int64_t i = a;
     for (; i + 16 <= b; i += 16) { /* two independent halves in flight: 2-5% less time */
-        dense8(c, P, ma, va, i, prec, two);
-        dense8(c, P, ma, va, i + 8, prec, two);
+        __m256i idx1 = _mm256_add_epi32(idx, eight);
+        dense8(c, P, ma, va, i, idx, prec, two, &m0, &v0, &o0);
+        dense8(c, P, ma, va, i + 8, idx1, prec, two, &m1, &v1, &o1);
+        if (prec == MOM_BF16) {
+            store_bf16x16(ma, i, m0, m1);
+            if (two) store_bf16x16(va, i, v0, v1);
+        }
+        if (bf16_out_of_f32(c)) store_bf16x16(P[P_OUT], i, o0, o1);
+        idx = _mm256_add_epi32(idx1, eight);
     }
-    for (; i + 8 <= b; i += 8) dense8(c, P, ma, va, i, prec, two);
+    for (; i + 8 <= b; i += 8) {
+        dense8(c, P, ma, va, i, idx, prec, two, &m0, &v0, &o0);
+        if (prec == MOM_BF16) {
+            _mm_storeu_si128((__m128i*)((uint16_t*)ma + i), pack16(m0));
+            if (two) _mm_storeu_si128((__m128i*)((uint16_t*)va + i), pack16(v0));
+        }
+        if (bf16_out_of_f32(c)) _mm_storeu_si128((__m128i*)((uint16_t*)P[P_OUT] + i), pack16(o0));
+        idx = _mm256_add_epi32(idx, eight);
+    }
     dense_scalar(c, P, i, b, side >= 0 ? side + (i - a) : -1);
 }
 
@@ -477,7 +523,7 @@ static inline __attribute__((always_inline)) void block_range(const zo_cfg* c, v
         __m256 m = _mm256_mul_ps(_mm256_loadu_ps(sm + j), amm);
         __m256 v = two ? _mm256_mul_ps(_mm256_loadu_ps(sv + j), amv) : _mm256_setzero_ps();
         __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
-        store_master_v(c, P, i, p);
+        store_master_v(c, P, i, indices_v(c, i), p, 0);
         _mm256_storeu_ps(sm + j, m);
         xm = max_v(xm, abs_v(m));
         if (two) {
