@@ -451,7 +451,9 @@ static inline __attribute__((always_inline)) __m256i indices_v(const zo_cfg* c, 
 
 /* 8 elements' update. fp32 moments are stored; bf16 ones (*rm, *rv) and bf16 params out of an
  * fp32 master (*ro) come back rounded in 32-bit lanes for the caller to store two halves at a
- * time (store_bf16x16: in cache, bf16 moments took 16% less time than with 8-lane stores). */
+ * time (store_bf16x16). With the indices carried as a vector, one thread in cache on Zen 3 took
+ * 2.56 cycles an element with bf16 moments, 3.05 with 8-lane stores; four halves at a time
+ * measured the same as two. */
 static inline __attribute__((always_inline)) void dense8(const zo_cfg* c, void* const* P, void* ma, void* va,
                                                          int64_t i, __m256i idx, const int prec, const int two,
                                                          __m256i* rm, __m256i* rv, __m256i* ro) {
