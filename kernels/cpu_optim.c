@@ -519,13 +519,14 @@ static inline __attribute__((always_inline)) void block_range(const zo_cfg* c, v
     const int two = two_moments(c);
     __m256 amm = _mm256_set1_ps(am_m), amv = _mm256_set1_ps(am_v);
     __m256 xm = _mm256_setzero_ps(), xv = _mm256_setzero_ps();
+    __m256i idx = indices_v(c, a);
     int64_t i = a;
-    for (; i + 8 <= b; i += 8) {
+    for (; i + 8 <= b; i += 8, idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8))) {
         int j = j0 + (int)(i - a);
         __m256 m = _mm256_mul_ps(_mm256_loadu_ps(sm + j), amm);
         __m256 v = two ? _mm256_mul_ps(_mm256_loadu_ps(sv + j), amv) : _mm256_setzero_ps();
         __m256 p = update_v(c, load_master_v(c, P, i), load_grad_v(P[P_GRAD], c->g_dtype, i), &m, &v);
-        store_master_v(c, P, i, indices_v(c, i), p, 0);
+        store_master_v(c, P, i, idx, p, 0);
         _mm256_storeu_ps(sm + j, m);
         xm = max_v(xm, abs_v(m));
         if (two) {
