@@ -188,3 +188,43 @@ def test_round_trip_with_frozen_parameters(tmp_path, stage, limit):
     b.close()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
+def test_round_trip_keeps_each_parameters_own_step_count(tmp_path, moments):
+    """A parameter without a gradient in an update is not stepped, so its Adam step count
+    lags the others'; the state dict carries those counts, and the engine it is loaded into
+    steps that parameter with its own bias correction, as the one that never stopped."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk = torch.nn.Linear(16, 8)
+            self.side = torch.nn.Linear(16, 8)
+            self.use_side = True
+
+        def forward(self, x):
+            return self.trunk(x) + (self.side(x) if self.use_side else 0)
+
+    def run(engine, start, end):
+        for i in range(start, end):
+            engine.module.use_side = i != 1  # no gradient for `side` in update 1
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x).square().mean())
+            assert engine.step()
+
+    kw = dict(stage=2, lr=1e-2, moment_precision=moments)
+    a = zo.initialize(Branchy(), **kw)
+    run(a, 0, 3)
+    saved = copy.deepcopy(a.optimizer.state_dict())
+    run(a, 3, 5)
+    straight = a.full_state_dict()
+    a.close()
+    b = zo.initialize(Branchy(), **kw)
+    b.optimizer.load_state_dict(saved)
+    run(b, 3, 5)
+    resumed = b.full_state_dict()
+    b.close()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name

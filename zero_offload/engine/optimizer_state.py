@@ -6,6 +6,7 @@ files, so the torch state would be empty or partial. Hooks (torch's public ones)
 
     state[0] = {"step": tensor, "exp_avg": fp32[n], "exp_avg_sq": fp32[n],
                 "master": fp32[n],  # the fp32 parameters the moments belong to
+                "missed_updates": {name: k},  # updates a parameter had no gradient for
                 "zero_offload": {"rank", "world_size", "stage", "numel", "policy"},
                 "native": {name: tensor}}  # any policy but fp32 AdamW: see below
 
@@ -47,6 +48,8 @@ class _OptimizerOwner(Checkpointable, Protocol):
     def optimizer_steps(self) -> int: ...
     @optimizer_steps.setter
     def optimizer_steps(self, value: int) -> None: ...
+    def missed_updates(self) -> dict[str, int]: ...
+    def load_missed_updates(self, by_name: dict[str, int]) -> None: ...
 
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -89,6 +92,8 @@ def _state(engine: _OptimizerOwner) -> dict[str, Any]:
     return {
         "step": torch.tensor(float(engine.optimizer_steps), dtype=torch.float32),
         **out,
+        # each parameter's own step count is `step` minus its missed updates
+        "missed_updates": engine.missed_updates(),
         "zero_offload": _layout(engine),
         **extra,
     }
@@ -135,6 +140,7 @@ def _load(engine: _OptimizerOwner, entry: dict[str, Any]) -> None:
     engine.finish_load()
     step = entry["step"]
     engine.optimizer_steps = int(step.item() if isinstance(step, torch.Tensor) else step)
+    engine.load_missed_updates(dict(entry.get("missed_updates", {})))
 
 
 def attach_state_dict(engine: _OptimizerOwner) -> None:

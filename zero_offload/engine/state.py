@@ -249,7 +249,7 @@ class StateView:
                 {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
             ],
             "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
-            "missed_updates": opt.missed_updates(),
+            "missed_updates": self.missed_updates(),
         }
 
     def load_training_state(self, state: Mapping[str, Any]) -> None:
@@ -258,7 +258,7 @@ class StateView:
         self.optimizer_steps = state["optimizer_steps"]
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
-        self.stepper.load_missed_updates(state.get("missed_updates", {}))  # absent: older files
+        self.load_missed_updates(state.get("missed_updates", {}))  # absent: older files
         scaler = self.stepper.scaler
         if scaler is not None and state["loss_scaler"] is not None:
             scaler.load_state_dict(state["loss_scaler"])
@@ -274,6 +274,13 @@ class StateView:
         self.stepper.updater.steps = value
 
     # -- read-only views for users, benchmarks and tests -------------------------------------
+    def missed_updates(self) -> dict[str, int]:
+        """Parameter name -> updates it had no gradient for (nonzero ones only)."""
+        return self.stepper.missed_updates()
+
+    def load_missed_updates(self, by_name: Mapping[str, int]) -> None:
+        self.stepper.load_missed_updates(by_name)
+
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer-state tensors this rank holds in memory, by role (master, exp_avg,
         exp_avg_sq); empty with the state on NVMe."""
