@@ -175,3 +175,63 @@ def test_a_deepspeed_checkpoint_exports_to_the_same_state(tmp_path):
     assert engines[0].optimizer.param_groups[0]["lr"] == engines[1].optimizer.param_groups[0]["lr"]
     for engine in engines:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    "kind,moments",
+    [("adagrad", {"sum"}), ("lion", {"exp_avg"}), ("adam", {"exp_avg", "exp_avg_sq"})],
+)
+def test_other_optimizers_export_in_their_own_layout_and_load_back(tmp_path, kind, moments):
+    """Adagrad's sum is exported as torch.optim.Adagrad's ``sum`` (equal to torch's after the
+    same steps), Lion's momentum as ``exp_avg`` (as Lion implementations for torch name it),
+    never as an Adam state with a zero moment; the folder loads back into an engine of the
+    same kind exactly as the checkpoint it came from."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from zero_offload.checkpoint import export_dcp
+
+    kw = dict(stage=2, lr=LR, weight_decay=WD, optimizer_type=kind)
+    torch.manual_seed(0)
+    model = TinyGPT(width=WIDTH)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zo.initialize(model, **kw)
+
+    def backward(e):
+        return lambda loss: (e.backward(loss), e.step())
+
+    _steps(0, 1, engine, backward(engine), 0, SAVE_AT)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    export_dcp(tmp_path / "ckpt", tmp_path / "dcp")
+    meta = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    state_keys = [k for k in meta if k.startswith("optim.state.")]
+    assert {k.rsplit(".", 1)[1] for k in state_keys} == moments | {"step"}
+
+    if kind == "adagrad":  # the values are torch's Adagrad state after the same steps
+        reference = TinyGPT(width=WIDTH)
+        reference.load_state_dict(initial)
+        opt = torch.optim.Adagrad(reference.parameters(), lr=LR, weight_decay=WD, eps=1e-10)
+
+        def torch_backward(loss):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        _steps(0, 1, reference, torch_backward, 0, SAVE_AT)
+        names = dict(reference.named_parameters())
+        exported = {k: torch.empty(tuple(meta[k].size)) for k in state_keys if k.endswith(".sum")}
+        load(exported, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        for key, got in exported.items():
+            want = opt.state[names[key[len("optim.state.") : -len(".sum")]]]["sum"]
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-12), key
+
+    resumed = []
+    for folder in ("ckpt", "dcp"):
+        torch.manual_seed(5)
+        e = zo.initialize(TinyGPT(width=WIDTH), **kw)
+        e.load_checkpoint(tmp_path / folder)
+        _steps(0, 1, e, backward(e), SAVE_AT, STEPS)
+        resumed.append(training_state(e))
+        e.close()
+    a, b = resumed
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

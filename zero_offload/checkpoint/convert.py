@@ -37,6 +37,7 @@ from .format import (
     SlotRecord,
     UnitRecord,
     fsync_dir,
+    policy_record,
     section_offset,
     verify_rank_file,
     write_atomically,
@@ -121,6 +122,7 @@ def write_checkpoint(
         units=[UnitRecord(0, total, 1, slots)],
         ranks=[RankRecord(path.name, total, crcs)],
         aliases=dict(source.aliases),
+        optimizer=policy_record(source.policy),
     )
     write_atomically(partial / MANIFEST, lambda f: f.write(manifest.to_json().encode()))
     fsync_dir(partial)

@@ -4,12 +4,15 @@ An FSDP2 / torchtitan run saves ``dcp.save({"model": msd, "optim": osd})`` with 
 get_state_dict(model, optimizer)``: parameters under ``<model prefix><name>`` and Adam's state
 under ``<optim prefix>state.<name>.{exp_avg, exp_avg_sq, step}``, hyperparameters under
 ``<optim prefix>param_groups.<i>.<key>`` (torchtitan keeps the model's keys at the top level
-and the optimizer under ``optimizer.``). :class:`DcpSource` finds the prefixes from the
-metadata and reads one parameter at a time in fp32, resharded by DCP from however many ranks
-saved it; ``dcp_export.export_dcp`` writes any checkpoint (this library's, DeepSpeed's) in that
-layout, one tensor in memory at a time, so ``dcp.load`` into an FSDP2 model's
-``get_state_dict`` and ``set_state_dict`` continues the run. The export has one param group
-(the engine's: one lr, betas, eps and weight decay), so the FSDP2 optimizer must have one too.
+and the optimizer under ``optimizer.``). Other optimizers' state goes by torch's names for it:
+Adagrad's ``sum`` (``torch.optim.Adagrad``), Lion's ``exp_avg`` (as Lion implementations for
+torch keep it); the kind is read from those names, or from the record an export leaves.
+:class:`DcpSource` finds the prefixes from the metadata and reads one parameter at a time in
+fp32, resharded by DCP from however many ranks saved it; ``dcp_export.export_dcp`` writes any
+checkpoint (this library's, DeepSpeed's) in that layout, one tensor in memory at a time, so
+``dcp.load`` into an FSDP2 model's ``get_state_dict`` and ``set_state_dict`` continues the run.
+The export has one param group (the engine's: one lr, betas, eps and weight decay), so the
+FSDP2 optimizer must have one too.
 
 DCP keeps non-tensor values as pickles and its own planner unpickles them with
 ``weights_only=False``; here they are read with ``weights_only=True`` (plain data only).
@@ -25,24 +28,48 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..optim.policy import OptimizerKind, StatePolicy
 from .format import CheckpointError, refusal_reason
 from .source import one_param_group
 
-__all__ = ["is_dcp", "DcpSource", "ADAMW_GROUP", "MOMENTS"]
+__all__ = ["is_dcp", "DcpSource", "SECTION", "torch_group"]
 
 log = logging.getLogger(__name__)
 
-_STATE = re.compile(r"(.*?)state\.(.+)\.exp_avg")
-MOMENTS = ("exp_avg", "exp_avg_sq")
-ADAMW_GROUP = dict(
-    amsgrad=False,
-    maximize=False,
-    foreach=None,
-    capturable=False,
-    differentiable=False,
-    fused=None,
-    decoupled_weight_decay=True,
-)  # torch.optim.AdamW's other param-group keys, as get_state_dict saves them
+_STATE = re.compile(r"(.*?)state\.(.+)\.(exp_avg|sum)")
+SECTION = {"exp_avg": 1, "exp_avg_sq": 2, "sum": 2}
+"""A moment's torch name -> its section in a source's reads (master, exp_avg, exp_avg_sq)."""
+_COMMON = dict(maximize=False, foreach=None, differentiable=False, fused=None)
+
+
+def torch_group(kind: OptimizerKind) -> dict[str, Any]:
+    """The param-group keys, beyond the engine's own, of the torch optimizer that keeps this
+    kind's state (as ``get_state_dict`` saves them); Lion has none in torch."""
+    if kind in (OptimizerKind.ADAMW, OptimizerKind.ADAM):
+        return dict(
+            _COMMON,
+            amsgrad=False,
+            capturable=False,
+            decoupled_weight_decay=kind is OptimizerKind.ADAMW,
+        )
+    if kind is OptimizerKind.ADAGRAD:
+        return dict(_COMMON, lr_decay=0.0, initial_accumulator_value=0.0)
+    return {}
+
+
+def _kind(record: Any, moments: set[str], root: Path) -> OptimizerKind:
+    """The optimizer an export recorded, else the one whose state names were found."""
+    if isinstance(record, dict) and "optimizer_type" in record:
+        try:
+            return OptimizerKind(record["optimizer_type"])
+        except ValueError:
+            raise CheckpointError(
+                f"{root}: zero_offload.optimizer_type is {record['optimizer_type']!r}, "
+                f"not one of {[k.value for k in OptimizerKind]}"
+            ) from None
+    if "sum" in moments:
+        return OptimizerKind.ADAGRAD
+    return OptimizerKind.ADAMW if "exp_avg_sq" in moments or not moments else OptimizerKind.LION
 
 
 def is_dcp(root: Path) -> bool:
@@ -104,6 +131,10 @@ class DcpSource:
         self.optional = set(self.shapes) - set(trained)  # frozen parameters or buffers
         self._trained = set(trained)
         self._cached: tuple[str, list[torch.Tensor | None]] | None = None
+        first_state = f"{self._opt}state.{trained[0]}." if trained else "\0"
+        names = {k[len(first_state) :] for k in tensors if k.startswith(first_state)}
+        self.policy = StatePolicy(_kind(self._nested("zero_offload"), names, root))
+        self._moments = self.policy.kind.moment_names
 
     def _load(self, keys: Sequence[str]) -> dict[str, Any]:
         from torch.distributed.checkpoint import load
@@ -152,10 +183,12 @@ class DcpSource:
             self._cached = None  # the previous parameter's memory first
             keys = [self._model + name]
             if name in self._trained:
-                keys += [f"{self._opt}state.{name}.{m}" for m in MOMENTS]
+                keys += [f"{self._opt}state.{name}.{m}" for m in self._moments]
             got = self._load(keys)
-            values = [got[k].reshape(-1).float() for k in keys]
-            self._cached = (name, values + [None] * (3 - len(values)))
+            values: list[torch.Tensor | None] = [got[keys[0]].reshape(-1).float(), None, None]
+            for key, moment in zip(keys[1:], self._moments):
+                values[SECTION[moment]] = got[key].reshape(-1).float()
+            self._cached = (name, values)
         return self._cached[1]
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..progress import Progress
-from .dcp import ADAMW_GROUP, MOMENTS
+from .dcp import SECTION, torch_group
 from .load import open_source
 
 __all__ = ["export_dcp"]
@@ -52,7 +52,9 @@ def export_dcp(
     optim_key: {"state": {name: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]}}``, tied
     names under each of their names, persistent buffers beside the parameters, plus the
     counters and lr scheduler state (``model_key=""``: the parameters at the top level, as
-    torchtitan keeps them). Streams one tensor at a time; needs no process group."""
+    torchtitan keeps them). Moments are fp32 whatever precision kept them, named as the
+    matching torch optimizer names them (Adagrad: ``sum``; Lion: ``exp_avg``), and the
+    optimizer kind is recorded. Streams one tensor at a time; needs no process group."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
     source = open_source(directory, tag)
@@ -61,6 +63,7 @@ def export_dcp(
         names = list(source.shapes)
         steps = extra["optimizer_steps"]
         missed = extra.get("missed_updates") or {}
+        kind = source.policy.kind
         model: dict[str, Any] = {n: torch.empty(source.shapes[n], device="meta") for n in names}
         model.update({a: model[n] for a, n in source.aliases.items()})
         buffers = extra.get("buffers") or {}
@@ -68,25 +71,26 @@ def export_dcp(
         state = {
             n: {
                 "step": torch.tensor(float(steps - missed.get(n, 0))),
-                **{m: torch.empty(source.shapes[n], device="meta") for m in MOMENTS},
+                **{m: torch.empty(source.shapes[n], device="meta") for m in kind.moment_names},
             }
             for n in names
         }
-        group = {**ADAMW_GROUP, **(extra["param_groups"] or [{}])[0], "params": names}
+        group = {**torch_group(kind), **(extra["param_groups"] or [{}])[0], "params": names}
         sd: dict[str, Any] = {model_key: model} if model_key else dict(model)
         sd[optim_key] = {"state": state, "param_groups": [group]}
         sd["zero_offload"] = {k: extra[k] for k in ("micro_steps", "global_steps")}
+        sd["zero_offload"]["optimizer_type"] = kind.value
         if extra.get("lr_scheduler") is not None:
             sd["lr_scheduler"] = extra["lr_scheduler"]
         prefix = f"{model_key}." if model_key else ""  # "": at the top level, as torchtitan
         section_of = {prefix + n: (n, 0) for n in names}
         section_of.update({prefix + a: (n, 0) for a, n in source.aliases.items()})
         for n in names:
-            for s, m in enumerate(MOMENTS, 1):
-                section_of[f"{optim_key}.state.{n}.{m}"] = (n, s)
+            for m in kind.moment_names:
+                section_of[f"{optim_key}.state.{n}.{m}"] = (n, SECTION[m])
 
-        total = sum(math.prod(source.shapes[n]) for n in names)
-        progress = Progress(f"exporting {source.where} to {out}", 3 * total, "values", logger=log)
+        total = sum(math.prod(source.shapes[n]) for n in names) * (1 + len(kind.moment_names))
+        progress = Progress(f"exporting {source.where} to {out}", total, "values", logger=log)
 
         def fill(fqn: str, meta: torch.Tensor) -> torch.Tensor:
             name, section = section_of[fqn]

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..optim.policy import StatePolicy
 from ..partition import split_range
 from ..policies import Stage
 from .deepspeed_state import training_state
@@ -214,6 +215,7 @@ class DeepSpeedSource:
         self._ranks: dict[int, _Rank] = {}
         self.aliases = dict(self.model.get("shared_params") or {})
         self.optional: set[str] = set()
+        self.policy = StatePolicy()  # Adam's exp_avg and exp_avg_sq, as DeepSpeed keeps them
         self._layout()
         log.info(
             "DeepSpeed %s checkpoint %s: ZeRO stage %d, %d ranks, %d parameters",

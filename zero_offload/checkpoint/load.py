@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..optim.policy import StatePolicy
 from ..params.units import persistent_buffers
 from ..progress import Progress
 from . import dcp, deepspeed
@@ -110,7 +109,7 @@ def _tied_names(engine: Checkpointable) -> dict[str, list[str]]:
 def _check_policy(engine: Checkpointable, source: Source, convert_state: bool) -> bool:
     """Whether the stored native state restores as it is (same policy, world size and
     units); a policy other than the engine's raises unless ``convert_state``."""
-    saved = source.manifest.policy if isinstance(source, OwnSource) else StatePolicy()
+    saved = source.policy
     want = engine.state_policy
     if saved != want and not convert_state:
         raise CheckpointError(

@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from ..optim.policy import StatePolicy
 from ..partition import mismatch_message
 from .format import CheckpointError, Manifest, load_plain, pieces, read_manifest, section_offset
 
@@ -30,6 +31,7 @@ class Source(Protocol):
     shapes: dict[str, tuple[int, ...]]  # every stored parameter, frozen ones too
     aliases: dict[str, str]  # tied name -> stored name
     optional: set[str]  # stored names the model need not have (DCP: buffers or frozen)
+    policy: StatePolicy  # the optimizer kind and precisions the state was kept in
 
     def read(self, name: str, start: int, end: int, out: Sequence[torch.Tensor | None]) -> None:
         """Elements [start, end) of the flattened parameter ``name``: master, exp_avg and
@@ -139,6 +141,7 @@ class OwnSource:
         self.shapes = {n: tuple(slot.shape) for n, (_, slot) in self._slots.items()}
         self.aliases = dict(self.manifest.aliases)
         self.optional: set[str] = set()
+        self.policy = self.manifest.policy
         self.reader = _Reader(folder, self.manifest)
 
     def read(self, name: str, start: int, end: int, out: Sequence[torch.Tensor | None]) -> None:
