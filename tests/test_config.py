@@ -52,11 +52,24 @@ def test_bad_input_names_key_value_and_fix(kwargs, words):
         assert w in str(err.value)
 
 
-def test_initialize_validates_before_touching_the_model():
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(stage=4),
+        dict(stage=3, lr=float("nan")),
+        dict(stage=3, eps=float("nan")),
+        dict(stage=3, weight_decay=float("inf")),
+        dict(stage=3, max_grad_norm=float("nan")),
+    ],
+    ids=["stage", "lr-nan", "eps-nan", "wd-inf", "clip-nan"],
+)
+def test_initialize_validates_before_touching_the_model(kwargs):
     model = torch.nn.Linear(2, 2)
     before = model.weight.detach().clone()
-    with pytest.raises(zo.ConfigError):
-        zo.initialize(model, stage=4)
+    with pytest.raises(zo.ConfigError) as err:
+        zo.initialize(model, optimizer_type="lion", moment_precision="8bit", **kwargs)
+    key = next(k for k in kwargs if k != "stage" or len(kwargs) == 1)
+    assert f"{key}=" in str(err.value)
     assert torch.equal(model.weight, before) and model.weight.dtype == torch.float32
 
 
@@ -107,6 +120,74 @@ def test_integer_keys_are_found():
         "loss_scale_window",
     } <= set(keys)
     assert "lr" not in keys and "nvme_path" not in keys
+
+
+def _float_keys() -> list[str]:
+    """Every flat key whose dataclass field takes a float, read from the dataclasses."""
+    sections = {
+        "optimizer": OptimizerConfig,
+        "precision": PrecisionConfig,
+        "offload": OffloadConfig,
+        "activations": ActivationConfig,
+    }
+    out = []
+    for key, (section, name) in flat_keys().items():
+        hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
+        if hint is float or float in typing.get_args(hint):
+            out.append(key)
+    return sorted(out)
+
+
+# inf has a meaning here: the norm is measured (engine.last_grad_norm) and never clips
+INF_ALLOWED = {"max_grad_norm"}
+
+
+def test_float_keys_are_found():
+    assert set(_float_keys()) == {
+        "lr",
+        "eps",
+        "weight_decay",
+        "max_grad_norm",
+        "initial_loss_scale",
+        "min_loss_scale",
+        "offload_optimizer_fraction",
+        "offload_param_fraction",
+    }
+
+
+@pytest.mark.parametrize("key", _float_keys())
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_float_keys_refuse_nan_and_a_meaningless_inf(key, value):
+    if value == float("inf") and key in INF_ALLOWED:
+        assert getattr(build_config(**{key: value}).optimizer, key) == value
+        return
+    with pytest.raises(zo.ConfigError) as err:
+        build_config(**{key: value})
+    assert f"{key}={value!r} is not valid" in str(err.value)
+
+
+@pytest.mark.parametrize("betas", [(float("nan"), 0.999), (0.9, float("inf"))])
+def test_betas_refuse_non_finite(betas):
+    with pytest.raises(zo.ConfigError, match="betas"):
+        build_config(betas=betas)
+
+
+def test_max_grad_norm_inf_measures_the_norm_and_never_clips():
+    results, norms = [], []
+    for clip in (None, float("inf")):
+        torch.manual_seed(0)
+        engine = zo.initialize(MLP(), lr=1e-2, max_grad_norm=clip)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = batch("mlp", 4, gen)
+            engine.backward(loss_fn("mlp", engine(x), y) * 1e3)
+            engine.step()
+        results.append(engine.full_state_dict())
+        norms.append(engine.last_grad_norm)
+        engine.close()
+    assert norms[0] is None and norms[1] is not None and 0 < norms[1] < float("inf")
+    for k, v in results[0].items():
+        assert torch.equal(results[1][k], v), k
 
 
 def _outcome(source) -> tuple[str, object]:

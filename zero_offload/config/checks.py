@@ -3,6 +3,7 @@ their range, whole numbers from JSON floats, the compute dtype by name."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import typing
 from dataclasses import fields
@@ -47,12 +48,21 @@ def number(
     hi: float | None = None,
     lo_open: bool = False,
     integer: bool = False,
+    inf_ok: bool = False,
 ) -> float | int:
+    """``value`` as a float (an int with ``integer``) in [lo, hi] (lo excluded with
+    ``lo_open``), else a :class:`ConfigError` naming ``key``. nan is always refused (it
+    passes every comparison), +-inf too unless ``inf_ok`` (where inf means "unbounded")."""
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(key, value, f"expected {kind}")
     if integer and not float(value).is_integer():
         raise bad(key, value, f"expected {kind}")
+    if math.isnan(value) or (math.isinf(value) and not inf_ok):
+        bounds = [f"{'>' if lo_open else '>='} {lo:g}"] if lo is not None else []
+        bounds += [f"<= {hi:g}"] if hi is not None else []
+        want = " ".join(["number" if inf_ok else "finite number", " and ".join(bounds)])
+        raise bad(key, value, f"expected a {want.strip()}" + (" or inf" if inf_ok else ""))
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise bad(key, value, f"expected {kind} {'>' if lo_open else '>='} {lo:g}")
     if hi is not None and value > hi:

@@ -57,7 +57,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = keyword(
         None,
         "clip by the global norm over all shards (= `clip_grad_norm_` on the full model); "
-        "None: no clipping",
+        "None: no clipping; inf: no clipping, the norm still measured (`engine.last_grad_norm`)",
     )
     no_decay: tuple[str, ...] = keyword(
         (),
@@ -95,7 +95,7 @@ class OptimizerConfig:
         number("eps", self.eps, lo=0.0, lo_open=True)
         number("weight_decay", self.weight_decay, lo=0.0)
         if self.max_grad_norm is not None:
-            number("max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True)
+            number("max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True, inf_ok=True)
 
     @property
     def policy(self) -> StatePolicy:

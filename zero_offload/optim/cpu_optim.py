@@ -13,7 +13,7 @@ State per parameter (``optimizer.state[p]``) holds ``step`` and the arrays of
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -29,6 +29,13 @@ __all__ = ["CPUOptimizer", "CPUAdamW8bit", "CPULion", "CPULion8bit", "CPUAdagrad
 
 def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def _what(saved: Mapping[str, Any]) -> str:
+    """A saved parameter state's keys, and the kind whose moments they are."""
+    moments = {k for k in saved if k not in ("step", "compensation") and "." not in k}
+    kinds = [kind.value for kind in OptimizerKind if set(kind.moment_names) == moments]
+    return ", ".join(sorted(saved)) + (f" ({' or '.join(kinds)} state)" if kinds else "")
 
 
 class CPUOptimizer(torch.optim.Optimizer):
@@ -96,18 +103,27 @@ class CPUOptimizer(torch.optim.Optimizer):
     def _shard_state(self, p: Tensor) -> ShardState:
         """The parameter's state as views of the tensors in ``self.state[p]`` (created)."""
         state = self.state[p]
-        span = self._layout(p.numel()).span()
         if "step" not in state:
-            fresh = ShardState.zeros(span)
+            fresh = ShardState.zeros(self._layout(p.numel()).span())
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for name, t in fresh.tensors():
                 if name != "master":
                     state[name] = t
+        return self._views(p, state)
+
+    def _views(self, p: Tensor, state: Mapping[str, Any]) -> ShardState:
+        """``state``'s tensors (every name :meth:`_state_names` gives) as the parameter's."""
         moments = {
             name: MomentState(state[name], state.get(f"{name}.absmax"), state.get(f"{name}.side"))
             for name in self.policy.moment_names
         }
-        return ShardState(span, p.view(-1), state.get("compensation"), moments)
+        span = self._layout(p.numel()).span()
+        return ShardState(span, p.reshape(-1), state.get("compensation"), moments)
+
+    def _state_names(self) -> set[str]:
+        """The keys of a stepped parameter's state: ``step`` and every array but the master."""
+        fresh = ShardState.zeros(self._layout(0).span())
+        return {"step"} | {name for name, _ in fresh.tensors() if name != "master"}
 
     def _check_state(self, p: Tensor, st: ShardState) -> None:
         fresh = dict(ShardState.zeros(self._layout(0).span()).tensors())  # dtypes only
@@ -155,14 +171,47 @@ class CPUOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts floating-point state to each parameter's dtype; this state keeps its
-        own (fp32 absmax beside bf16 parameters), so those tensors are restored as saved."""
-        super().load_state_dict(state_dict)
+        own (fp32 absmax beside bf16 parameters), so those tensors are restored as saved.
+
+        A state dict of another kind or precision is refused (``ValueError``) before anything
+        changes. Group keys the saved groups lack (``betas`` in ``torch.optim.Adagrad``'s)
+        come from this optimizer's defaults, so torch's Adagrad state continues here."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+        same = sizes == [len(g["params"]) for g in self.param_groups]
+        self._check_saved(state_dict, dict(zip(saved_ids, params)) if same else {})
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         for pid, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(pid, {}).items():
                 if isinstance(value, Tensor):  # a copy: never share with the source
                     self.state[p][key] = value.detach().to(device=p.device, copy=True)
+
+    def _check_saved(self, state_dict: dict[str, Any], params: dict[Any, Tensor]) -> None:
+        """Raise ``ValueError`` unless each saved parameter state is what this optimizer
+        keeps (names, dtypes, sizes) and no saved group asks for what the kernels lack."""
+        name = type(self).__name__
+        for group in state_dict["param_groups"]:
+            for key in ("maximize", "amsgrad"):  # torch options these kernels do not have
+                if group.get(key):
+                    raise ValueError(
+                        f"the state dict's param group has {key}=True, which {name} does not "
+                        f"do; load a state dict saved with {key}=False"
+                    )
+        want = self._state_names()
+        for pid, saved in state_dict["state"].items():
+            if pid not in params or not saved:
+                continue  # groups that differ in size: torch's own check names them
+            if set(saved) != want:
+                raise ValueError(
+                    f"{name}.load_state_dict: the state dict holds {_what(saved)} for parameter "
+                    f"{pid}; {name} ({self.policy.describe()}) keeps {', '.join(sorted(want))}. "
+                    "Load a state dict saved by an optimizer of the same kind and precisions"
+                )
+            self._check_state(params[pid], self._views(params[pid].detach(), saved))
 
     def state_fp32(self, p: Tensor) -> dict[str, Tensor]:
         """The parameter's state dequantized to fp32 (``master`` and each moment)."""
