@@ -104,6 +104,23 @@ def test_small_tensors_and_padding_keep_fp32_moments() -> None:
     assert len(lay.segments) == 1  # merged: one run of fp32 moments
 
 
+def test_parameters_named_in_fp32_moments_keep_fp32_moments() -> None:
+    """bitsandbytes' per-parameter 32-bit override (Trainer's, for embeddings): the named
+    large parameter keeps fp32 moments on every rank; the others are quantized as before."""
+    keep = StatePolicy(moments="8bit", fp32_moments=frozenset({"u"}))
+    assert keep != INT8 and "fp32 moments for 1 parameters" in keep.describe()
+    assert StatePolicy(fp32_moments=frozenset({"u"})) == StatePolicy()  # fp32: nothing to keep
+    for shards in (1, 2):
+        for rank in range(shards):
+            units = [(u, rank) for u in _units(shards)]
+            plain, kept = (StateLayout.for_shards(p, units) for p in (INT8, keep))
+            u_here = sum(
+                o.numel for u, r in units for o in u.overlaps(r) if u.slots[o.slot].name == "u"
+            )
+            assert kept.side_numel == plain.side_numel + u_here
+            assert kept.blocks < plain.blocks or u_here == 0
+
+
 def test_span_bytes_add_up_over_any_boundary_cut() -> None:
     units = _units(2)
     lay = StateLayout.for_shards(INT8, [(u, 1) for u in units])

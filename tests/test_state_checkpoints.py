@@ -12,6 +12,7 @@ import torch
 from support import state_ckpt_cases as C
 from support.distributed import run_ranks
 
+import zero_offload as zo
 from zero_offload import CheckpointError, consolidate_checkpoint
 from zero_offload.optim import quant
 
@@ -120,3 +121,27 @@ def test_optimizer_state_dict_round_trips_bit_for_bit(kwargs):
         fp32.optimizer.load_state_dict(state)
     again.close()
     fp32.close()
+
+
+def test_fp32_moment_params_keep_fp32_moments_and_resume_bit_for_bit(tmp_path):
+    """bitsandbytes' 32-bit override as a keyword: the named parameter's moments are kept in
+    fp32 (the side arrays grow by its elements), a resume is exact, and the names are part
+    of the policy a checkpoint records."""
+    big = [n for n, p in C.make_model(C.NAME).named_parameters() if p.numel() >= 4096]
+    kept = dict(INT8_KAHAN, fp32_moment_params=[big[0]])
+    out = C.resume(0, 1, str(tmp_path), tuple(kept.items()))
+    _equal(out["straight"], out["resumed"])
+    sizes = []
+    for kwargs in (kept, dict(INT8_KAHAN)):
+        engine = C.build(**kwargs)
+        native = engine.optimizer.state_dict()["state"][0]["native"]
+        sizes.append(sum(t.numel() for k, t in native.items() if k.endswith("side")))
+        engine.close()
+    numel = C.make_model(C.NAME).get_parameter(big[0]).numel()
+    assert sizes[0] == sizes[1] + 2 * numel  # m and v of the kept parameter, in fp32
+    other = C.build(**dict(INT8_KAHAN))
+    with pytest.raises(CheckpointError, match="fp32_moment_params="):
+        other.load_checkpoint(tmp_path, tag="s3")
+    other.close()
+    with pytest.raises(zo.ConfigError, match="fp32_moment_params names.*named_parameters"):
+        C.build(**dict(INT8_KAHAN, fp32_moment_params=["no.such.weight"]))

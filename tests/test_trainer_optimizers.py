@@ -250,3 +250,52 @@ def test_lightning_strategy_trains_two_steps(optimizer, leaves_no_process_group)
     assert after.keys() == before.keys()
     moved = max((after[k].float() - before[k].float()).abs().max().item() for k in before)
     assert moved >= 1e-2, "two steps must move the weights by about the lr"
+
+
+def test_bnb_8bit_optims_keep_embeddings_in_fp32_as_trainer_does(tmp_path):
+    """Trainer gives bitsandbytes' 8-bit optimizers a 32-bit override for every nn.Embedding
+    (rows a batch does not use would take an m / eps jump with 8-bit v); torchao's AdamW8bit
+    gets none. The engine keeps those weights' moments in fp32 in the same cases, so
+    ZeroOffloadTrainer ends where plain Trainer with bitsandbytes ends."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    from hf_trainer_worker import LR, arguments, dataset, make, params
+    from transformers import Trainer
+
+    from zero_offload.integrations.hf import ZeroOffloadTrainer, engine_keywords
+
+    embedding = "model.embed_tokens.weight"
+    for optim in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit"):
+        kw = engine_keywords(arguments("unused", optim=optim), make("llama"), dict(stage=2))
+        assert kw["fp32_moment_params"] == [embedding], optim
+    for optim in ("adamw_torch_8bit", "lion_32bit", "adamw_torch"):
+        kw = engine_keywords(arguments("unused", optim=optim), make("llama"), dict(stage=2))
+        assert "fp32_moment_params" not in kw, optim
+
+    args = dict(optim="adamw_bnb_8bit", gradient_accumulation_steps=1)
+    model = make("llama")
+    before = params(model)
+    Trainer(
+        model=model, args=arguments(str(tmp_path / "a"), **args), train_dataset=dataset()
+    ).train()
+    plain = params(model)
+    trainer = ZeroOffloadTrainer(
+        model=make("llama"),
+        args=arguments(str(tmp_path / "b"), **args),
+        train_dataset=dataset(),
+        zero_offload=dict(stage=2, offload_optimizer="cpu"),
+    )
+    trainer.train()
+    ours = trainer.engine.full_state_dict()
+    assert trainer.engine.state_policy.fp32_moments == {embedding}
+    trainer.engine.close()
+    # 8-bit moments quantized: unused rows moved 13.3 lr (plain: 1.8), 12 lr from plain's
+    moved, ours_moved, gap = (
+        (a - b).abs().max().item() / LR
+        for a, b in [
+            (plain[embedding], before[embedding]),
+            (ours[embedding].float(), before[embedding]),
+            (ours[embedding].float(), plain[embedding]),
+        ]
+    )
+    assert ours_moved <= 1.5 * moved and gap <= 2.0, (moved, ours_moved, gap)

@@ -101,7 +101,7 @@ class Manifest:
     units: list[UnitRecord]
     ranks: list[RankRecord]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> stored name
-    optimizer: dict[str, str] | None = None  # the StatePolicy's values; None: fp32 AdamW
+    optimizer: dict[str, Any] | None = None  # the StatePolicy's values; None: fp32 AdamW
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -135,18 +135,21 @@ class Manifest:
         if self.optimizer is None:
             return StatePolicy()
         o = self.optimizer
-        return StatePolicy.parse(o["kind"], o["moments"], o["master"])
+        return StatePolicy.parse(o["kind"], o["moments"], o["master"], o.get("fp32_moments", ()))
 
     def slots_by_name(self) -> dict[str, tuple[UnitRecord, SlotRecord]]:
         return {s.name: (u, s) for u in self.units for s in u.slots}
 
 
-def policy_record(policy: StatePolicy) -> dict[str, str]:
-    return {
+def policy_record(policy: StatePolicy) -> dict[str, Any]:
+    record: dict[str, Any] = {
         "kind": policy.kind.value,
         "moments": policy.moments.value,
         "master": policy.master.value,
     }
+    if policy.fp32_moments:
+        record["fp32_moments"] = sorted(policy.fp32_moments)
+    return record
 
 
 def native_file(rank: int) -> str:

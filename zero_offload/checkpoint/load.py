@@ -116,7 +116,13 @@ def _check_policy(engine: Checkpointable, source: Source, convert_state: bool) -
             f"{source.where}: the optimizer state was saved as {saved.describe()}, this "
             f"engine keeps {want.describe()}; build the engine with optimizer_type="
             f"{saved.kind.value!r}, moment_precision={saved.moments.value!r}, "
-            f"master_precision={saved.master.value!r} to resume as saved, or pass "
+            f"master_precision={saved.master.value!r}"
+            + (
+                f", fp32_moment_params={sorted(saved.fp32_moments)!r}"
+                if saved.fp32_moments != want.fp32_moments
+                else ""
+            )
+            + " to resume as saved, or pass "
             "convert_state=True to load_checkpoint to convert it through fp32"
         )
     exact = (

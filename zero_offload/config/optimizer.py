@@ -40,6 +40,13 @@ class OptimizerConfig:
         'the optimizer\'s copy of the parameters: "fp32", "bf16_kahan" (bf16 + a bf16 '
         'compensation term), "bf16_sr" (bf16, stochastic rounding)',
     )
+    fp32_moment_params: tuple[str, ...] = keyword(
+        (),
+        'names of parameters whose moments stay fp32 under moment_precision="8bit" '
+        "(bitsandbytes' per-parameter 32-bit override; `ZeroOffloadTrainer` names every "
+        "`nn.Embedding` weight for the bitsandbytes 8-bit optims, as Trainer does); an unknown "
+        "name is a `ConfigError`",
+    )
     lr: float = keyword(1e-3, "the learning rate, as the matching torch optimizer's")
     betas: tuple[float, float] | None = keyword(
         None,
@@ -85,6 +92,15 @@ class OptimizerConfig:
                 "expected a list of parameter names, e.g. ['fc.bias', 'norm.weight']",
             )
         object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if not isinstance(self.fp32_moment_params, (list, tuple, set, frozenset)) or not all(
+            isinstance(n, str) for n in self.fp32_moment_params
+        ):
+            raise bad(
+                "fp32_moment_params",
+                self.fp32_moment_params,
+                "expected a list of parameter names, e.g. ['model.embed_tokens.weight']",
+            )
+        object.__setattr__(self, "fp32_moment_params", tuple(self.fp32_moment_params))
         if (
             not isinstance(self.betas, (tuple, list))
             or len(self.betas) != 2
@@ -102,7 +118,10 @@ class OptimizerConfig:
         """The optimizer kind and state precisions as one type (decided here, once)."""
         try:
             return StatePolicy.parse(
-                self.optimizer_type, self.moment_precision, self.master_precision
+                self.optimizer_type,
+                self.moment_precision,
+                self.master_precision,
+                self.fp32_moment_params,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc

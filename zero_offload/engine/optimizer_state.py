@@ -60,14 +60,18 @@ _RESHARD = (
 )
 
 
-def _layout(engine: _OptimizerOwner) -> dict[str, int | str]:
-    return {
+def _layout(engine: _OptimizerOwner) -> dict[str, int | str | list[str]]:
+    policy = engine.state_policy
+    layout: dict[str, int | str | list[str]] = {
         "rank": engine.comm.rank,
         "world_size": engine.comm.world_size,
         "stage": engine.stage,
         "numel": engine.trainable_numel,
-        "policy": engine.state_policy.describe(),
+        "policy": policy.describe(),
     }
+    if policy.fp32_moments:
+        layout["fp32_moments"] = sorted(policy.fp32_moments)
+    return layout
 
 
 def _live(ref: "weakref.ref[_OptimizerOwner]") -> _OptimizerOwner:

@@ -85,6 +85,13 @@ def _check_matches(config: Mapping[str, Any], auto: Mapping[str, Any]) -> None:
         )
 
 
+BNB_8BIT_OPTIMS = frozenset(
+    {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit"}
+)
+"""The optims for which Trainer keeps every ``nn.Embedding``'s state in 32 bits (its
+bitsandbytes override); torchao's ``adamw_torch_8bit`` gets none."""
+
+
 def engine_keywords(
     args: Any,
     model: nn.Module,
@@ -111,6 +118,11 @@ def engine_keywords(
     )
     if kind.get("optimizer_type") == "adagrad":  # Trainer passes only lr to torch's Adagrad
         del kw["betas"], kw["eps"]
+    if optim in BNB_8BIT_OPTIMS and kind:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        kept = [n for n, p in model.named_parameters() if id(p) in embeddings and p.requires_grad]
+        if kept:
+            kw["fp32_moment_params"] = kept
     if decay_names is not None and not (deepspeed and "optimizer" in user):
         decayed = set(decay_names)
         no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decayed]

@@ -6,7 +6,8 @@ run is pieces of parameters, possibly cut at both ends by shard boundaries, and 
 at each parameter's first element (so states line up with bitsandbytes'), a block cut by a
 shard boundary becomes two partial blocks (one per rank, each with its own absmax), and
 parameters under :data:`~.policy.MIN_QUANTIZED_NUMEL` elements (and padding) keep fp32
-moments. With any other precision every element is alike and the layout is one segment.
+moments, as do those the policy names in ``fp32_moments``. With any other precision every
+element is alike and the layout is one segment.
 
 A moment's storage over a run is three flat arrays, each sliced by the same element range:
 
@@ -43,11 +44,13 @@ first element's index in its parameter mod BLOCK; -1: not quantized), offset in 
 @dataclass(frozen=True)
 class Piece:
     """Elements [first, first + numel) of a parameter of ``param_numel`` elements (0: padding,
-    which belongs to no parameter), as they follow each other in a rank's run."""
+    which belongs to no parameter), as they follow each other in a rank's run; ``keep_fp32``:
+    the parameter's moments stay fp32 (``StatePolicy.fp32_moments``)."""
 
     param_numel: int
     first: int
     numel: int
+    keep_fp32: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,9 @@ class StateLayout:
         for p in pieces:
             if p.numel <= 0:
                 continue
-            quantized = policy.quantized and p.param_numel >= MIN_QUANTIZED_NUMEL
+            quantized = (
+                policy.quantized and p.param_numel >= MIN_QUANTIZED_NUMEL and not p.keep_fp32
+            )
             prev = segments[-1] if segments else None
             if not quantized and prev is not None and not prev.quantized:
                 segments[-1] = Segment(prev.start, prev.numel + p.numel, -1, prev.side, prev.block)
@@ -219,7 +224,8 @@ class StateLayout:
                 begin = slot.offset + ov.slot_start
                 if begin > at:
                     pieces.append(Piece(0, 0, begin - at))
-                pieces.append(Piece(slot.numel, ov.slot_start, ov.numel))
+                keep = slot.name in policy.fp32_moments
+                pieces.append(Piece(slot.numel, ov.slot_start, ov.numel, keep))
                 at = begin + ov.numel
             if hi > at:
                 pieces.append(Piece(0, 0, hi - at))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 __all__ = [
     "ABSMAX_BYTES",
@@ -149,6 +149,11 @@ class StatePolicy:
     kind: OptimizerKind = OptimizerKind.ADAMW
     moments: MomentPrecision = MomentPrecision.FP32
     master: MasterPrecision = MasterPrecision.FP32
+    fp32_moments: frozenset[str] = frozenset()
+    """Parameters whose moments stay fp32 under 8-bit moments: bitsandbytes' per-parameter
+    ``optim_bits=32`` override, which Hugging Face Trainer sets for every ``nn.Embedding``
+    (rows without gradient in a step would otherwise take an m / eps jump). Empty for the
+    other precisions."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _parse(OptimizerKind, self.kind, "optimizer_type"))
@@ -156,6 +161,8 @@ class StatePolicy:
             self, "moments", _parse(MomentPrecision, self.moments, "moment_precision")
         )
         object.__setattr__(self, "master", _parse(MasterPrecision, self.master, "master_precision"))
+        keep = frozenset(self.fp32_moments) if self.moments is MomentPrecision.INT8 else ()
+        object.__setattr__(self, "fp32_moments", frozenset(keep))
         if self.kind is OptimizerKind.ADAGRAD and self.moments is not MomentPrecision.FP32:
             raise ValueError(
                 f"moment_precision={self.moments.value!r} is not offered for Adagrad: its "
@@ -164,13 +171,16 @@ class StatePolicy:
             )
 
     @classmethod
-    def parse(cls, kind: str, moments: str, master: str) -> "StatePolicy":
+    def parse(
+        cls, kind: str, moments: str, master: str, fp32_moments: Iterable[str] = ()
+    ) -> "StatePolicy":
         """From the config keywords' values (names as documented, a few aliases such as
         ``int8``); a ValueError names the keyword and what it takes."""
         return cls(
             _parse(OptimizerKind, kind, "optimizer_type"),
             _parse(MomentPrecision, moments, "moment_precision"),
             _parse(MasterPrecision, master, "master_precision"),
+            frozenset(fp32_moments),
         )
 
     @property
@@ -216,7 +226,8 @@ class StatePolicy:
 
     def describe(self) -> str:
         """One line for logs and tables, e.g. ``adamw, 8bit moments, bf16_sr master``."""
+        kept = f", fp32 moments for {len(self.fp32_moments)} parameters" * bool(self.fp32_moments)
         return (
-            f"{self.kind.value}, {self.moments.value} moments, {self.master.value} master "
-            f"({self.bytes_per_param:.2f} B/param)"
+            f"{self.kind.value}, {self.moments.value} moments, {self.master.value} master"
+            f"{kept} ({self.bytes_per_param:.2f} B/param)"
         )

@@ -290,6 +290,14 @@ def run_layout(policy: StatePolicy, units: Sequence[UnitPlan], rank: int) -> Sta
     """The layout of this rank's trainable run: each trainable unit's shard (the whole unit
     where it is not sharded) in rank-flat order."""
     trained = sorted((u for u in units if not u.frozen), key=lambda u: u.shard_offset)
+    names = {n for u in trained for n in u.names}
+    unknown = sorted(policy.fp32_moments - names)
+    if unknown:
+        raise ConfigError(
+            f"fp32_moment_params names {unknown[:3]!r}, which are not trainable parameters "
+            f"of the model; use names from model.named_parameters() (e.g. "
+            f"{', '.join(sorted(names)[:5])})"
+        )
     return StateLayout.for_shards(
         policy, [(u.layout, 0 if u.layout.num_shards == 1 else rank) for u in trained]
     )
