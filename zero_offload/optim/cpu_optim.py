@@ -176,6 +176,10 @@ class CPUOptimizer(torch.optim.Optimizer):
         A state dict of another kind or precision is refused (``ValueError``) before anything
         changes. Group keys the saved groups lack (``betas`` in ``torch.optim.Adagrad``'s)
         come from this optimizer's defaults, so torch's Adagrad state continues here."""
+        if any(isinstance(s, dict) and "zero_offload" in s for s in state_dict["state"].values()):
+            # an engine's state dict: the engine's hooks check and restore it, on any tier
+            super().load_state_dict(state_dict)
+            return
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         sizes = [len(g["params"]) for g in state_dict["param_groups"]]
