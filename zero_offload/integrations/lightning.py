@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..engine.engine import Engine, initialize
 from .common import EngineOptimizer, step_stats
 from .lightning_keywords import NVME_ENV, StrategyConfig, config_schedule
-from .lightning_optimizers import hyperparameters, retarget
+from .lightning_optimizers import check_covers, hyperparameters, retarget
 from .lightning_preemption import PreemptionCallback
 from .optimizers import POLICY_KEYS
 from .preemption import check_trainer_preemption
@@ -143,6 +143,7 @@ class ZeroOffloadStrategy(DDPStrategy):
                 user_opt = self.optimizers[0] if len(self.optimizers) == 1 else None
                 if user_opt is None:
                     raise ConfigError("configure_optimizers must return exactly one optimizer")
+                check_covers(user_opt, module)
                 hyper = hyperparameters(user_opt, module)
             kw = self.zero_offload.engine_keywords(trainer, hyper, self.world_size)
             self.engine = initialize(module, **kw)

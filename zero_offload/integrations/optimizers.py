@@ -62,6 +62,14 @@ OPTIMIZER_CLASSES: dict[tuple[str, str], dict[str, str]] = {
 _BNB_BITS = {"AdamW", "Adam", "PagedAdamW", "PagedAdam", "Lion", "PagedLion"}  # optim_bits=
 
 
+# Flags of torch's (and torchao's) optimizers that change the update the engine runs; none of
+# Hugging Face's ``optim`` names sets them.
+_NO_FLAGS = {
+    "maximize": "leave it False and negate the loss instead",
+    "amsgrad": "leave it False",
+}
+
+
 def hf_optim_keys(optim: str) -> dict[str, str]:
     """The engine's keywords for ``TrainingArguments.optim`` (a ConfigError lists the
     names accepted)."""
@@ -92,7 +100,14 @@ def optimizer_keys(optimizer: torch.optim.Optimizer) -> dict[str, str]:
         )
     keys = dict(OPTIMIZER_CLASSES[key])
     groups = optimizer.param_groups
-    if key == ("torch", "Adam") and any(g["weight_decay"] for g in groups):
+    for flag, fix in _NO_FLAGS.items():
+        if any(g.get(flag) for g in groups):
+            raise ConfigError(
+                f"{type(optimizer).__name__}({flag}=True): zero_offload's update has no "
+                f"{flag}; {fix}"
+            )
+    decoupled = any(g.get("decoupled_weight_decay") for g in groups)  # torch's Adam: AdamW
+    if key == ("torch", "Adam") and any(g["weight_decay"] for g in groups) and not decoupled:
         keys["optimizer_type"] = "adam"  # weight decay added to the gradient, as torch's
     if key[0] == "bitsandbytes":
         args: Any = optimizer.args  # type: ignore[attr-defined]  # bitsandbytes' Optimizer8bit
