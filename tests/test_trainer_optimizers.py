@@ -299,3 +299,32 @@ def test_bnb_8bit_optims_keep_embeddings_in_fp32_as_trainer_does(tmp_path):
         ]
     )
     assert ours_moved <= 1.5 * moved and gap <= 2.0, (moved, ours_moved, gap)
+
+
+def test_hf_optim_args_are_honoured_or_refused():
+    """``TrainingArguments.optim_args`` as Trainer reads it for the optims we map: Adagrad's
+    eps and weight_decay, torchao's bf16_stochastic_round (a bf16 master rounded
+    stochastically); what the engine cannot do is a ConfigError, never silently dropped."""
+    pytest.importorskip("transformers")
+    from hf_trainer_worker import arguments, make
+
+    from zero_offload.integrations.hf import engine_keywords
+
+    def keywords(optim, optim_args):
+        args = arguments("unused", optim=optim, optim_args=optim_args)
+        return engine_keywords(args, make("llama"), dict(stage=2))
+
+    kw = keywords("adagrad", "lr_decay=0, eps=1e-6, weight_decay=0.01")
+    assert kw["eps"] == 1e-6 and kw["weight_decay"] == 0.01
+    assert keywords("adamw_torch_8bit", "bf16_stochastic_round=True")["master_precision"] == (
+        "bf16_sr"
+    )
+    assert "master_precision" not in keywords("adamw_torch_8bit", "block_size=256")
+    for optim, optim_args, match in [
+        ("adagrad", "lr_decay=0.1", "lr_decay"),
+        ("adamw_torch_8bit", "block_size=128", "block_size"),
+        ("adamw_torch", "foo=1", "foo"),
+        ("lion_8bit", "eps=1e-6", "eps"),
+    ]:
+        with pytest.raises(zo.ConfigError, match=f"optim_args.*{match}"):
+            keywords(optim, optim_args)

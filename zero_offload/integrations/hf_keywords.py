@@ -85,6 +85,41 @@ def _check_matches(config: Mapping[str, Any], auto: Mapping[str, Any]) -> None:
         )
 
 
+def _optim_args(optim: str, text: str | None) -> dict[str, Any]:
+    """``TrainingArguments.optim_args`` ("k=v,k=v") as the engine's keywords, for the keys
+    Trainer reads for ``optim`` that the engine does too; any other is a ConfigError (Trainer
+    would have passed it to its optimizer: dropping it would change the run unnoticed)."""
+    given = dict(p.split("=", 1) for p in (text or "").replace(" ", "").split(",") if "=" in p)
+    kw: dict[str, Any] = {}
+    for key, value in given.items():
+        if optim == "adagrad" and key in ("eps", "weight_decay"):
+            kw[key] = _float(key, value)
+        elif optim == "adagrad" and key == "lr_decay" and _float(key, value) == 0.0:
+            pass
+        elif optim == "adamw_torch_8bit" and key == "block_size" and _float(key, value) == 256:
+            pass  # the engine's blocks are 256 elements
+        elif optim == "adamw_torch_8bit" and key == "bf16_stochastic_round":
+            if value.lower() in ("true", "1", "yes"):
+                kw["master_precision"] = "bf16_sr"  # bf16 weights, rounded stochastically
+        else:
+            raise ConfigError(
+                f"TrainingArguments.optim_args {key}={value} with optim={optim!r} is not "
+                "honoured by zero_offload (it takes Adagrad's eps, weight_decay and "
+                "lr_decay=0, torchao's block_size=256 and bf16_stochastic_round); remove it, "
+                "or set the engine keyword it stands for in the zero_offload config"
+            )
+    return kw
+
+
+def _float(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            f"TrainingArguments.optim_args {key}={value}: expected a number"
+        ) from None
+
+
 BNB_8BIT_OPTIMS = frozenset(
     {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit"}
 )
@@ -118,6 +153,8 @@ def engine_keywords(
     )
     if kind.get("optimizer_type") == "adagrad":  # Trainer passes only lr to torch's Adagrad
         del kw["betas"], kw["eps"]
+    if not (deepspeed and "optimizer" in user):
+        kw.update(_optim_args(optim, args.optim_args))
     if optim in BNB_8BIT_OPTIMS and kind:
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         kept = [n for n, p in model.named_parameters() if id(p) in embeddings and p.requires_grad]
