@@ -100,6 +100,43 @@ def test_checkpoint_in_the_middle_of_an_accumulation_window_is_refused(tmp_path)
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_grad_mid_window_starts_the_window_again(tmp_path, stage):
+    """The Ctrl-C loop (``zero_grad()``, then ``save_checkpoint``) in the middle of a window:
+    the window's gradients are dropped, so the window starts again from its first
+    micro-batch, in this engine and in one resumed from the checkpoint, and both end bit for
+    bit where a run that never saw the dropped micro-batch ends."""
+
+    def run(engine, batches):
+        applied = []
+        for i in batches:
+            engine.backward(engine(_x(i)).square().mean())
+            applied.append(engine.step())
+        return applied
+
+    kw = dict(lr=LR, gradient_accumulation_steps=GAS, dtype=torch.float32, stage=stage)
+    straight = zo.initialize(_model(), **kw)
+    assert run(straight, [0, 1, 2, 3]) == [False, True, False, True]
+    want = straight.full_state_dict()
+    straight.close()
+
+    engine = zo.initialize(_model(), **kw)
+    run(engine, [0, 1, 9])  # the window of 9 is interrupted after its first micro-batch
+    engine.zero_grad()
+    assert not engine.is_accumulation_boundary  # the next micro-batch opens a window
+    engine.save_checkpoint(tmp_path, tag="interrupted")
+    assert run(engine, [2, 3]) == [False, True]
+    got = engine.full_state_dict()
+    engine.close()
+    resumed = zo.initialize(_model(), **kw)
+    resumed.load_checkpoint(tmp_path, tag="interrupted")
+    assert run(resumed, [2, 3]) == [False, True]
+    again = resumed.full_state_dict()
+    resumed.close()
+    for name in want:
+        assert torch.equal(got[name], want[name]) and torch.equal(again[name], want[name]), name
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_step_agrees_in_one_fp64_exchange(stage):
     """float16 with clipping: the gradient flags, the overflow check and the norm travel in

@@ -173,7 +173,8 @@ class Engine:
         self._lifecycle.check_open()
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (``step`` already does this after an update)."""
+        """Drop accumulated gradients (``step`` already does this after an update); in the
+        middle of an accumulation window, the window starts again from its first micro-step."""
         self._steps.zero_grad()
 
     # -- checkpoints and exports (engine.state.StateView hands itself to them) ------------------

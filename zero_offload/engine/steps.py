@@ -169,6 +169,10 @@ class StepDriver:
         coordinator.drop_early()
         self._parts.reducer.zero()
         coordinator.cleared()
+        # the window's gradients are gone: its micro-batches count again from its first one
+        self._record.micro_steps -= (
+            self._record.micro_steps % self._config.gradient_accumulation_steps
+        )
 
 
 class StepRecord:
