@@ -129,3 +129,30 @@ def test_save_on_preemption_saves_at_the_step_end_and_exits_with_the_signal(tmp_
     saved = int((tmp_path / "ckpt" / "latest").read_text().removeprefix("step"))
     assert saved >= 1
     _resume_matches_straight(tmp_path, kwargs, saved)
+
+
+AFTER_LAST_STEP = """
+import os, signal, sys, torch
+import zero_offload as zo
+
+engine = zo.initialize(torch.nn.Linear(4, 4), stage=0, save_on_preemption=sys.argv[1])
+for _ in range(2):
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's, after the loop's last step()
+print("evaluating", flush=True)
+engine.close()
+print("still running after close", flush=True)
+"""
+
+
+def test_a_signal_after_the_last_step_is_delivered_at_close(tmp_path):
+    """No step() follows to agree on the signal and save: close() puts the previous
+    disposition back and delivers the signal to it, so the process ends as the scheduler
+    asked (143), where it used to run on and exit 0."""
+    from support.children import run_python
+
+    done = run_python(AFTER_LAST_STEP, str(tmp_path / "ckpt"), timeout=T)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "evaluating" in done.stdout and "still running" not in done.stdout
+    assert "no step() followed" in done.stderr

@@ -103,9 +103,19 @@ class Preemption:
     def close(self) -> None:
         """Put back the dispositions that were there (where nothing replaced ours since);
         not once the ranks agreed to stop: the process is on its way out with the signal's
-        status, and a rank's own signal arriving after the agreement must not kill it."""
-        if not self.agreed:
-            self._restore()
+        status, and a rank's own signal arriving after the agreement must not kill it. A
+        signal received with no ``step()`` after it to act on (it came after the loop's last
+        one) goes to the disposition put back, so the run still stops as it was asked."""
+        if self.agreed:
+            return
+        self._restore()
+        if self.received:
+            signum, self.received = self.received, 0
+            log.warning(
+                "%s received and no step() followed to save a checkpoint: delivering it now",
+                signal.Signals(signum).name,
+            )
+            signal.raise_signal(signum)
 
     def _restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
