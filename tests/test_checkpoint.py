@@ -283,6 +283,23 @@ def test_lr_scheduler_and_loss_scale_come_back(tmp_path):
     assert other.global_steps == engine.global_steps
 
 
+def test_a_scheduler_the_checkpoint_lacks_is_left_with_a_warning(tmp_path, caplog):
+    """A checkpoint saved without the loop's scheduler (the automatic one of
+    save_on_preemption, which knows only engine.lr_scheduler) cannot restore it: the
+    scheduler passed to load_checkpoint stays as it is, and the log says so."""
+    engine = zo.initialize(TinyGPT(), stage=2, lr=1.0)
+    _steps(engine, 0, 1, 0, 1)
+    engine.save_checkpoint(tmp_path)  # no scheduler
+    other = zo.initialize(TinyGPT(), stage=2, lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(other.optimizer, step_size=1, gamma=0.5)
+    with caplog.at_level("WARNING", logger="zero_offload.checkpoint.load"):
+        other.load_checkpoint(tmp_path, lr_scheduler=sched)
+    assert "no lr scheduler state" in caplog.text and "engine.lr_scheduler" in caplog.text
+    assert sched.last_epoch == 0
+    engine.close()
+    other.close()
+
+
 KILLER = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})

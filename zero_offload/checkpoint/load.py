@@ -81,7 +81,16 @@ def _restore_extra(engine: Checkpointable, source: Source, lr_scheduler: Any) ->
         own and extra.get("rng") is not None
     ):  # RNG streams belong to a rank; a new one keeps its own
         _set_rng(extra["rng"])
-    if lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+    if lr_scheduler is not None and extra.get("lr_scheduler") is None:
+        log.warning(
+            "%s has no lr scheduler state: %s is left as it is. A scheduler the loop steps "
+            "itself is saved only when passed to save_checkpoint; hand it to the engine "
+            "(engine.lr_scheduler = sched, stepped after each update) and every checkpoint "
+            "carries it, save_on_preemption's too",
+            source.where,
+            type(lr_scheduler).__name__,
+        )
+    elif lr_scheduler is not None:
         try:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -131,7 +131,9 @@ class Engine:
 
     @property
     def lr_scheduler(self) -> Any:
-        """A DeepSpeed config's lr schedule (None without one), stepped after each update."""
+        """The lr scheduler the engine steps after each applied update and saves with every
+        checkpoint: a DeepSpeed config's schedule, or one of yours assigned here (None:
+        none)."""
         return self._steps.lr_scheduler
 
     @lr_scheduler.setter
