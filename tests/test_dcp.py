@@ -235,3 +235,34 @@ def test_other_optimizers_export_in_their_own_layout_and_load_back(tmp_path, kin
         e.close()
     a, b = resumed
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_refused_load_changes_nothing(tmp_path):
+    """A checkpoint refused for its param groups (two learning rates) is refused before any
+    parameter or moment is written: the engine is as it was, not half loaded."""
+    from torch.distributed.checkpoint import save
+
+    model = TinyGPT(width=WIDTH)
+    named = dict(model.named_parameters())
+    names = list(named)
+    state = {
+        n: {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.ones_like(p),
+            "exp_avg_sq": torch.ones_like(p),
+        }
+        for n, p in named.items()
+    }
+    hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    groups = [dict(hyper, lr=0.1, params=names[:1]), dict(hyper, lr=0.2, params=names[1:])]
+    model_sd = {n: p.detach() + 1 for n, p in named.items()}
+    sd = {"model": model_sd, "optim": {"state": state, "param_groups": groups}}
+    save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.manual_seed(0)
+    engine = zo.initialize(TinyGPT(width=WIDTH), stage=2, lr=LR)
+    before = training_state(engine)
+    with pytest.raises(CheckpointError, match="different lr"):
+        engine.load_checkpoint(tmp_path / "dcp")
+    after = training_state(engine)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()

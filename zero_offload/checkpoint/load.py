@@ -74,8 +74,9 @@ def _set_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def _restore_extra(engine: Checkpointable, source: Source, lr_scheduler: Any) -> None:
-    extra, own = source.extra(engine.comm.rank)
+def _restore_extra(
+    engine: Checkpointable, source: Source, extra: dict[str, Any], own: bool, lr_scheduler: Any
+) -> None:
     engine.load_training_state(extra)
     if (
         own and extra.get("rng") is not None
@@ -167,6 +168,7 @@ def restore(
     if isinstance(source, OwnSource):  # sizes and checksums before any use
         _verify(engine, source.where, source.manifest)
     rank = engine.comm.rank
+    extra, own = source.extra(rank)  # read (and refused, if it must be) before any write
     progress = Progress(
         f"loading checkpoint {source.where}",
         sum(u.shard_numel for u in engine.units),
@@ -190,7 +192,7 @@ def restore(
         engine.finish_load()
     finally:
         progress.close()
-    _restore_extra(engine, source, lr_scheduler)
+    _restore_extra(engine, source, extra, own, lr_scheduler)
 
 
 def load_checkpoint(
