@@ -254,3 +254,19 @@ def test_engines_dropped_without_close_free_threads_files_and_memory(tmp_path, t
     assert list(tmp_path.iterdir()) == []  # no swap folder left behind
     engine_bytes = 20 * sum(p.numel() for p in Wide().parameters())  # ~ one engine's state
     assert _rss() - rss < 4 * engine_bytes, (_rss() - rss) / engine_bytes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_layer_replaced_after_initialize_is_refused_at_the_update(stage):
+    """The engine trains the parameters it took over at initialize: a layer swapped in later
+    would never be stepped while step() reported updates. The update names it instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine = zo.initialize(model, stage=stage, lr=1e-2)
+    engine.backward(engine(torch.randn(4, 8)).sum())
+    assert engine.step()
+    model[2] = nn.Linear(16, 4)
+    engine.backward(engine(torch.randn(4, 8)).sum())
+    with pytest.raises(RuntimeError, match=r"\['2.weight', '2.bias'\] were added"):
+        engine.step()
+    engine.close()

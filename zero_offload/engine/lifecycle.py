@@ -61,6 +61,7 @@ class Lifecycle:
         self._leftovers = leftovers
         self._finalizer = finalizer
         self._closed = False
+        self._flattened = {id(p) for u in parts.units for p in u.params}
 
     @property
     def closed(self) -> bool:
@@ -77,6 +78,19 @@ class Lifecycle:
         if settle:
             self._end_interrupted()  # a forward an interrupt left open ends first
             self._parts.coordinator.settle()
+
+    def check_parameters(self) -> None:
+        """Refuse an update of a model whose parameters changed since ``initialize`` (a layer
+        replaced or added): the engine steps the parameters it flattened then, so new ones
+        would never train while ``step()`` reports updates."""
+        new = [n for n, p in self._module.named_parameters() if id(p) not in self._flattened]
+        if new:
+            raise RuntimeError(
+                f"parameters {new[:3]!r} were added to the model after initialize (a layer "
+                "replaced?): the engine trains the parameters it took over at initialize. "
+                "Build the model fully before zero_offload.initialize, or close() the engine "
+                "and initialize again after the change"
+            )
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:

@@ -115,6 +115,8 @@ class StepDriver:
         """See :meth:`zero_offload.Engine.step` (without the preemption check)."""
         self._lifecycle.check_open()
         boundary = self.is_accumulation_boundary
+        if boundary:
+            self._lifecycle.check_parameters()
         self._record.micro_steps += 1
         coordinator = self._parts.coordinator
         with coordinator.during(Phase.STEP):
