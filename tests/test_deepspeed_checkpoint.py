@@ -15,6 +15,7 @@ make_fixtures.py) resume in zero_offload:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ from support.models import TinyGPT, batch, loss_fn
 
 import zero_offload as zo
 from zero_offload.checkpoint import CheckpointError
-from zero_offload.checkpoint.deepspeed import load_deepspeed_file
+from zero_offload.checkpoint.deepspeed import DeepSpeedSource, load_deepspeed_file
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
 FIXTURES = [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + ["s3w2-cpu"]  # -cpu: ZeRO-Offload
@@ -252,3 +253,123 @@ def test_trainer_resumes_a_checkpoint_saved_by_a_deepspeed_trainer_run(case, tmp
         assert h["grad_norm"] == pytest.approx(norm, rel=1e-3)
         if case == "hf":  # under DeepSpeed, Trainer logs a DeepSpeed schedule's next lr
             assert h["learning_rate"] == pytest.approx(lr, rel=1e-6)
+
+
+BF16 = [f"s{s}w2-bf16" for s in (1, 2, 3)]  # bf16_zero_pp_rank_* files, ordinary ZeRO state
+
+
+@pytest.mark.parametrize("case", BF16)
+def test_a_bf16_run_loads_at_every_stage(case, tmp_path):
+    """DeepSpeed 0.19.8 names every bf16 run's optimizer files ``bf16_zero_pp_rank_*``."""
+    run = _run(case)
+    assert run["config"]["bf16"] == {"enabled": True}
+    engine = _engine(run)
+    assert engine.load_checkpoint(DATA / case) == "global_step3"
+    loaded = engine.full_state_dict()
+    for name, value in load_file(DATA / case / "masters.safetensors").items():
+        assert torch.equal(loaded[name], value), name
+    assert engine.optimizer_steps == run["save_at"]
+    engine.close()
+    # masters and moments read as the same files under the non-bf16 names read
+    folder = _copy(case, tmp_path)
+    for path in (folder / "global_step3").glob("bf16_*"):
+        path.rename(path.with_name(path.name.removeprefix("bf16_")))
+    bf16, plain = (
+        DeepSpeedSource(DATA / case / "global_step3"),
+        DeepSpeedSource(folder / "global_step3"),
+    )
+    assert bf16.stage == plain.stage == run["stage"] and bf16.policy == plain.policy
+    for name, shape in bf16.shapes.items():
+        got = [torch.zeros(math.prod(shape)) for _ in range(3)]
+        want = [torch.zeros(math.prod(shape)) for _ in range(3)]
+        bf16.read(name, 0, got[0].numel(), got)
+        plain.read(name, 0, want[0].numel(), want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+
+
+def test_the_bf16_optimizer_without_zero_is_refused_by_name(tmp_path):
+    folder = _copy("s2w2-bf16", tmp_path)
+    for path in (folder / "global_step3").glob("bf16_*optim_states.pt"):
+        state = load_deepspeed_file(path)
+        osd = state["optimizer_state_dict"]
+        del osd["zero_stage"]  # BF16_Optimizer's layout has none
+        for key in ("param_slice_mappings", "loss_scaler"):  # stand-in records, not needed
+            osd.pop(key, None)
+        _rewrite(path, state)
+    engine = _engine(_run("s2w2-bf16"))
+    with pytest.raises(CheckpointError, match=r"BF16_Optimizer.*stage 0.*stage 1, 2 or 3"):
+        engine.load_checkpoint(folder)
+    engine.close()
+
+
+def test_an_adam_l2_run_resumes_under_the_engine_its_config_builds():
+    """``Adam`` with ``adam_w_mode: false``: DeepSpeed built torch.optim.Adam (L2 decay, its
+    param groups say ``decoupled_weight_decay: False``); the same config builds
+    optimizer_type='adam', and the checkpoint loads into it and goes on as DeepSpeed did."""
+    case = "s3w1-adaml2"
+    run = _run(case)
+    model = TinyGPT(width=run["width"])
+    model.get_parameter(run["frozen"][0]).requires_grad_(False)
+    engine = zo.initialize(model, config=run["config"])
+    assert engine.state_policy.kind.value == "adam"
+    assert engine.load_checkpoint(DATA / case) == "global_step3"
+    loaded = engine.full_state_dict()
+    for name, value in load_file(DATA / case / "masters.safetensors").items():
+        assert torch.equal(loaded[name], value), name
+    for i in range(run["save_at"], run["steps"]):
+        x, y = batch("gpt", run["global_batch"], torch.Generator().manual_seed(100 + i))
+        engine.backward(loss_fn("gpt", engine(x), y))
+        engine.step()
+    end = engine.full_state_dict()
+    engine.close()
+    expected = load_file(DATA / case / "expected.safetensors")
+    diffs = torch.cat([(end[n] - v).abs().flatten() for n, v in expected.items()])
+    assert diffs.max().item() / run["lr"] <= 0.03 and diffs.mean().item() <= 1e-6
+    adamw = _engine(run)  # a run kept as Adam is not silently resumed as AdamW
+    with pytest.raises(CheckpointError, match="optimizer_type='adam'"):
+        adamw.load_checkpoint(DATA / case)
+    adamw.close()
+
+
+@pytest.mark.parametrize(
+    "state, groups, config, kind",
+    [
+        ({"exp_avg": 0, "exp_avg_sq": 0}, [{"decoupled_weight_decay": False}], {}, "adam"),
+        ({"exp_avg": 0, "exp_avg_sq": 0}, [{"decoupled_weight_decay": True}], {}, "adamw"),
+        ({"exp_avg": 0, "exp_avg_sq": 0}, None, {"type": "Adam"}, "adamw"),  # adam_w_mode
+        ({"exp_avg": 0, "exp_avg_sq": 0}, None, {"type": "AdamW"}, "adamw"),
+        (
+            {"exp_avg": 0, "exp_avg_sq": 0},
+            None,
+            {"type": "Adam", "params": {"adam_w_mode": False}},
+            "adam",
+        ),
+        ({"exp_avg": 0}, None, {"type": "Lion"}, "lion"),  # DeepSpeedCPULion, FusedLion
+        ({"exp_avg_sq": 0}, None, {"type": "Adagrad"}, "adagrad"),  # DeepSpeedCPUAdagrad
+        ({"sum": 0}, [{}], {}, "adagrad"),  # torch.optim.Adagrad
+        ({"exp_avg": 0, "exp_avg_sq": 0}, [{}], {}, "adamw"),  # DeepSpeedCPUAdam: unknown
+    ],
+)
+def test_the_saved_update_rule_is_read_from_the_checkpoint(state, groups, config, kind):
+    from zero_offload.checkpoint.deepspeed_state import saved_kind
+
+    assert saved_kind({0: state}, groups, {"optimizer": config}).value == kind
+
+
+def test_a_damaged_save_is_named_as_damaged(tmp_path):
+    """A truncated file (an interrupted copy, a full disk) is not a security refusal; a stage
+    1-2 folder that lost its model states file is still recognised as DeepSpeed's."""
+    engine = _engine(_run("s2w2"))
+    folder = _copy("s2w2", tmp_path)
+    optim = folder / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"rank_1_.*truncated or corrupt") as err:
+        engine.load_checkpoint(folder)
+    assert "could run code" not in str(err.value)
+    shutil.rmtree(folder)
+    folder = _copy("s2w2", tmp_path)
+    (folder / "global_step3" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: missing") as err:
+        engine.load_checkpoint(folder)
+    assert "manifest.json" not in str(err.value)
+    engine.close()

@@ -409,3 +409,34 @@ def test_convert_config_prints_the_keywords(tmp_path, capsys):
     path.write_text(json.dumps(HF_ZERO2))
     assert main(["convert-config", str(path)]) == 1
     assert "'optimizer.params.lr' is \"auto\"" in capsys.readouterr().err
+
+
+def test_convert_config_takes_what_initialize_takes_and_names_the_world_size(
+    tmp_path, capsys, monkeypatch
+):
+    """Batch sizes left "auto" are the data loader's, in convert-config as in initialize; the
+    accumulation derived from train_batch_size depends on the world size, which it names."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    engine = zo.initialize(torch.nn.Linear(4, 4), config=str(path))
+    engine.close()
+    assert main(["convert-config", str(path), "--json"]) == 0
+    assert "gradient_accumulation_steps" not in json.loads(capsys.readouterr().out)
+    path.write_text(json.dumps({**ds, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}))
+    assert main(["convert-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "gradient_accumulation_steps=8" in out and "world size 1" in out
+    assert main(["convert-config", str(path), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient_accumulation_steps=2" in out and "world size 4" in out
+    assert main(["convert-config", str(path), "--json", "--world-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["gradient_accumulation_steps"] == 4
+    assert "world size 2" in captured.err

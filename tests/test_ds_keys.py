@@ -205,3 +205,70 @@ def test_unknown_keys_as_deepspeed_treats_them(caplog):
     ]
     with pytest.raises(zo.ConfigError, match="did you mean 'zero_optimization.reduce_bucket_size'"):
         translate({"zero_optimization": {"reduce_buket_size": 5}})
+
+
+# What DeepSpeed 0.19.8 builds for each section (engine._configure_basic_optimizer, run in the
+# DeepSpeed venv): type AdamW is AdamW whatever adam_w_mode says; torch_adam picks
+# torch.optim.AdamW (weight_decay default 0.01) or, for Adam with adam_w_mode false,
+# torch.optim.Adam (default 0).
+@pytest.mark.parametrize(
+    "params, ds_type, kind, decay",
+    [
+        ({"torch_adam": True}, "AdamW", "adamw", 0.01),
+        ({"adam_w_mode": False}, "AdamW", "adamw", 0.0),
+        ({"adam_w_mode": False, "torch_adam": True}, "AdamW", "adamw", 0.01),
+        ({"torch_adam": True}, "Adam", "adamw", 0.01),
+        ({"adam_w_mode": False, "torch_adam": True}, "Adam", "adam", 0.0),
+        ({"adam_w_mode": False}, "Adam", "adam", 0.0),
+    ],
+)
+def test_adam_sections_build_what_deepspeed_builds(params, ds_type, kind, decay):
+    kw = translate({"optimizer": {"type": ds_type, "params": {"lr": 1e-3, **params}}})
+    assert kw.get("optimizer_type", "adamw") == kind
+    assert kw["weight_decay"] == decay
+
+
+@pytest.mark.parametrize(
+    "ds_type, key, value",
+    [
+        ("Lion", "eps", 1e-8),
+        ("Lion", "adam_w_mode", False),
+        ("Lion", "torch_adam", True),
+        ("Adagrad", "betas", [0.9, 0.99]),
+        ("Adagrad", "torch_adam", True),
+    ],
+)
+def test_keys_deepspeed_s_class_does_not_take_are_named(ds_type, key, value):
+    """DeepSpeed passes them to DeepSpeedCPULion / DeepSpeedCPUAdagrad, whose constructors
+    raise TypeError."""
+    section = {"type": ds_type, "params": {"lr": 1e-3, key: value}}
+    with pytest.raises(zo.ConfigError, match=rf"'optimizer\.params\.{key}'.*{ds_type}.*remove"):
+        translate({"optimizer": section})
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("zero_optimization.compute_grad_norm", False),  # DeepSpeed 0.19.8 ZeRO 1-2 options
+        ("zero_optimization.compute_grad_norm", True),
+        ("zero_optimization.parameter_alignment", True),
+        ("optimizer.params.fp32_optimizer_states", True),  # DeepSpeedCPUAdam's default
+        ("optimizer.params.set_grad_none", True),  # FusedAdam / FusedLion
+        ("optimizer.params.set_grad_none", False),
+    ],
+)
+def test_keys_deepspeed_0_19_8_reads_are_known(path, value, caplog):
+    config = {**_nest(path, value), "zero_optimization": {"stage": 2}}
+    if path.startswith("zero"):
+        config = _nest(path, value)
+        config["zero_optimization"]["stage"] = 2
+    with caplog.at_level(logging.INFO, logger="zero_offload.deepspeed_config"):
+        translate(config)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "not a DeepSpeed key" not in logged and repr(path) in logged
+
+
+def test_cpu_adam_moments_in_the_parameter_dtype_point_to_moment_precision():
+    section = {"type": "AdamW", "params": {"lr": 1e-3, "fp32_optimizer_states": False}}
+    with pytest.raises(zo.ConfigError, match=r"fp32_optimizer_states.*moment_precision='bf16'"):
+        translate({"optimizer": section})

@@ -8,7 +8,9 @@ A DeepSpeed save of tag ``T`` under ``DIR`` is ``DIR/latest`` (the text ``T``) a
                                                 group, tied names, frozen parameters, buffers,
                                                 step counters, lr scheduler state
     zero_pp_rank_<r>_mp_rank_00_optim_states.pt rank r's fp32 master partitions and the base
-                                                optimizer's state (exp_avg, exp_avg_sq, step)
+                                                optimizer's state (exp_avg, exp_avg_sq, step);
+                                                a bf16 run names them bf16_zero_pp_rank_<r>_...
+                                                at every stage, with the same ZeRO content
 
 Stages 1-2 flatten each parameter group (parameters end to end, with the alignment padding
 each one records) and give rank r the r-th of N equal pieces; stage 3 cuts every parameter
@@ -31,21 +33,21 @@ from typing import Any, Sequence
 
 import torch
 
-from ..optim.policy import StatePolicy
+from ..optim.policy import OptimizerKind, StatePolicy
 from ..partition import split_range
 from ..policies import Stage
-from .deepspeed_state import training_state
+from .deepspeed_state import MOMENTS, saved_kind, training_state
 from .format import CheckpointError, refusal_reason
 
 __all__ = ["find_deepspeed", "DeepSpeedSource", "load_deepspeed_file"]
 
 log = logging.getLogger(__name__)
 
-_OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+# DeepSpeed 0.19.8 prefixes "bf16_" to every optimizer file of a bf16 run, whatever the stage
+_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 _REFUSED = {  # file name pattern -> what it means
     r"mp_rank_(0[1-9]|[1-9]\d)": "tensor or pipeline parallelism (model-parallel rank > 0)",
     r"expp_rank_": "mixture-of-experts expert files",
-    r"bf16_zero_pp_rank_": "DeepSpeed's bf16 optimizer without ZeRO (stage 0)",
     r"^layer_\d+": "pipeline-parallel layer files",
 }
 
@@ -86,6 +88,11 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     except Exception as exc:
+        if not re.search(r"Unsupported (global|class)", str(exc)):  # not a refused object
+            raise CheckpointError(
+                f"{path}: unreadable, the file is truncated or corrupt (an interrupted save or "
+                f"copy?): {type(exc).__name__}: {refusal_reason(exc)}; copy it again from the run"
+            ) from exc
         raise CheckpointError(
             f"{path}: refused, it holds objects other than tensors, plain data and the "
             "DeepSpeed records zero_offload reads (loading it could run code from the file): "
@@ -97,7 +104,11 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
 
 
 def _is_deepspeed(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.glob("*model_states.pt"))
+    """DeepSpeed's files are here (a folder missing some of them is named as such later)."""
+    return folder.is_dir() and any(
+        any(folder.glob(pattern))
+        for pattern in ("*model_states.pt", "*zero_pp_rank_*_optim_states.pt")
+    )
 
 
 def find_deepspeed(root: Path, tag: str | None = None) -> Path | None:
@@ -119,10 +130,20 @@ def _numel(shape: Any) -> int:
     return math.prod(int(d) for d in shape)
 
 
-class _Rank:
-    """One saved rank's optimizer state: fp32 master, exp_avg, exp_avg_sq per flat group."""
+def _base_state(osd: dict[str, Any], stage: Stage, path: Path) -> tuple[dict, list | None]:
+    """The base optimizer's per-group state and its param groups (None: elastic layout)."""
+    base = osd.get("optimizer_state_dict" if stage.shards_params else "base_optimizer_state")
+    if isinstance(base, list):  # stages 1-2 "elastic" layout: one lean state per group
+        return dict(enumerate(base)), None
+    if isinstance(base, dict) and "state" in base:
+        return base["state"], base.get("param_groups")
+    raise CheckpointError(f"{path}: no base optimizer state")
 
-    def __init__(self, path: Path, stage: Stage) -> None:
+
+class _Rank:
+    """One saved rank's optimizer state: fp32 master and the moments per flat group."""
+
+    def __init__(self, path: Path, stage: Stage, kind: OptimizerKind) -> None:
         sd = load_deepspeed_file(path)
         osd = sd.get("optimizer_state_dict")
         if not isinstance(osd, dict):
@@ -131,26 +152,25 @@ class _Rank:
         self.master = list(
             osd["fp32_flat_groups" if stage.shards_params else "single_partition_of_fp32_groups"]
         )
-        base = osd.get("optimizer_state_dict" if stage.shards_params else "base_optimizer_state")
-        if isinstance(base, list):  # stages 1-2 "elastic" layout: one lean state per group
-            states, self.param_groups = dict(enumerate(base)), None
-        elif isinstance(base, dict) and "state" in base:
-            states, self.param_groups = base["state"], base.get("param_groups")
-        else:
-            raise CheckpointError(f"{path}: no base optimizer state")
-        try:
-            self.moments = [
-                (states[g]["exp_avg"], states[g]["exp_avg_sq"]) for g in range(len(self.master))
-            ]
-        except KeyError as exc:
-            raise CheckpointError(
-                f"{path}: the optimizer state has no {exc} for every group; zero_offload "
-                "resumes Adam/AdamW (exp_avg, exp_avg_sq) only"
-            ) from exc
+        states, self.param_groups = _base_state(osd, stage, path)
+        self.moments: list[tuple[torch.Tensor, ...]] = []
+        for g in range(len(self.master)):
+            state = states.get(g)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path}: the optimizer state has no group {g}")
+            found = [next((state[n] for n in names if n in state), None) for names in MOMENTS[kind]]
+            if any(m is None for m in found):
+                raise CheckpointError(
+                    f"{path}: group {g}'s optimizer state holds {sorted(state)}, not the "
+                    f"{kind.value} moments {[n[0] for n in MOMENTS[kind]]}; zero_offload resumes "
+                    "Adam, AdamW, Lion and Adagrad state only"
+                )
+            self.moments.append(tuple(found))  # type: ignore[arg-type]
         self.steps = [int(states[g].get("step", 0)) for g in range(len(self.master))]
 
-    def section(self, k: int, s: int) -> torch.Tensor:
-        return (self.master[k], *self.moments[k])[s].reshape(-1)
+    def section(self, k: int, s: int) -> torch.Tensor | None:
+        sections = (self.master[k], *self.moments[k])
+        return sections[s].reshape(-1) if s < len(sections) else None
 
 
 def _span(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
@@ -182,13 +202,22 @@ class DeepSpeedSource:
         files = {int(m.group(1)): p for p in folder.iterdir() if (m := _OPTIM.fullmatch(p.name))}
         if not files:
             raise CheckpointError(
-                f"{folder}: no zero_pp_rank_*_optim_states.pt files; only ZeRO stage 1-3 "
+                f"{folder}: no [bf16_]zero_pp_rank_*_optim_states.pt files; only ZeRO stage 1-3 "
                 "checkpoints carry partitioned optimizer state (stage 0 stores no names for it)"
             )
         self._files = [files.get(r) for r in range(max(files) + 1)]
         first = load_deepspeed_file(self._files[0] or folder / "zero_pp_rank_0")
-        osd = first["optimizer_state_dict"]
-        self.stage = int(osd.get("zero_stage", 0))
+        osd = first.get("optimizer_state_dict")
+        if not isinstance(osd, dict):
+            raise CheckpointError(f"{self._files[0]}: no optimizer_state_dict")
+        if "zero_stage" not in osd:  # BF16_Optimizer writes the same file names, no stage
+            raise CheckpointError(
+                f"{self._files[0]}: DeepSpeed's BF16_Optimizer state (bf16 with ZeRO stage 0: "
+                "no zero_stage in the file) is not supported; resave the run with "
+                "zero_optimization.stage 1, 2 or 3, or load its weights alone (DeepSpeed's "
+                "zero_to_fp32.py) and start the optimizer afresh"
+            )
+        self.stage = int(osd["zero_stage"])
         try:
             self.sharding = Stage(self.stage)
         except ValueError:
@@ -210,12 +239,18 @@ class DeepSpeedSource:
             if self.sharding.shards_params
             else "mp_rank_00_model_states.pt"
         )
+        if not (folder / name).is_file():
+            raise CheckpointError(
+                f"{folder / name}: missing: this DeepSpeed save has its optimizer files but not "
+                "the model states file that names and shapes the parameters; copy it from the run"
+            )
         self.model = load_deepspeed_file(folder / name)
         self.config = self.model.get("ds_config") or {}
         self._ranks: dict[int, _Rank] = {}
         self.aliases = dict(self.model.get("shared_params") or {})
         self.optional: set[str] = set()
-        self.policy = StatePolicy()  # Adam's exp_avg and exp_avg_sq, as DeepSpeed keeps them
+        states, groups = _base_state(osd, self.sharding, self._files[0])  # type: ignore[arg-type]
+        self.policy = StatePolicy(saved_kind(states, groups, self.config))  # fp32 moments
         self._layout()
         log.info(
             "DeepSpeed %s checkpoint %s: ZeRO stage %d, %d ranks, %d parameters",
@@ -228,7 +263,8 @@ class DeepSpeedSource:
 
     def rank(self, r: int) -> _Rank:
         if r not in self._ranks:
-            self._ranks[r] = _Rank(self._files[r], self.sharding)  # type: ignore[arg-type]
+            path = self._files[r]
+            self._ranks[r] = _Rank(path, self.sharding, self.policy.kind)  # type: ignore[arg-type]
         return self._ranks[r]
 
     # -- where each parameter is --------------------------------------------------------------
@@ -323,8 +359,9 @@ class DeepSpeedSource:
 
     def _copy(self, r: int, k: int, lo: int, count: int, out: Sequence[Any], at: int) -> None:
         for s, array in enumerate(out):
-            if array is not None:
-                array[at : at + count].copy_(self.rank(r).section(k, s)[lo : lo + count])
+            section = self.rank(r).section(k, s) if array is not None else None
+            if section is not None:  # a kind with fewer moments leaves the rest as they are
+                array[at : at + count].copy_(section[lo : lo + count])
 
     def _param_steps(self) -> dict[str, int]:
         """Each trainable parameter's Adam step count: its group's (stages 1-2) or

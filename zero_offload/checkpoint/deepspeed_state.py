@@ -9,12 +9,45 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..optim.policy import OptimizerKind
 from .format import CheckpointError
 from .source import one_param_group
 
-__all__ = ["training_state"]
+__all__ = ["MOMENTS", "saved_kind", "training_state"]
 
 log = logging.getLogger(__name__)
+
+MOMENTS = {  # kind -> per moment, the state names DeepSpeed's or torch's optimizer uses
+    OptimizerKind.ADAMW: (("exp_avg",), ("exp_avg_sq",)),
+    OptimizerKind.ADAM: (("exp_avg",), ("exp_avg_sq",)),
+    OptimizerKind.LION: (("exp_avg",),),
+    OptimizerKind.ADAGRAD: (("exp_avg_sq", "sum"),),  # DeepSpeedCPUAdagrad, torch.optim.Adagrad
+}
+
+
+def saved_kind(states: dict, groups: list | None, config: dict[str, Any]) -> OptimizerKind:
+    """The update rule the saving run used: from the moments it kept (Lion: exp_avg alone,
+    Adagrad: one accumulator), torch's ``decoupled_weight_decay`` in the param groups (Adam
+    vs AdamW), else the config's optimizer section as DeepSpeed reads it; AdamW otherwise
+    (a client optimizer that records neither, such as DeepSpeedCPUAdam)."""
+    first = next(iter(states.values()), None)
+    keys = set(first) if isinstance(first, dict) else set()
+    if "exp_avg_sq" in keys and "exp_avg" not in keys or "sum" in keys:
+        return OptimizerKind.ADAGRAD
+    if "exp_avg" in keys and "exp_avg_sq" not in keys:
+        return OptimizerKind.LION
+    flags = {g.get("decoupled_weight_decay") for g in groups or ()} - {None}
+    if len(flags) == 1:
+        return OptimizerKind.ADAMW if flags.pop() else OptimizerKind.ADAM
+    section = config.get("optimizer") if isinstance(config, dict) else None
+    if isinstance(section, dict):
+        name = str(section.get("type", "")).lower()
+        params = section.get("params") or {}
+        if name == "adam" and params.get("adam_w_mode", True) is False:
+            return OptimizerKind.ADAM
+        if name in ("lion", "adagrad"):
+            return OptimizerKind(name)
+    return OptimizerKind.ADAMW
 
 
 def _hyperparameters(groups: list[dict[str, Any]] | None, where: Path) -> list[dict[str, Any]]:

@@ -45,7 +45,8 @@ TRAINING_KEYS: tuple[Key, ...] = (
         "optimizer.params.adam_w_mode",
         T,
         "with type Adam: true (the default) is AdamW, decoupled weight decay; false is "
-        "optimizer_type='adam' (L2 decay added to the gradient, as torch.optim.Adam)",
+        "optimizer_type='adam' (L2 decay added to the gradient, as torch.optim.Adam); type "
+        "AdamW stays AdamW whatever it says, as in DeepSpeed; Lion and Adagrad take no such key",
         default=True,
     ),
     Key("optimizer.params.amsgrad", R, "AMSGrad keeps a running max of v", off=(False,)),
@@ -57,7 +58,26 @@ TRAINING_KEYS: tuple[Key, ...] = (
         default=True,
     ),
     Key("optimizer.params.maximize", R, "ascends the objective", off=(False,)),
-    Key("optimizer.params.torch_adam", T, "selects torch's AdamW (weight_decay default 0.01)"),
+    Key(
+        "optimizer.params.torch_adam",
+        T,
+        "selects torch's AdamW (weight_decay default 0.01), or with type Adam and adam_w_mode "
+        "false torch.optim.Adam (default 0); Lion and Adagrad take no such key",
+    ),
+    Key(
+        "optimizer.params.fp32_optimizer_states",
+        R,
+        "false keeps DeepSpeed's CPU optimizer moments in the parameter dtype; zero_offload's "
+        "moment_precision='bf16' keeps bf16 moments (stochastically rounded)",
+        off=(True,),
+        default=True,
+    ),
+    Key(
+        "optimizer.params.set_grad_none",
+        A,
+        "whether FusedAdam/FusedLion's zero_grad frees or zeroes gradients: zero_offload "
+        "manages its gradient buffers itself",
+    ),
     Key("optimizer.params.fused", A, TORCH_IMPL),
     Key("optimizer.params.foreach", A, TORCH_IMPL),
     Key("optimizer.params.capturable", A, TORCH_IMPL),

@@ -104,6 +104,20 @@ ZERO_KEYS: tuple[Key, ...] = (
     Key(ZERO + "allgather_bucket_size", A, "updated parameters are gathered unit by unit"),
     Key(ZERO + "use_multi_rank_bucket_allreduce", A, COMM),
     Key(ZERO + "round_robin_gradients", A, "each rank's shard is contiguous"),
+    Key(
+        ZERO + "compute_grad_norm",
+        A,
+        "zero_offload always computes the global gradient norm (clipping, engine.last_step); "
+        "false only spares DeepSpeed that work",
+        default=True,
+    ),
+    Key(
+        ZERO + "parameter_alignment",
+        A,
+        "16-byte padding inside DeepSpeed's stage 1-2 flat buffers; zero_offload lays out its "
+        "own (checkpoints saved with it load: the paddings are recorded)",
+        default=False,
+    ),
     Key(ZERO + "load_from_fp32_weights", A, "checkpoints always resume from the fp32 masters"),
     Key(ZERO + "elastic_checkpoint", A, "checkpoints load at any world size and stage"),
     Key(

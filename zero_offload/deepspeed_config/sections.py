@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .reader import DTYPE_NAMES, Reader, flag, number
+from .reader import ABSENT, DTYPE_NAMES, Reader, flag, number
 
 __all__ = [
     "enabled",
@@ -89,9 +89,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# keys DeepSpeed passes on to its Lion / Adagrad classes, whose constructors do not take them
+_NOT_TAKEN = {
+    "lion": ("eps", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"),
+    "adagrad": ("betas", "adam_w_mode", "torch_adam", "bias_correction"),
+}
+
+
 def read_optimizer(r: Reader, out: dict[str, Any]) -> None:
-    """``optimizer.type`` Adam / AdamW (``adam_w_mode: false``: Adam with L2 decay), Lion or
-    Adagrad, with the hyperparameters DeepSpeed's own class for it would take."""
+    """``optimizer.type`` Adam / AdamW (``adam_w_mode: false`` with type Adam: Adam with L2
+    decay), Lion or Adagrad, with the hyperparameters DeepSpeed's own class for it would take
+    (``torch_adam``: torch.optim.AdamW, weight decay 0.01 by default, or torch.optim.Adam, 0)."""
     if not r.section("optimizer"):
         return
     name = str(r.get("optimizer.type", "AdamW"))
@@ -102,13 +110,20 @@ def read_optimizer(r: Reader, out: dict[str, Any]) -> None:
             "Lion and Adagrad; use one of those types"
         )
     defaults = dict(_DEFAULTS[kind])
-    if name.lower() == "adam":
+    if kind == "adamw":  # types Adam and AdamW
         path = "optimizer.params.adam_w_mode"
-        if not flag(path, r.get(path, True)):
-            kind = "adam"  # the weight decay is added to the gradient
+        if not flag(path, r.get(path, True)) and name.lower() == "adam":
+            kind = "adam"  # the weight decay is added to the gradient; type AdamW stays AdamW
         path = "optimizer.params.torch_adam"
-        if flag(path, r.get(path, False)):
-            defaults["weight_decay"] = 0.01
+        if flag(path, r.get(path, False)) and kind == "adamw":
+            defaults["weight_decay"] = 0.01  # torch.optim.AdamW's default (torch.optim.Adam: 0)
+    for key in _NOT_TAKEN.get(kind, ()):
+        path = f"optimizer.params.{key}"
+        if (value := r._raw(path)) is not ABSENT:
+            raise ConfigError(
+                f"DeepSpeed config key {path!r}={value!r}: DeepSpeed's {name} optimizer "
+                f"takes no {key} (its constructor raises TypeError); remove the key"
+            )
     if kind != "adamw":  # the default: the keywords of an AdamW config stay as they were
         out["optimizer_type"] = kind
     for key, default in defaults.items():

@@ -16,6 +16,11 @@ saves a DeepSpeed checkpoint, trains ``CONTINUE`` more steps and records where D
     s<stage>w<world>/expected.safetensors   fp32 masters after CONTINUE more DeepSpeed steps
     s<stage>w<world>/run.json               the DeepSpeed config, versions, step sizes, losses
 
+Variants: ``-bf16`` trains in bf16 (``bf16.enabled``: DeepSpeed 0.19.8 names the optimizer files
+``bf16_zero_pp_rank_*`` at every stage); ``-adaml2`` lets DeepSpeed build the optimizer from the
+config (``Adam`` with ``adam_w_mode: false`` and ``torch_adam``: torch.optim.Adam, L2 decay, one
+param group), so the checkpoint's ``ds_config`` and param groups say Adam, not AdamW.
+
 The ``hf`` case runs ``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)``
 (ZeRO 2, 1 rank), saving ``hf/checkpoint-<SAVE_AT>`` and recording where that run ends;
 ``hf-dsched`` is the same with the config's own ``scheduler`` (WarmupDecayLR, run by DeepSpeed).
@@ -57,11 +62,23 @@ def param_groups(model):
     ]
 
 
-def ds_config(stage: int, world: int, offload: bool) -> dict:
+ADAM_L2 = {  # DeepSpeed builds torch.optim.Adam (L2 decay) from this section
+    "type": "Adam",
+    "params": {"lr": LR, "weight_decay": WD, "torch_adam": True, "adam_w_mode": False},
+}
+
+
+def ds_config(stage: int, world: int, variant: str) -> dict:
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    if offload:  # ZeRO-Offload: DeepSpeedCPUAdam on the host
+    if variant == "cpu":  # ZeRO-Offload: DeepSpeedCPUAdam on the host
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    extra: dict = {}
+    if variant == "bf16":
+        extra["bf16"] = {"enabled": True}
+    if variant == "adaml2":
+        extra["optimizer"] = ADAM_L2
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
         "train_batch_size": GLOBAL_BATCH,
@@ -85,7 +102,7 @@ def masters(save_dir: Path, tag: str) -> dict:
     return out
 
 
-def train_rank(rank: int, world: int, stage: int, offload: bool, port: int, out: str) -> None:
+def train_rank(rank: int, world: int, stage: int, variant: str, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -107,14 +124,18 @@ def train_rank(rank: int, world: int, stage: int, offload: bool, port: int, out:
     torch.manual_seed(0)
     model = TinyGPT(width=WIDTH)
     model.get_parameter(FROZEN).requires_grad_(False)
-    if offload:
+    optimizer = None  # -adaml2: DeepSpeed builds it from the config
+    if variant == "cpu":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(param_groups(model), lr=LR, weight_decay=WD, adamw_mode=True)
-    else:
+    elif variant != "adaml2":
         optimizer = torch.optim.AdamW(param_groups(model), lr=LR, weight_decay=WD)
-    config = ds_config(stage, world, offload)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    config = ds_config(stage, world, variant)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, built, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=params, config=config
+    )
     per = GLOBAL_BATCH // world
     losses, norms = [], []
 
@@ -150,7 +171,8 @@ def train_rank(rank: int, world: int, stage: int, offload: bool, port: int, out:
             torch=torch.__version__,
             stage=stage,
             world_size=world,
-            optimizer=type(optimizer).__name__,
+            optimizer=type(getattr(built, "optimizer", built)).__name__,
+            variant=variant,
             config=config,
             lr=LR,
             weight_decay=WD,
@@ -175,15 +197,16 @@ def free_port() -> int:
 
 
 def ds_case(name: str) -> None:
-    """``s<stage>w<world>``, or with ``-cpu`` the optimizer offloaded (DeepSpeedCPUAdam)."""
+    """``s<stage>w<world>``, or with ``-cpu`` the optimizer offloaded (DeepSpeedCPUAdam),
+    ``-bf16`` bf16 training, ``-adaml2`` DeepSpeed's config-built Adam with L2 decay."""
     import torch.multiprocessing as mp
 
-    stage, world, offload = int(name[1]), int(name[3]), name.endswith("-cpu")
+    stage, world, variant = int(name[1]), int(name[3]), name.partition("-")[2]
     out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     mp.start_processes(
         train_rank,
-        args=(world, stage, offload, free_port(), str(out)),
+        args=(world, stage, variant, free_port(), str(out)),
         nprocs=world,
         join=True,
         start_method="spawn",
@@ -194,6 +217,8 @@ def ds_case(name: str) -> None:
 def main(argv: list[str]) -> int:
     cases = argv or [f"s{s}w{w}" for s in (1, 2, 3) for w in (1, 2)] + [
         "s3w2-cpu",
+        *[f"s{s}w2-bf16" for s in (1, 2, 3)],
+        "s3w1-adaml2",
         "hf",
         "hf-dsched",
     ]
