@@ -234,3 +234,54 @@ def test_default_estimate_unchanged_by_policy_keys():
             13e9, optimizer_type="adamw", moment_precision="fp32", master_precision="fp32", **kw
         ).terms
     )
+
+
+def _small():
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+
+@pytest.mark.parametrize(("stage", "offload"), [(0, "none"), (1, "cpu"), (2, "cpu"), (2, "nvme")])
+def test_fp32_compute_with_a_bf16_master_counts_the_staging(tmp_path, stage, offload):
+    """fp32 compute with a bf16 master: the CPU optimizer writes the fp32 params into a
+    buffer of its own (the master is not them), which the estimate counts."""
+    import torch
+
+    kw = dict(stage=stage, offload_optimizer=offload, dtype="float32", master_precision="bf16_sr")
+    if offload == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    eng = zo.initialize(_small(), lr=1e-3, **kw)
+    try:
+        eng.backward(eng(torch.randn(4, 256)).pow(2).mean())
+        eng.step()
+        rep = eng.memory_report()
+    finally:
+        eng.close()
+    kw.pop("nvme_path", None)
+    with torch.device("meta"):
+        model = _small()
+    e = zo.estimate_memory(model, num_gpus=1, device="cpu", **kw)
+    assert _term(e, "param staging") > 0
+    for tier in ("device", "host"):
+        assert rep.total(tier) == e.resident_bytes(tier), tier
+
+
+def test_fp32_moment_params_are_estimated_as_the_engine_keeps_them():
+    """``fp32_moment_params`` with 8-bit moments: the named parameters' moments stay fp32,
+    in the engine and in the estimate from the model."""
+    import torch
+
+    kw = dict(stage=2, offload_optimizer="cpu", dtype="bfloat16", moment_precision="8bit")
+    keep = ["0.weight"]
+    eng = zo.initialize(_small(), lr=1e-3, fp32_moment_params=keep, **kw)
+    try:
+        eng.backward(eng(torch.randn(4, 256, dtype=torch.bfloat16)).float().pow(2).mean())
+        eng.step()
+        held = eng.memory_report().bytes["host"]["optimizer"]
+    finally:
+        eng.close()
+    with torch.device("meta"):
+        model = _small()
+    e = zo.estimate_memory(model, num_gpus=1, device="cpu", fp32_moment_params=keep, **kw)
+    quantized = zo.estimate_memory(model, num_gpus=1, device="cpu", **kw)
+    assert _term(e, "optimizer state") > _term(quantized, "optimizer state")
+    assert _term(e, "optimizer state") == held

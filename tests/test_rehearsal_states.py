@@ -146,3 +146,49 @@ def test_a_share_of_the_state_in_host_memory_is_estimated_there(tmp_path):
     assert abs(nvme - est.nvme_bytes_per_rank) <= 0.05 * nvme, (nvme, est.nvme_bytes_per_rank)
     held = r.phases["step"].host_end
     assert abs(held - est.host_bytes_per_rank) <= 0.05 * held, (held, est.host_bytes_per_rank)
+
+
+def test_the_planner_takes_given_precisions():
+    """Precisions given to ``plan`` are the only row it plans, and its keywords carry them."""
+    p = zo.plan(
+        13e9, num_gpus=4, gpu_memory=24 * 10**9, host_memory=128 * 10**9,
+        moment_precision="8bit", master_precision="bf16_sr",
+    )  # fmt: skip
+    assert p.fits
+    assert [r.policy.master.value for r in p.states] == ["bf16_sr"]
+    assert p.kwargs["moment_precision"] == "8bit" and p.kwargs["master_precision"] == "bf16_sr"
+
+
+def _tiny(path) -> list[str]:
+    pytest.importorskip("transformers")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return ["rehearse", "--model", str(path), "--gpus", "2", "--gpu-memory", "1GB",
+            "--micro-batch", "1x64"]  # fmt: skip
+
+
+def test_rehearse_plans_for_the_given_precisions(tmp_path, capsys):
+    """Without --stage the planner is told the precisions, so its choice runs."""
+    rc = main(_tiny(tmp_path) + ["--moment-precision", "8bit", "--master-precision", "bf16_sr"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert "'moment_precision': '8bit'" in captured.err
+
+
+def test_rehearse_passes_prefetch_depth_zero_to_the_planner(tmp_path, monkeypatch):
+    from zero_offload.planning.search import planner
+
+    seen = {}
+
+    def fake_plan(model, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(planner, "plan", fake_plan)
+    assert main(_tiny(tmp_path) + ["--prefetch-depth", "0"]) == 2
+    assert seen["prefetch_depth"] == 0

@@ -9,6 +9,7 @@ and the bare letters K, M, G, T, which are binary as in ``fio`` and ``dd`` (``--
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 __all__ = ["parse_count", "parse_rate", "parse_size"]
@@ -37,7 +38,10 @@ def _parse(text: str, units: dict[str, int], what: str, example: str) -> int:
     m = _NUMBER.match(text)
     if not m or m.group(2).lower() not in units:
         raise argparse.ArgumentTypeError(f"{text!r} is not a {what} (e.g. {example})")
-    return int(float(m.group(1)) * units[m.group(2).lower()])
+    value = float(m.group(1)) * units[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a {what} (e.g. {example})")
+    return int(value)
 
 
 def parse_size(text: str) -> int:

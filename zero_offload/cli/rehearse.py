@@ -174,8 +174,11 @@ def _recommended(args: argparse.Namespace, model: Any) -> Any:
         headroom=args.headroom,
         optimizer_type=args.optimizer,
         allow_low_precision_states=args.allow_low_precision_states,
+        moment_precision=args.moment_precision,
+        master_precision=args.master_precision,
+        fp32_moment_params=dict(args.set).get("fp32_moment_params", ()),
         **measures,
-        **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth else {}),
+        **({} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}),
     )
     if not p.fits:
         return (

@@ -337,6 +337,7 @@ def _rehearse(
         optimizer_type=config.optimizer.optimizer_type,
         moment_precision=config.optimizer.moment_precision,
         master_precision=config.optimizer.master_precision,
+        fp32_moment_params=config.optimizer.fp32_moment_params,
         prefetch_depth=config.prefetch_depth,
         reduce_bucket_size=config.reduce_bucket_size,
         sub_group_size=config.offload.sub_group_size,

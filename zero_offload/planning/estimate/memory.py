@@ -22,11 +22,13 @@ their compute-dtype copy.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 
 from ...config import ConfigError
+from ...config.checks import number
 from ...grads.host import staging_bytes
 from ...memory.sizes import activation_memory
 from ...memory.sizes import dtype_bytes as _dtype_bytes
@@ -123,6 +125,7 @@ def estimate_memory(
     optimizer_type: str = "adamw",
     moment_precision: str = "fp32",
     master_precision: str = "fp32",
+    fp32_moment_params: Iterable[str] = (),
 ) -> MemoryEstimate:
     """Bytes each rank holds in each tier for this configuration, term by term.
 
@@ -153,6 +156,8 @@ def estimate_memory(
     ``optimizer_type``, ``moment_precision``, ``master_precision``: the config keywords of
     the same names (``optim.policy.StatePolicy``): the optimizer state's bytes per element,
     in whichever tier it lives, its NVMe files and the disk traffic per step follow them.
+    ``fp32_moment_params``: with 8-bit moments, the parameters whose moments stay fp32
+    (counted so with a model; a parameter count has no names and counts them quantized).
     """
     offload_optimizer = offload_optimizer or "none"
     offload_param = offload_param or "none"
@@ -163,7 +168,8 @@ def estimate_memory(
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    policy = state_policy(optimizer_type, moment_precision, master_precision)
+    _check_numbers(locals())
+    policy = state_policy(optimizer_type, moment_precision, master_precision, fp32_moment_params)
     shape = ModelShape.of(model_or_num_params, trainable_params)
     b = _dtype_bytes(dtype)
     shards = num_gpus if sharding.sharded else 1
@@ -191,7 +197,7 @@ def estimate_memory(
             largest_layer_params=largest_layer_params,
             reduce_bucket_size=reduce_bucket_size,
         )
-    gpus_per_node = gpus_per_node or min(num_gpus, 8)
+    gpus_per_node = min(gpus_per_node or 8, num_gpus)  # a node holds at most them all
     host = _split_host(
         layout,
         b=b,
@@ -234,6 +240,26 @@ def estimate_memory(
         head = b * layout.largest if sharding.shards_params else 0
         build.terms.extend(activations.terms(head_gathered=head))
     return _estimate(build, num_gpus, gpus_per_node, _dtype_name(dtype))
+
+
+_LOWEST = {  # the keywords initialize checks, and their least values
+    "prefetch_depth": 0,
+    "gradient_accumulation_steps": 1,
+    "host_memory_limit": 1,
+    "gpus_per_node": 1,
+    "activation_bytes": 0,
+    "largest_layer_params": 0,
+}
+
+
+def _check_numbers(kw: dict[str, object]) -> None:
+    """A ConfigError naming the key for a value ``initialize`` (or arithmetic) refuses."""
+    for key, lo in _LOWEST.items():
+        if kw[key] is not None:
+            number(key, kw[key], lo=lo, integer=key != "activation_bytes")
+    for key in ("offload_optimizer_fraction", "offload_param_fraction"):
+        if kw[key] is not None and kw[key] != "auto":
+            number(key, kw[key], lo=0.0, hi=1.0)
 
 
 def _estimate(build: TermBuilder, num_gpus: int, gpus_per_node: int, dtype: str) -> MemoryEstimate:

@@ -151,6 +151,12 @@ class OptimizerTerms:
             )
         )
 
+    @property
+    def _needs_out(self) -> bool:
+        """The CPU optimizer writes compute-dtype params of its own unless an fp32 master is
+        them (``update.host_state``, ``update.nvme.state``)."""
+        return not (self.policy.master is MasterPrecision.FP32 and self.b == 4)
+
     def _add_buffers(self) -> None:
         """The NVMe optimizer's swap buffers, or the CPU Adam's compute-dtype output."""
         b, s_t, sizing = self.b, self.s_t, self.split.sizing
@@ -174,16 +180,16 @@ class OptimizerTerms:
                     sizing.grad_bytes(s_t),
                     f"{count} sub-groups × 4 bytes, as the pool rounds them",
                 )
-            if sizing.out_bytes(b):
+            if self._needs_out:
                 self._add(
                     "param staging",
                     "host",
                     RESIDENT,
                     BUFFER,
-                    sizing.out_bytes(b),
+                    b * sizing.group,
                     f"{b} bytes × one sub-group: CPU Adam's output",
                 )
-        elif b != 4 and (self.tier.on_host or self.on_cpu):
+        elif self._needs_out and (self.tier.on_host or self.on_cpu):
             # The CPU Adam writes compute-dtype params into a buffer of its own unless stage
             # 3's shards are themselves in host memory.
             if not (

@@ -13,6 +13,7 @@ exactly ``optimizer_split``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import ConfigError
@@ -39,11 +40,18 @@ FP32_STATE = StatePolicy()
 
 
 def state_policy(
-    optimizer_type: str = "adamw", moment_precision: str = "fp32", master_precision: str = "fp32"
+    optimizer_type: str = "adamw",
+    moment_precision: str = "fp32",
+    master_precision: str = "fp32",
+    fp32_moment_params: Iterable[str] = (),
 ) -> StatePolicy:
     """The policy of the config keywords of the same names (a ConfigError names a bad one)."""
+    if isinstance(fp32_moment_params, str):
+        raise ConfigError("fp32_moment_params must be a list of parameter names, not a string")
     try:
-        return StatePolicy.parse(optimizer_type, moment_precision, master_precision)
+        return StatePolicy.parse(
+            optimizer_type, moment_precision, master_precision, fp32_moment_params
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

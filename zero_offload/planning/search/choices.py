@@ -8,6 +8,7 @@ import functools
 from dataclasses import replace
 from typing import Any
 
+from ...optim.policy import StatePolicy
 from ...policies import Tier
 from ...update.nvme.sizing import FULL_SPEED_GROUP
 from ..estimate.memory import MemoryEstimate, ModelShape, estimate_memory
@@ -195,14 +196,22 @@ def evaluate_states(
     rungs: tuple[Measures, ...],
     optimizer_type: str,
     allow_low_precision: bool,
+    given: StatePolicy | None = None,
 ) -> tuple[list[StateRow], StateRow, dict[str, Any], list[Candidate]]:
-    """``precisions.state_rows`` over ``CHOICES`` with this plan's estimate."""
+    """``precisions.state_rows`` over ``CHOICES`` with this plan's estimate (``given``: the
+    one policy to plan for)."""
 
     def one(kw: dict[str, Any], c: tuple[int, str, str]) -> Candidate:
         return _one(shape, limits, num_gpus, kw, c, micro, rungs)
 
     return state_rows(
-        one, CHOICES, est_kwargs, optimizer_type, shape.trainable_params, allow_low_precision
+        one,
+        CHOICES,
+        est_kwargs,
+        optimizer_type,
+        shape.trainable_params,
+        allow_low_precision,
+        given,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from ..estimate.memory import (
 from .candidate import Candidate, Plan
 from .choices import CHOICES, evaluate_states, what_would_fit
 from .measures import explain, micro_batch_for
-from .precisions import policy_keys, states_text
+from .precisions import given_policy, policy_keys, states_text
 from .reasons import gb as _gb
 from .reasons import split_text
 
@@ -74,6 +75,9 @@ def plan(
     tiled_loss: int | None = None,
     optimizer_type: str = "adamw",
     allow_low_precision_states: bool = False,
+    moment_precision: str | None = None,
+    master_precision: str | None = None,
+    fp32_moment_params: Sequence[str] = (),
 ) -> Plan:
     """The least-offloaded stage × offload choice whose estimate fits, as ``initialize``
     keyword arguments, or an explanation of why none fits and what would.
@@ -103,7 +107,10 @@ def plan(
     least-offloaded choice that fits. The plan takes fp32 state unless
     ``allow_low_precision_states``: then the highest precision whose choice needs the least
     offload (none, host memory, NVMe) of any row (``planning.search.precisions``); ``kwargs`` then
-    carries its ``moment_precision`` and ``master_precision``.
+    carries its ``moment_precision`` and ``master_precision``. ``moment_precision`` or
+    ``master_precision`` given (the other fp32): the plan is for that state alone (one row).
+    ``fp32_moment_params``: with 8-bit moments, the parameters whose moments stay fp32,
+    counted so with a model (a parameter count has no names: they are counted quantized).
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
@@ -125,7 +132,7 @@ def plan(
         Tier.HOST: usable_host,
         Tier.NVME: None if nvme_bytes is None else nvme_bytes * keep,
     }
-    est_kwargs = dict(
+    est_kwargs: dict[str, Any] = dict(
         gpus_per_node=gpus_per_node,
         dtype=dtype,
         prefetch_depth=prefetch_depth,
@@ -133,9 +140,11 @@ def plan(
         activation_bytes=activation_bytes,
         host_available=_UNCHECKED_HOST if host_memory is None else host_memory,
     )
+    est_kwargs["fp32_moment_params"] = tuple(fp32_moment_params)
+    given = given_policy(optimizer_type, moment_precision, master_precision)
     rows, chosen, est_kwargs, cands = evaluate_states(
         shape, limits, num_gpus, est_kwargs, micro, rungs, optimizer_type,
-        allow_low_precision_states,
+        allow_low_precision_states, given,
     )  # fmt: skip
     state_line, notes = states_text(rows, chosen, allow_low_precision_states)
     if activation_bytes is None and micro is None:

@@ -58,6 +58,20 @@ def offload_rank(c: Candidate) -> int:
     return 2 if any(t.on_nvme for t in tiers) else 1 if any(t.offloaded for t in tiers) else 0
 
 
+def given_policy(
+    optimizer_type: str, moment_precision: str | None, master_precision: str | None
+) -> StatePolicy | None:
+    """The one policy a caller asked for (a precision not given is fp32), or None."""
+    if moment_precision is None and master_precision is None:
+        return None
+    return state_policy(optimizer_type, moment_precision or "fp32", master_precision or "fp32")
+
+
+def _label(policy: StatePolicy) -> str:
+    """'8bit moments, bf16_sr master': a row for precisions the caller gave."""
+    return f"{policy.moments.value} moments, {policy.master.value} master"
+
+
 def pick_row(rows: list[StateRow], allow_low_precision: bool) -> StateRow:
     """fp32 (the first row) unless lower precision is allowed; then the highest precision
     among those whose choice is in the fastest tier any row reaches."""
@@ -126,15 +140,18 @@ def state_rows(
     optimizer_type: str,
     trainable_params: int,
     allow_low_precision: bool,
+    given: StatePolicy | None = None,
 ) -> tuple[list[StateRow], StateRow, dict[str, Any], list[Candidate]]:
     """A row per state precision with its least-offloaded choice that fits (``choices``
     tried in order until one fits), the row the plan takes, its estimate keywords and all
-    its candidates. ``evaluate(estimate keywords, choice)`` is the planner's."""
+    its candidates. ``evaluate(estimate keywords, choice)`` is the planner's. ``given``: the
+    one policy the caller asked for, its only row."""
     rows, tried = [], {}
-    for label, policy in row_policies(optimizer_type):
+    policies = row_policies(optimizer_type) if given is None else [(_label(given), given)]
+    for label, policy in policies:
         kw = dict(est_kwargs, **policy_keys(policy))
         done: list[Candidate] = []
-        for c in choices:
+        for c in runnable(choices, policy):
             done.append(evaluate(kw, c))
             if done[-1].fits:
                 break
@@ -143,7 +160,14 @@ def state_rows(
         tried[label] = (kw, done)
     chosen = pick_row(rows, allow_low_precision)
     kw, done = tried[chosen.label]
-    return rows, chosen, kw, done + [evaluate(kw, c) for c in choices[len(done) :]]
+    rest = runnable(choices, chosen.policy)[len(done) :]
+    return rows, chosen, kw, done + [evaluate(kw, c) for c in rest]
+
+
+def runnable(choices: Sequence[Choice], policy: StatePolicy) -> list[Choice]:
+    """The choices the engine can run with this policy: any but fp32 AdamW is stepped by the
+    CPU kernel, so not with the optimizer left on the GPU (``update.host_state.check_device``)."""
+    return [c for c in choices if policy.is_default or c[1] != "none"]
 
 
 def states_text(rows: list[StateRow], chosen: StateRow, allowed: bool) -> tuple[str, list[str]]:
