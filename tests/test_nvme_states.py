@@ -122,3 +122,23 @@ def test_a_budget_that_sends_gradients_to_files_is_refused_naming_the_fix():
     model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
     with pytest.raises(ConfigError, match="gradient shard .* host_memory_limit"):
         zo.initialize(model, stage=3, host_memory_limit=400_000, **_nvme(**INT8))
+
+
+@pytest.mark.parametrize("limit", [680_000, 700_000])
+def test_fp32_compute_with_a_bf16_master_fits_its_output_in_the_budget(limit):
+    """With fp32 compute and a bf16 master the step writes a sub-group's new fp32 parameters
+    into a buffer of their own (the master is not them): the budget counts it, so the state
+    pipeline, the gradient shard and that buffer fit host_memory_limit, or initialize
+    refuses, naming the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    kw = dict(stage=3, dtype=torch.float32, master_precision="bf16_kahan", sub_group_size=4096)
+    try:
+        engine = zo.initialize(model, host_memory_limit=limit, **_nvme(**kw))
+    except ConfigError as err:
+        assert "host_memory_limit" in str(err)
+        return
+    sizing, numel = engine.optimizer_split.sizing, engine.trainable_numel
+    held = sizing.state_bytes() + sizing.grad_bytes(numel) + 4 * sizing.group
+    engine.close()
+    assert held <= limit, (held, limit)

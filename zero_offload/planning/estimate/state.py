@@ -21,7 +21,13 @@ from ...optim.layout import StateLayout
 from ...optim.policy import MasterPrecision, MomentPrecision, StatePolicy
 from ...params.units import UnitPlan
 from ...swap.buffers import pool_footprint
-from ...update.nvme.sizing import NvmeSizing, OptimizerSplit, host_groups, nvme_sizing
+from ...update.nvme.sizing import (
+    NvmeSizing,
+    OptimizerSplit,
+    host_groups,
+    nvme_sizing,
+    out_itemsize,
+)
 
 __all__ = [
     "FP32_STATE",
@@ -166,9 +172,10 @@ def state_split(
     (``host_groups`` counts fp32 state, so the spare is scaled to it). ``rate``: state bytes
     per element (default: the policy's)."""
     rate = policy.bytes_per_param if rate is None else rate
-    sizing = nvme_sizing(numel, sub_group_size, budget, dtype_bytes)
+    out_item = out_itemsize(policy.master is MasterPrecision.FP32, dtype_bytes)
+    sizing = nvme_sizing(numel, sub_group_size, budget, out_item)
     split = StateSplit(OptimizerSplit(numel, sizing, 0), policy, rate)
-    held = sizing.host_bytes(numel, dtype_bytes) - sizing.state_bytes() + split.pipeline_bytes
+    held = sizing.host_bytes(numel, out_item) - sizing.state_bytes() + split.pipeline_bytes
     spare = budget - held
     as_fp32 = spare * FP32_STATE.bytes_per_param / rate
     count = host_groups(numel, sizing.group, fraction, math.floor(as_fp32))

@@ -52,7 +52,13 @@ from .adam_step import AdamStep
 from .early import EarlyUpdate
 from .group_step import GroupStep
 from .pipeline import SubGroupPipeline
-from .sizing import PIPELINE_BUFFERS, OptimizerSplit, host_placement, optimizer_split
+from .sizing import (
+    PIPELINE_BUFFERS,
+    OptimizerSplit,
+    host_placement,
+    optimizer_split,
+    out_itemsize,
+)
 
 __all__ = ["IncompleteStepError", "NvmeAdam"]
 
@@ -81,9 +87,9 @@ class NvmeAdam(Updater):
         # the kernel's threads: in the step, and in the pass during backward (update.nvme.early)
         self.threads = threads or ThreadBudget.decide("cpu", cfg.threads)
         budget = host_memory_budget(host_memory_limit)
-        dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+        out_item = out_itemsize(True, torch.empty(0, dtype=dtype).element_size())
         self.split = optimizer_split(
-            numel, off.sub_group_size, budget, dtype_bytes, off.optimizer_fraction
+            numel, off.sub_group_size, budget, out_item, off.optimizer_fraction
         )
         self.sizing = self.split.sizing
         self.group = self.sizing.group
@@ -93,12 +99,12 @@ class NvmeAdam(Updater):
         self.on_host = host_placement(len(self.bounds), -(-self.split.host_numel // self.group))
         self._host_slot = {i: k for k, i in enumerate(i for i, h in enumerate(self.on_host) if h)}
         self.host_state = torch.zeros(3 * self.split.host_numel, dtype=torch.float32)
-        need = self.sizing.host_bytes(numel, dtype_bytes)
+        need = self.sizing.host_bytes(numel, out_item)
         if need > budget:
             raise BufferBudgetError(budget, need, 1)
         count = self.sizing.buffers
         on_disk = self.sizing.grads_on_disk
-        state_budget = budget - self.sizing.out_bytes(dtype_bytes) - self.sizing.grad_bytes(numel)
+        state_budget = budget - self.sizing.out_bytes(out_item) - self.sizing.grad_bytes(numel)
         self.swapper = Swapper(
             off.nvme_dir,
             buffer_bytes=ADAM_STATE_BYTES * self.group,

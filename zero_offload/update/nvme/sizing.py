@@ -30,6 +30,7 @@ __all__ = [
     "host_groups",
     "host_placement",
     "nvme_sizing",
+    "out_itemsize",
     "optimizer_split",
 ]
 
@@ -51,18 +52,18 @@ class NvmeSizing:
     grads_on_disk: bool
     buffers: int
 
-    def host_bytes(self, numel: int, dtype_bytes: int) -> int:
+    def host_bytes(self, numel: int, out_itemsize: int) -> int:
         """What it holds in host memory, as the pools round it: the state pipeline, the
         compute-dtype output of one sub-group, and the gradient shard or its pipeline."""
-        return self.state_bytes() + self.out_bytes(dtype_bytes) + self.grad_bytes(numel)
+        return self.state_bytes() + self.out_bytes(out_itemsize) + self.grad_bytes(numel)
 
     def state_bytes(self) -> int:
         """The pipeline buffers of [master | m | v], as the pool rounds them."""
         return self.buffers * _footprint(ADAM_STATE_BYTES * self.group)
 
-    def out_bytes(self, dtype_bytes: int) -> int:
-        """One sub-group's new parameters in the compute dtype (none in fp32: the master)."""
-        return dtype_bytes * self.group if dtype_bytes != 4 else 0
+    def out_bytes(self, out_itemsize: int) -> int:
+        """One sub-group's new parameters in the compute dtype (:func:`out_itemsize`)."""
+        return out_itemsize * self.group
 
     def grad_bytes(self, numel: int) -> int:
         """The fp32 gradient shard in host memory, or the buffers of its files."""
@@ -81,7 +82,13 @@ def full_group(numel: int, sub_group_size: int) -> int:
     return max(1, size) * _PAGE_ELEMS
 
 
-def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) -> NvmeSizing:
+def out_itemsize(fp32_master: bool, dtype_bytes: int) -> int:
+    """Bytes per element of the new compute-dtype parameters a step writes out of the
+    optimizer: none where an fp32 master is itself the fp32 parameters."""
+    return 0 if fp32_master and dtype_bytes == 4 else dtype_bytes
+
+
+def nvme_sizing(numel: int, sub_group_size: int, budget: int, out_item: int) -> NvmeSizing:
     """Size the NVMe optimizer to its shard and budget, not the budget to the setting.
 
     The sub-group is ``sub_group_size`` at most, :data:`FULL_SPEED_GROUP` by default, and a
@@ -95,13 +102,13 @@ def nvme_sizing(numel: int, sub_group_size: int, budget: int, dtype_bytes: int) 
         return NvmeSizing(n, on_disk, max(2, min(PIPELINE_BUFFERS, groups)))
 
     def fit(n: int, on_disk: bool, floor: int) -> NvmeSizing:
-        while n > floor and sizing(n, on_disk).host_bytes(numel, dtype_bytes) > budget:
-            need = sizing(n, on_disk).host_bytes(numel, dtype_bytes)
+        while n > floor and sizing(n, on_disk).host_bytes(numel, out_item) > budget:
+            need = sizing(n, on_disk).host_bytes(numel, out_item)
             n = max(floor, min(n - _PAGE_ELEMS, n * budget // need // _PAGE_ELEMS * _PAGE_ELEMS))
         return sizing(n, on_disk)
 
     in_host = fit(size, False, min(size, _SMALLEST_HOST_GRAD_GROUP))
-    if in_host.host_bytes(numel, dtype_bytes) <= budget:
+    if in_host.host_bytes(numel, out_item) <= budget:
         return in_host
     return fit(size, True, _PAGE_ELEMS)
 
@@ -173,11 +180,11 @@ def host_placement(groups: int, host: int) -> tuple[bool, ...]:
 
 
 def optimizer_split(
-    numel: int, sub_group_size: int, budget: int, dtype_bytes: int, fraction: float | str | None
+    numel: int, sub_group_size: int, budget: int, out_item: int, fraction: float | str | None
 ) -> OptimizerSplit:
     """The NVMe sizing of :func:`nvme_sizing` and how many elements stay in host memory:
-    the one rule the engine and the planner share."""
-    sizing = nvme_sizing(numel, sub_group_size, budget, dtype_bytes)
-    spare = budget - sizing.host_bytes(numel, dtype_bytes)
+    the one rule the engine and the planner share (``out_item``: :func:`out_itemsize`)."""
+    sizing = nvme_sizing(numel, sub_group_size, budget, out_item)
+    spare = budget - sizing.host_bytes(numel, out_item)
     count = host_groups(numel, sizing.group, fraction, spare)
     return OptimizerSplit(numel, sizing, min(numel, count * sizing.group))

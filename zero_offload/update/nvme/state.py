@@ -44,7 +44,13 @@ from ..host_state import SECTION_OF, restore_native
 from ..updater import Updater
 from .group_step import StateGroupStep
 from .pipeline import Reads, SubGroupPipeline
-from .sizing import PIPELINE_BUFFERS, OptimizerSplit, host_placement, optimizer_split
+from .sizing import (
+    PIPELINE_BUFFERS,
+    OptimizerSplit,
+    host_placement,
+    optimizer_split,
+    out_itemsize,
+)
 
 if TYPE_CHECKING:
     from .early import EarlyUpdate
@@ -86,8 +92,11 @@ class NvmeState(Updater):
         self.threads = threads or ThreadBudget.decide("cpu", cfg.threads)
         budget = host_memory_budget(host_memory_limit)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        # sized as fp32 AdamW's pipeline: what this policy holds is no larger
-        split = optimizer_split(n, off.sub_group_size, budget, itemsize, off.optimizer_fraction)
+        fp32_master = self.policy.master is MasterPrecision.FP32
+        # sized as fp32 AdamW's pipeline (what this policy holds is no larger), with the
+        # compute-dtype output of a sub-group unless an fp32 master is the fp32 parameters
+        out_item = out_itemsize(fp32_master, itemsize)
+        split = optimizer_split(n, off.sub_group_size, budget, out_item, off.optimizer_fraction)
         if split.sizing.grads_on_disk:
             raise ConfigError(
                 f"{self.policy.describe()} on NVMe keeps the fp32 gradient shard "
@@ -131,7 +140,7 @@ class NvmeState(Updater):
             num_threads=self.threads.optimizer,
         )
         # new compute-dtype values of one sub-group, unless the fp32 master is them
-        needs_out = not (self.policy.master is MasterPrecision.FP32 and dtype == torch.float32)
+        needs_out = out_item > 0
         widest = max((hi - lo for lo, hi in self.bounds), default=0)
         self.group_step = StateGroupStep(
             layout, host_empty(widest if needs_out else 0, dtype, crosses_pcie=True)
