@@ -93,9 +93,9 @@ def test_every_key_has_a_default_and_round_trips():
     assert flat["stage"] == 0 and flat["offload_optimizer"] == "none"
 
 
-def _integer_keys() -> list[str]:
-    """Every flat key whose dataclass field is typed ``int`` or ``int | None``, read from the
-    dataclasses themselves so a new whole-number knob is covered without editing this test."""
+def _keys_typed(takes) -> list[str]:
+    """Every flat key whose dataclass field's type ``takes`` accepts, read from the
+    dataclasses themselves so a new knob is covered without editing this test."""
     sections = {
         "optimizer": OptimizerConfig,
         "precision": PrecisionConfig,
@@ -104,10 +104,14 @@ def _integer_keys() -> list[str]:
     }
     out = []
     for key, (section, name) in flat_keys().items():
-        hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
-        if hint in (int, int | None):
+        if takes(typing.get_type_hints(sections[section] if section else ZeroConfig)[name]):
             out.append(key)
     return sorted(out)
+
+
+def _integer_keys() -> list[str]:
+    """Fields typed ``int`` or ``int | None``."""
+    return _keys_typed(lambda hint: hint in (int, int | None))
 
 
 def test_integer_keys_are_found():
@@ -123,19 +127,8 @@ def test_integer_keys_are_found():
 
 
 def _float_keys() -> list[str]:
-    """Every flat key whose dataclass field takes a float, read from the dataclasses."""
-    sections = {
-        "optimizer": OptimizerConfig,
-        "precision": PrecisionConfig,
-        "offload": OffloadConfig,
-        "activations": ActivationConfig,
-    }
-    out = []
-    for key, (section, name) in flat_keys().items():
-        hint = typing.get_type_hints(sections[section] if section else ZeroConfig)[name]
-        if hint is float or float in typing.get_args(hint):
-            out.append(key)
-    return sorted(out)
+    """Fields that take a float."""
+    return _keys_typed(lambda hint: hint is float or float in typing.get_args(hint))
 
 
 # inf has a meaning here: the norm is measured (engine.last_grad_norm) and never clips

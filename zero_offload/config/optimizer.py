@@ -83,24 +83,16 @@ class OptimizerConfig:
         if self.eps is None:
             object.__setattr__(self, "eps", policy.kind.default_eps)
         number("lr", self.lr, lo=0.0)
-        if not isinstance(self.no_decay, (list, tuple, set, frozenset)) or not all(
-            isinstance(n, str) for n in self.no_decay
+        for key, example in (
+            ("no_decay", "['fc.bias', 'norm.weight']"),
+            ("fp32_moment_params", "['model.embed_tokens.weight']"),
         ):
-            raise bad(
-                "no_decay",
-                self.no_decay,
-                "expected a list of parameter names, e.g. ['fc.bias', 'norm.weight']",
-            )
-        object.__setattr__(self, "no_decay", tuple(self.no_decay))
-        if not isinstance(self.fp32_moment_params, (list, tuple, set, frozenset)) or not all(
-            isinstance(n, str) for n in self.fp32_moment_params
-        ):
-            raise bad(
-                "fp32_moment_params",
-                self.fp32_moment_params,
-                "expected a list of parameter names, e.g. ['model.embed_tokens.weight']",
-            )
-        object.__setattr__(self, "fp32_moment_params", tuple(self.fp32_moment_params))
+            names = getattr(self, key)
+            if not isinstance(names, (list, tuple, set, frozenset)) or not all(
+                isinstance(n, str) for n in names
+            ):
+                raise bad(key, names, f"expected a list of parameter names, e.g. {example}")
+            object.__setattr__(self, key, tuple(names))
         if (
             not isinstance(self.betas, (tuple, list))
             or len(self.betas) != 2
