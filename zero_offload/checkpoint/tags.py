@@ -94,7 +94,14 @@ def _loadable_name(tag: str, where: Path) -> str:
 def resolve_tag(directory: Path, tag: str | None) -> str:
     """``tag``, or the one ``DIR/latest`` names."""
     if tag is not None:
-        return _loadable_name(tag, directory)
+        name = _loadable_name(tag, directory)
+        if directory.is_dir() and not any(f.exists() for f in _candidates(directory, name)):
+            tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name[0] != ".")
+            raise CheckpointError(
+                f"{directory}: no tag {name!r}; its tags are {', '.join(tags) or '(none)'}: "
+                "pass one of them as tag= (--tag), or none for the latest"
+            )
+        return name
     latest = directory / LATEST
     try:
         text = latest.read_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+from pathlib import Path
 
 # (command path, module, help)
 _COMMANDS = [
@@ -70,6 +71,22 @@ _COMMANDS = [
         "every initialize keyword with its default and meaning (docs/keywords.md)",
     ),
 ]
+
+
+def output_problem(out: Path, *, folder: bool = False) -> str | None:
+    """Why the output file (or with ``folder``, folder) ``out`` cannot be written, naming the
+    fix; None when it can. Checked before any work, so a long run does not fail at the end."""
+    if folder:
+        if out.exists() and not out.is_dir():
+            return f"{out} is a file; give a new folder's path (or remove the file)"
+        return None
+    if out.is_dir():
+        return f"{out} is a folder; give a file path such as {out / 'model.safetensors'}"
+    if not out.parent.is_dir():
+        return (
+            f"{out.parent} does not exist; create it (mkdir -p {out.parent}) or pick another path"
+        )
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

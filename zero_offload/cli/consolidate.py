@@ -9,6 +9,7 @@ from pathlib import Path
 from ..checkpoint.convert import consolidate_checkpoint
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.tags import checkpoint_root
+from . import output_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     root = checkpoint_root(Path(args.directory))
     try:
+        if problem := output_problem(Path(args.out)):
+            raise CheckpointError(problem)
         state = consolidate_checkpoint(root, tag=args.tag, out=args.out, verify=not args.no_verify)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     numel = sum(t.numel() for t in {id(t): t for t in state.values()}.values())

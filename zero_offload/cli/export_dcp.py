@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..checkpoint.dcp_export import export_dcp
 from ..checkpoint.format import CheckpointError
+from . import output_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if problem := output_problem(Path(args.out), folder=True):
+            raise CheckpointError(problem)
         out = export_dcp(
             args.directory, args.out, args.tag, model_key=args.model_key, optim_key=args.optim_key
         )
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     model = f"{args.model_key!r}: msd" if args.model_key else "**msd"

@@ -362,14 +362,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:  # the recommendation's predicted step, when rates are given
-        step = step_time.for_plan(result, args, model, tokens) if step_time.wanted(args) else None
+    step, wanted = None, step_time.wanted(args)
+    try:  # the recommendation's predicted step, when rates are given and something fits
+        if wanted and result.choice is not None:
+            step = step_time.for_plan(result, args, model, tokens)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         out = result.to_dict()
         print(json.dumps(out if step is None else {**out, "step_time": step.to_dict()}, indent=2))
+    elif step is not None:
+        print(f"{format_plan(result)}\n\n{step}")
     else:
-        print(format_plan(result) + ("" if step is None else f"\n\n{step}"))
+        none = "\n\nno step time is predicted: nothing fits" if wanted else ""
+        print(format_plan(result) + none)
     return 0 if result.fits else 1

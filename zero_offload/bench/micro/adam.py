@@ -27,6 +27,7 @@ import torch
 from zero_offload.optim.native import KernelBuildError, build, load_library
 from zero_offload.optim.native import adam_kernel as K
 from zero_offload.progress import clear_status, show_status
+from zero_offload.quantities import parse_count
 
 from .adam_states import POLICIES, Variant, state_variants
 
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zero-offload bench adam``."""
     parser.add_argument(
         "--params",
-        type=int,
+        type=parse_count,
         default=DEFAULT_PARAMS,
         help="parameters in the one flat tensor (default 100_000_000)",
     )

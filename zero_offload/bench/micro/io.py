@@ -198,10 +198,11 @@ def check_path(directory: Path, size: int) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 when the path cannot be measured."""
     size = (args.size // 4096) * 4096
-    if size <= 0 or args.rounds < 1 or args.queue_depth < 1 or args.block_size % 4096:
+    block = args.block_size
+    if size <= 0 or args.rounds < 1 or args.queue_depth < 1 or block < 4096 or block % 4096:
         print(
             "bench io: need --size >= 4KiB, --rounds >= 1, --queue-depth >= 1, --block-size a "
-            "multiple of 4KiB",
+            "positive multiple of 4KiB",
             file=sys.stderr,
         )
         return 2

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
+from ...config import build_config
 from ...planning.estimate.state import FP32_STATE, state_bytes
 from ...progress import clear_status, show_status
-from ...quantities import parse_size
+from ...quantities import parse_count, parse_size
 from ..gpt import GPTConfig
 from ..micro.io import MEMORY_FILESYSTEMS, check_path, disk_baseline, fs_type
 from .step_report import (
@@ -50,7 +51,7 @@ from .step_report import (
     overlap_ratios,
     print_tables,
 )
-from .step_run import DTYPES, RunResult, run_one
+from .step_run import DTYPES, RunResult, engine_kwargs, run_one
 
 DEFAULT_PARAMS = 300_000_000
 """3.6 GB of fp32 master + m + v: the NVMe optimizer phase reads and writes a few GB."""
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_argument_group("model (GPT-style; --params picks layers and width)")
     size.add_argument(
         "--params",
-        type=float,
+        type=parse_count,
         default=None,
         help=f"approximate parameter count (default {DEFAULT_PARAMS:.0e})",
     )
@@ -171,7 +172,9 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         return GPTConfig(
             **{**asdict(cfg), "heads": max(1, cfg.width // HEAD_DIM) if args.width else cfg.heads}
         )
-    target = int(args.params or DEFAULT_PARAMS)
+    target = DEFAULT_PARAMS if args.params is None else args.params
+    if target < 1:
+        raise ValueError(f"--params {target}: give a positive count (e.g. 1e6, 350M)")
     width = args.width or max(128, round((target / 0.1875) ** (1 / 3) / 128) * 128)
     per_layer = 12 * width * width + 13 * width
     layers = args.layers or max(1, round((target - (DEFAULT_VOCAB + seq) * width) / per_layer))
@@ -215,20 +218,23 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    uses_nvme = "nvme" in args.offload_optimizer or args.offload_param == "nvme"
+    if uses_nvme and args.nvme_path is None:
+        print(
+            "bench step: offload to nvme needs --nvme-path DIR (on the disk to test)",
+            file=sys.stderr,
+        )
+        return 2
+    wanted = _runs_wanted(args)
     try:
         cfg = model_config(args)
+        for run_args in wanted:  # refused before any model is built (ConfigError: a ValueError)
+            build_config(**engine_kwargs(args, *run_args))
     except ValueError as exc:
         print(f"bench step: {exc}", file=sys.stderr)
         return 2
-    uses_nvme = "nvme" in args.offload_optimizer or args.offload_param == "nvme"
     baseline = None
     if uses_nvme:
-        if args.nvme_path is None:
-            print(
-                "bench step: offload to nvme needs --nvme-path DIR (on the disk to test)",
-                file=sys.stderr,
-            )
-            return 2
         args.nvme_path.mkdir(parents=True, exist_ok=True)
         fs = fs_type(args.nvme_path)
         why = (
@@ -247,7 +253,6 @@ def run(args: argparse.Namespace) -> int:
             show_status(f"bench step: raw O_DIRECT baseline, {gib:.2f} GiB")
             baseline = disk_baseline(args.nvme_path, args.baseline_size)
     load_start = os.getloadavg()[0]
-    wanted = _runs_wanted(args)
     partial: dict[int, RunResult] = {}
     for _ in range(args.rounds):  # interleaved: every run once per round
         for k, (opt, param, depth, fraction, overlap) in enumerate(wanted):

@@ -75,7 +75,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine_kwargs(
+def engine_kwargs(
     args: argparse.Namespace,
     opt: str,
     param: str,
@@ -128,7 +128,7 @@ def run_one(
     high_water = HighWater()
     try:
         engine = zo.initialize(
-            GPT(cfg), **_engine_kwargs(args, opt, param, depth, fraction, overlap)
+            GPT(cfg), **engine_kwargs(args, opt, param, depth, fraction, overlap)
         )
     except NotImplementedError as exc:
         res.error = f"not implemented yet ({exc})"
