@@ -132,3 +132,14 @@ def test_fp16_overflow_absorbed_by_hysteresis():
     assert engine.skipped_steps == 1 and engine.loss_scale == 2.0**10
     _train(engine, 1, poison=0)
     assert engine.skipped_steps == 2 and engine.loss_scale == 2.0**9
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_schedule_with_a_non_finite_number_is_refused(value):
+    """nan passes every range check a schedule's formula makes; refused up front, naming the
+    key, before the model is touched."""
+    model = torch.nn.Linear(4, 4)
+    section = {"type": "WarmupLR", "params": {"warmup_max_lr": value, "warmup_num_steps": 10}}
+    with pytest.raises(zo.ConfigError, match="warmup_max_lr"):
+        zo.initialize(model, lr_schedule=section)
+    assert isinstance(model.weight, torch.nn.Parameter) and model.weight.is_leaf

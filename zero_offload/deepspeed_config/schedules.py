@@ -169,5 +169,11 @@ def check_schedule(section: Any, lr: float) -> None:
             f"lr_schedule={section!r}: expected DeepSpeed's scheduler section, "
             '{"type": "WarmupLR", "params": {...}}'
         )
+    params = section.get("params")
+    for key, value in params.items() if isinstance(params, Mapping) else ():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"lr_schedule params {key}={value} is not valid: expected a finite number"
+            )
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     schedule(probe, section)
