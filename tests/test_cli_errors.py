@@ -135,3 +135,15 @@ def test_rate_flags_keep_the_plan_when_nothing_fits(capsys):
     assert _rc([*tight, "--gpu", "rtx4090"]) == 1
     out = capsys.readouterr().out
     assert out.startswith(table.rstrip()) and "no step time is predicted" in out
+
+
+def test_a_parameter_count_predicts_a_step_with_its_activations_given(capsys):
+    """With --params there is no model to size activations from: --activation-memory gives
+    them and --micro-batch counts a step's tokens (the messages used to send each to the
+    other, then refuse both)."""
+    rates = ["--gpu", "rtx4090", "--nvme-drive", "samsung-990pro", "--micro-batch", "1x2048"]
+    args = ["plan", "--params", "13e9", "--gpus", "4", "--gpu-memory", "24GB", *rates]
+    assert main([*args, "--host-memory", "128GB", "--activation-memory", "2GB"]) == 0
+    assert "predicted step:" in capsys.readouterr().out
+    assert main([*args, "--host-memory", "128GB"]) == 2
+    assert "give activation_bytes as well" in capsys.readouterr().err

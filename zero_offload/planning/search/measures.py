@@ -114,15 +114,18 @@ def micro_batch_for(
                 "a micro-batch: give micro_batch=(sequences, tokens)"
             )
         return None, ()
-    if activation_bytes is not None:
-        raise ValueError("give activation_bytes or micro_batch, not both")
     decoder = DecoderShape.of(model) if isinstance(model, nn.Module) else None
     if decoder is None:
+        if activation_bytes is not None and (checkpointing, offload, tiled_loss) == (None,) * 3:
+            return None, ()  # activations as given; the micro-batch counts a step's tokens
         raise ValueError(
             "the planner computes activations for Hugging Face Llama-kind models and the "
             "benchmark GPT, given as a model (the meta device is fine): for "
-            f"{type(model).__name__} give activation_bytes (rehearse it to measure them)"
+            f"{type(model).__name__} give activation_bytes as well (rehearse it to measure "
+            "them); the micro-batch then only counts a step's tokens"
         )
+    if activation_bytes is not None:
+        raise ValueError("give activation_bytes or micro_batch, not both")
     if decoder.family == "gpt" and tiled_loss is None:
         tiled_loss = 0  # the benchmark GPT computes its own loss: nothing to tile it for it
     b, s = micro_batch
